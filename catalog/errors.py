@@ -1,0 +1,201 @@
+"""Every error DMI raises, in one tree.
+
+The root lives here, in the lowest layer (``dmi.catalog``), so that capture and
+reader share it without importing each other. Third-party exceptions (pyarrow,
+zstandard, chdb, clickhouse-driver, torch) are translated where they cross into
+DMI with ``raise ... from exc``; callers never need to catch a library's own
+exception types. Builtin mix-ins are added where callers naturally expect them.
+
+::
+
+    DMIError
+    ├── InvalidArgumentError (ValueError)        bad input rejected where it enters
+    │   └── InvalidIdentifierError               model/request id, scope, db/table name
+    ├── PackError                                the pack files (format, storage)
+    │   ├── PackNotFoundError (FileNotFoundError)
+    │   ├── PackCorruptError                     checksum mismatch, undecodable payload
+    │   │   └── PackTruncatedError               file shorter than its records claim
+    │   ├── PackFormatError                      not a DMI pack, or an unknown version
+    │   ├── PackSealError (OSError)              could not make a pack durable (disk full, ...)
+    │   └── UnsupportedDtypeError (TypeError)
+    ├── CatalogError                             the ClickHouse index
+    │   ├── CatalogUnavailableError (ConnectionError)   server unreachable / connection lost
+    │   ├── CatalogLockedError                   chDB directory held by another process
+    │   ├── BackendNotInstalledError (ImportError)
+    │   ├── ServerError                          ClickHouse answered with an error (code, name)
+    │   ├── SchemaVersionError                   catalog written by a newer DMI
+    │   └── LeaseError                           publisher leases
+    │       ├── LeaseHeldError                   another holder has the scope
+    │       ├── LeaseLostError                   expired or taken over (fenced)
+    │       └── QuarantinedError                 claim/renewal outcome unknown; re-acquire
+    ├── ReaderError                              turning records back into tensors
+    │   ├── RecordNotFoundError (LookupError)
+    │   ├── DuplicateChunkError                  same request/hook/layer/start twice
+    │   └── ShardMergeError                      TP geometry missing or ambiguous
+    └── CaptureError                             hooks, ring, drain
+        ├── HookSelectionError (InvalidArgumentError)   unknown hook/group, bad layer range
+        ├── AttachError                          model already owned, unsupported model
+        ├── AttentionImplementationError         attn_pattern needs eager attention
+        ├── RingFullError (TimeoutError)         producer waited its bound for a free slot
+        └── DrainError                           the drain thread failed; cause attached
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DMIError",
+    "InvalidArgumentError",
+    "InvalidIdentifierError",
+    "PackError",
+    "PackNotFoundError",
+    "PackCorruptError",
+    "PackTruncatedError",
+    "PackFormatError",
+    "PackSealError",
+    "UnsupportedDtypeError",
+    "CatalogError",
+    "CatalogUnavailableError",
+    "CatalogLockedError",
+    "BackendNotInstalledError",
+    "ServerError",
+    "SchemaVersionError",
+    "LeaseError",
+    "LeaseHeldError",
+    "LeaseLostError",
+    "QuarantinedError",
+    "ReaderError",
+    "RecordNotFoundError",
+    "DuplicateChunkError",
+    "ShardMergeError",
+    "CaptureError",
+    "HookSelectionError",
+    "AttachError",
+    "AttentionImplementationError",
+    "RingFullError",
+    "DrainError",
+]
+
+
+class DMIError(Exception):
+    """Root of every error DMI raises."""
+
+
+class InvalidArgumentError(DMIError, ValueError):
+    """An argument was refused where it entered DMI; nothing was changed."""
+
+
+class InvalidIdentifierError(InvalidArgumentError):
+    """A model id, request id, scope, database or table name is not acceptable."""
+
+
+class PackError(DMIError):
+    """A problem with a pack file."""
+
+
+class PackNotFoundError(PackError, FileNotFoundError):
+    """The pack file named by the catalog does not exist in the pack store."""
+
+
+class PackCorruptError(PackError):
+    """Stored bytes do not match their checksum or cannot be decoded."""
+
+
+class PackTruncatedError(PackCorruptError):
+    """The pack file is shorter than the records it describes."""
+
+
+class PackFormatError(PackError):
+    """The file is not a DMI pack, or uses a format version this code cannot read."""
+
+
+class PackSealError(PackError, OSError):
+    """A pack could not be made durable; no partial pack is visible."""
+
+
+class UnsupportedDtypeError(PackError, TypeError):
+    """A tensor dtype the pack format cannot represent."""
+
+
+class CatalogError(DMIError):
+    """A problem with the ClickHouse catalog."""
+
+
+class CatalogUnavailableError(CatalogError, ConnectionError):
+    """The catalog could not be reached, or the connection broke mid-call."""
+
+
+class CatalogLockedError(CatalogError):
+    """An embedded (chDB) catalog directory is held by another process."""
+
+
+class BackendNotInstalledError(CatalogError, ImportError):
+    """The package a catalog backend needs is not installed."""
+
+
+class ServerError(CatalogError):
+    """ClickHouse answered with an error; ``code`` and ``name`` are ClickHouse's own."""
+
+    def __init__(self, message: str, *, code: int | None = None, name: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.name = name
+
+
+class SchemaVersionError(CatalogError):
+    """The catalog's schema is newer than this code understands."""
+
+
+class LeaseError(CatalogError):
+    """A publisher lease problem; nothing was published."""
+
+
+class LeaseHeldError(LeaseError):
+    """Another holder owns the publishing scope."""
+
+
+class LeaseLostError(LeaseError):
+    """The lease expired or a successor fenced this holder's term."""
+
+
+class QuarantinedError(LeaseError):
+    """The outcome of a claim or renewal is unknown; re-acquire before publishing."""
+
+
+class ReaderError(DMIError):
+    """Records could not be turned back into the requested tensor."""
+
+
+class RecordNotFoundError(ReaderError, LookupError):
+    """No published record matches the selection."""
+
+
+class DuplicateChunkError(ReaderError):
+    """Two records claim the same request, hook, layer and start token."""
+
+
+class ShardMergeError(ReaderError):
+    """Tensor-parallel shards cannot be merged: geometry missing or ambiguous."""
+
+
+class CaptureError(DMIError):
+    """A problem attaching to a model or moving its internals off the device."""
+
+
+class HookSelectionError(CaptureError, InvalidArgumentError):
+    """Unknown hook or group name, or a layer range that selects nothing."""
+
+
+class AttachError(CaptureError):
+    """The model is already attached, or cannot be attached to."""
+
+
+class AttentionImplementationError(CaptureError):
+    """``attn_pattern`` needs eager attention; the model uses another implementation."""
+
+
+class RingFullError(CaptureError, TimeoutError):
+    """The producer waited its bound for a free ring slot."""
+
+
+class DrainError(CaptureError):
+    """The drain thread failed; the original exception is the ``__cause__``."""

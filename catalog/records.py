@@ -1,0 +1,115 @@
+"""Value objects shared by every layer: what a record is and where it lives.
+
+These are the contract between capture (which produces records), the pack writer
+(which stores them and reports byte ranges), the catalog (which indexes them) and the
+reader (which fetches them). They are frozen and slotted: cheap, hashable, immutable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "PHASES",
+    "GLOBAL_LAYER",
+    "RecordKey",
+    "ShardGeometry",
+    "RecordStats",
+    "ByteRange",
+    "RecordMeta",
+    "RecordEntry",
+    "PackDescriptor",
+]
+
+PHASES = ("prefill", "decode", "forward")
+"""``prefill`` and ``decode`` during generation; ``forward`` for a plain scoring pass."""
+
+GLOBAL_LAYER = -1
+"""Layer number of hooks that are not per layer (``token_ids``, ``embed``, ``logits``...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordKey:
+    """Identity of one record: a contiguous token range of one hook, layer, shard, request."""
+
+    model_id: str
+    run_id: str
+    request_id: str
+    hook: str
+    layer: int
+    start_token: int
+    n_tokens: int
+    step: int = 0
+    phase: str = "forward"
+    shard_rank: int = 0
+    tp_size: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ShardGeometry:
+    """Where a tensor-parallel shard sits inside the full tensor.
+
+    The stored tensor is the slice ``[offset, offset + shape[axis])`` of the full tensor
+    along ``axis``; ``full_shape`` is the full tensor's shape for this record's tokens.
+    """
+
+    axis: int
+    offset: int
+    full_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RecordStats:
+    """Summary statistics computed at write time (in float64 over the decoded values)."""
+
+    l2_norm: float
+    mean: float
+    absmax: float
+
+
+@dataclass(frozen=True, slots=True)
+class ByteRange:
+    """A half-open byte range ``[offset, offset + length)`` of a file."""
+
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True, slots=True)
+class RecordMeta:
+    """Everything about a record except where its bytes live."""
+
+    key: RecordKey
+    dtype: str
+    shape: tuple[int, ...]
+    codec: str
+    raw_size: int
+    checksum: int
+    shard: ShardGeometry | None = None
+    stats: RecordStats | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RecordEntry:
+    """A record inside a sealed pack: its description and its exact stored bytes."""
+
+    meta: RecordMeta
+    pack_id: str
+    payload: ByteRange
+
+
+@dataclass(frozen=True, slots=True)
+class PackDescriptor:
+    """What sealing a pack returns, and what the catalog indexes."""
+
+    pack_id: str
+    location: str
+    size: int
+    writer_id: str
+    format_version: int
+    sealed_at: float
+    records: tuple[RecordEntry, ...]
