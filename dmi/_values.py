@@ -1,0 +1,162 @@
+"""What the facade returns: small frozen summaries of the catalog, each with ``as_dict()``.
+
+They are plain values (no handle on the store), so they can be printed, compared,
+pickled and turned into JSON by the CLI without touching the catalog again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dmi.catalog.records import RecordKey
+
+__all__ = [
+    "ModelSummary",
+    "RequestSummary",
+    "HookSummary",
+    "RequestContents",
+    "StorageSummary",
+    "Problem",
+    "VerifyReport",
+    "RecoveredPack",
+]
+
+
+class _AsDict:
+    __slots__ = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as a plain ``dict`` (nested values included), ready for JSON."""
+        return asdict(self)  # type: ignore[call-overload]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSummary(_AsDict):
+    """One model id in the catalog, with totals over every published record."""
+
+    model_id: str
+    runs: int
+    requests: int
+    records: int
+    stored_bytes: int
+    raw_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        """Raw bytes over stored bytes (the compression ratio of the payloads)."""
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ratio": self.ratio}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSummary(_AsDict):
+    """One captured request: how many tokens, which hooks, how many records and bytes."""
+
+    model_id: str
+    run_id: str
+    request_id: str
+    n_tokens: int
+    hooks: tuple[str, ...]
+    records: int
+    stored_bytes: int
+    raw_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class HookSummary(_AsDict):
+    """One hook of one request: its layers, shards, tokens, dtype and per-token shape."""
+
+    hook: str
+    layers: tuple[int, ...]
+    shard_ranks: tuple[int, ...]
+    n_tokens: int
+    dtype: str
+    feature_shape: tuple[int, ...]
+    records: int
+    stored_bytes: int
+    raw_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContents(_AsDict):
+    """What one request holds, hook by hook (catalogue order)."""
+
+    model_id: str
+    run_id: str
+    request_id: str
+    hooks: tuple[HookSummary, ...]
+
+    def hook(self, name: str) -> HookSummary:
+        """The summary of hook ``name``; ``KeyError`` if the request does not hold it."""
+        for summary in self.hooks:
+            if summary.hook == name:
+                return summary
+        raise KeyError(name)
+
+
+@dataclass(frozen=True, slots=True)
+class StorageSummary(_AsDict):
+    """Totals over a selection of records: how much was captured and what it costs on disk."""
+
+    records: int
+    packs: int
+    raw_bytes: int
+    stored_bytes: int
+    pack_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        """Raw payload bytes over bytes on disk (whole pack files, footers included)."""
+        return self.raw_bytes / self.pack_bytes if self.pack_bytes else 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ratio": self.ratio}
+
+
+@dataclass(frozen=True, slots=True)
+class Problem(_AsDict):
+    """A record ``verify`` could not read back: which pack, which record, why."""
+
+    kind: str
+    pack_id: str
+    key: RecordKey | None
+    reason: str
+
+    def describe(self) -> str:
+        """One line naming the record by its key, then the reason."""
+        if self.key is None:
+            return self.reason
+        k = self.key
+        return (
+            f"model {k.model_id} run {k.run_id} request {k.request_id} hook {k.hook} layer {k.layer} "
+            f"shard {k.shard_rank} tokens {k.start_token}+{k.n_tokens}: {self.reason}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport(_AsDict):
+    """What ``Store.verify`` checked and what it found (``ok`` when nothing is wrong)."""
+
+    records_checked: int
+    packs_checked: int
+    bytes_checked: int
+    problems: tuple[Problem, ...]
+    unpublished_packs: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveredPack(_AsDict):
+    """A sealed pack that recovery found unpublished and published."""
+
+    pack_id: str
+    records: int

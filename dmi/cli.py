@@ -1,0 +1,450 @@
+"""The ``dmi`` command line: try DMI, capture from a model, list, read, query, check, plot.
+
+Every subcommand opens the same store ``dmi.open()`` opens (``--home``, ``--catalog``,
+``--packs`` or their environment variables choose it), prints human-sized numbers, and
+offers ``--json`` where its output is a table. Expected failures — anything DMI raises,
+a missing file — end with one line on stderr, ``dmi: error: <reason>``, and a non-zero
+exit: 2 for a bad argument (unknown hook, malformed layer range, ...), 1 for everything
+else (unknown model, corrupt records found by ``verify``, catalog locked or unreachable).
+Progress bars go to stderr, only when it is a terminal and ``--quiet`` is off.
+
+Reference: ``docs/cli.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from dmi.catalog.errors import DMIError, InvalidArgumentError
+
+__all__ = ["main"]
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+
+# ----------------------------------------------------------------------------- parsing helpers
+
+
+def parse_layers(text: str | None) -> Any:
+    """``"0:4"`` → ``range(0, 4)``; ``"2:"`` → ``slice(2, None)``; ``"3"`` → ``[3]``; ``"0,2"`` → ``[0, 2]``; ``"all"`` → ``None``."""
+    if text is None or text.strip() in ("", "all"):
+        return None
+    text = text.strip()
+    try:
+        if ":" in text:
+            start, _, stop = text.partition(":")
+            return range(int(start or 0), int(stop)) if stop else slice(int(start or 0), None)
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise InvalidArgumentError(
+            f"cannot read layers {text!r}: use START:STOP (stop excluded), N, or N,M,... "
+        ) from None
+
+
+def _parse_size(text: str) -> tuple[int, int]:
+    try:
+        width, height = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size must be WIDTHxHEIGHT in pixels, got {text!r}") from None
+    return width, height
+
+
+# ----------------------------------------------------------------------------- output helpers
+
+
+def _emit_json(payload: Any) -> None:
+    json.dump(payload, sys.stdout, indent=2, default=_json_default)
+    sys.stdout.write("\n")
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (tuple, set, frozenset, range)):
+        return list(value)
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    if isinstance(value, bytes):
+        return value.hex()
+    return str(value)
+
+
+def _emit(args: argparse.Namespace, rows: list[dict[str, Any]], columns: Sequence[tuple[str, str, Any]]) -> None:
+    """Print ``rows`` as JSON (``--json``) or as a table of ``(key, header, formatter)`` columns."""
+    from dmi._human import render_table
+
+    if getattr(args, "json", False):
+        _emit_json(rows)
+        return
+    table = [[fmt(row[key]) if fmt else row[key] for key, _, fmt in columns] for row in rows]
+    print(render_table([header for _, header, _ in columns], table))
+
+
+def _say(args: argparse.Namespace, text: str = "") -> None:
+    """Human commentary: suppressed by ``--quiet`` and by ``--json`` (stdout stays parseable)."""
+    if not getattr(args, "quiet", False) and not getattr(args, "json", False):
+        print(text)
+
+
+def _progress(args: argparse.Namespace, label: str, total: int):
+    from dmi._human import Progress
+
+    return Progress(label, total, enabled=False if args.quiet else None)
+
+
+def _open_store(args: argparse.Namespace):
+    import dmi
+
+    return dmi.open(catalog=args.catalog, packs=args.packs, home=args.home)
+
+
+# ----------------------------------------------------------------------------- subcommands
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from dmi._demo import run_demo
+
+    report = run_demo(
+        catalog=args.catalog,
+        packs=args.packs,
+        home=args.home,
+        plot_path=args.plot,
+        say=(lambda text="": None) if args.json or args.quiet else print,
+    )
+    if args.json:
+        _emit_json(report.as_dict())
+    return EXIT_OK if report.bit_exact else EXIT_FAILURE
+
+
+def _cmd_capture(args: argparse.Namespace) -> int:
+    from dmi._capture_cli import run_capture
+
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        prompts.extend(_read_prompts(args.prompts_file))
+    if not prompts:
+        raise InvalidArgumentError("no prompts: give --prompt TEXT (repeatable) or --prompts-file FILE")
+    result = run_capture(
+        args,
+        prompts,
+        layers=parse_layers(args.layers),
+        progress=lambda total: _progress(args, "capturing", total),
+    )
+    if args.json:
+        _emit_json(result)
+        return EXIT_OK
+    from dmi._human import human_bytes
+
+    _say(args, f"model {result['model_id']}  run {result['run_id']}")
+    _say(args, f"captured {len(result['request_ids'])} requests, {result['records']} records, "
+               f"{human_bytes(result['stored_bytes'])} stored ({human_bytes(result['raw_bytes'])} raw)")
+    for rid in result["request_ids"]:
+        print(rid)
+    return EXIT_OK
+
+
+def _read_prompts(path: str) -> list[str]:
+    """One prompt per non-empty line; ``-`` reads stdin."""
+    try:
+        if path == "-":
+            text = sys.stdin.read()
+        else:
+            with open(path, encoding="utf-8") as handle:
+                text = handle.read()
+    except OSError as exc:
+        raise InvalidArgumentError(f"cannot read prompts from {path}: {exc.strerror or exc}") from exc
+    return [line for line in (raw.strip() for raw in text.splitlines()) if line]
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from dmi._human import human_bytes, human_count
+
+    with _open_store(args) as store:
+        rows = [m.as_dict() for m in store.models()]
+    _emit(args, rows, [
+        ("model_id", "model", None),
+        ("runs", "runs", None),
+        ("requests", "requests", human_count),
+        ("records", "records", human_count),
+        ("stored_bytes", "stored", human_bytes),
+        ("raw_bytes", "raw", human_bytes),
+        ("ratio", "ratio", lambda r: f"{r:.2f}x"),
+    ])
+    if not rows:
+        _say(args, "(no models yet: try `dmi demo` or `dmi capture`)")
+    return EXIT_OK
+
+
+def _cmd_requests(args: argparse.Namespace) -> int:
+    from dmi._human import human_bytes, human_count
+
+    with _open_store(args) as store:
+        rows = [r.as_dict() for r in store.requests(args.model_id, run_id=args.run)]
+    _emit(args, rows, [
+        ("request_id", "request", None),
+        ("run_id", "run", None),
+        ("n_tokens", "tokens", human_count),
+        ("hooks", "hooks", lambda hooks: ",".join(hooks)),
+        ("records", "records", human_count),
+        ("stored_bytes", "stored", human_bytes),
+    ])
+    return EXIT_OK
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from dmi._human import human_bytes, human_count
+
+    with _open_store(args) as store:
+        contents = store.contents(args.model_id, args.request_id, run_id=args.run)
+    rows = [h.as_dict() for h in contents.hooks]
+    _say(args, f"model {contents.model_id}  request {contents.request_id}  run {contents.run_id}")
+    _emit(args, rows, [
+        ("hook", "hook", None),
+        ("layers", "layers", _layer_span),
+        ("shard_ranks", "shards", lambda ranks: ",".join(map(str, ranks))),
+        ("n_tokens", "tokens", human_count),
+        ("dtype", "dtype", None),
+        ("feature_shape", "shape/token", lambda shape: "x".join(map(str, shape)) or "scalar"),
+        ("records", "records", human_count),
+        ("stored_bytes", "stored", human_bytes),
+        ("raw_bytes", "raw", human_bytes),
+    ])
+    return EXIT_OK
+
+
+def _layer_span(layers: Sequence[int]) -> str:
+    """``[0, 1, 2, 3]`` → ``'0-3'``; ``[-1]`` → ``'global'``; otherwise comma separated."""
+    layers = list(layers)
+    if layers == [-1]:
+        return "global"
+    if layers and layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 1:
+        return f"{layers[0]}-{layers[-1]}"
+    return ",".join(map(str, layers))
+
+
+def _cmd_get(args: argparse.Namespace) -> int:
+    from dmi._export import export_tensor
+
+    with _open_store(args) as store:
+        tensor = store.get_internal(
+            args.model_id,
+            args.request_id,
+            args.hook,
+            layers=parse_layers(args.layers),
+            shard_rank=args.shard_rank,
+            merge_shards=args.merge_shards,
+            run_id=args.run,
+        )
+    export_tensor(tensor, args.output, name=args.hook)
+    info = {"path": args.output, "hook": args.hook, "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
+    if args.json:
+        _emit_json(info)
+    else:
+        _say(args, f"wrote {args.hook} {tuple(tensor.shape)} {info['dtype']} to {args.output}")
+    return EXIT_OK
+
+
+def _cmd_sql(args: argparse.Namespace) -> int:
+    query = sys.stdin.read() if args.query == "-" else args.query
+    with _open_store(args) as store:
+        table = store.sql(query)
+    rows = table.to_pylist()
+    if args.json:
+        _emit_json(rows)
+        return EXIT_OK
+    from dmi._human import render_table
+
+    print(render_table(table.column_names, ([_cell(row[c]) for c in table.column_names] for row in rows)))
+    return EXIT_OK
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return "" if value is None else str(value)
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from dmi._human import human_bytes, human_count
+
+    with _open_store(args) as store:
+        report = store.verify(model_id=args.model_id, progress=lambda total: _progress(args, "verifying", total))
+    if args.json:
+        _emit_json(report.as_dict())
+    else:
+        _say(args, f"checked {human_count(report.records_checked)} records in {report.packs_checked} packs "
+                   f"({human_bytes(report.bytes_checked)})")
+        for bad in report.problems:
+            print(f"{bad.kind}: pack {bad.pack_id}: {bad.describe()}")
+        if report.unpublished_packs:
+            _say(args, f"{len(report.unpublished_packs)} sealed packs are not published: run `dmi recover`")
+    if report.problems:
+        packs = len({bad.pack_id for bad in report.problems})
+        print(f"dmi: error: {len(report.problems)} bad records in {packs} packs", file=sys.stderr)
+        return EXIT_FAILURE
+    return EXIT_OK
+
+
+def _cmd_recover(args: argparse.Namespace) -> int:
+    from dmi._human import human_count
+
+    with _open_store(args) as store:
+        published = store.recover()
+    if args.json:
+        _emit_json([p.as_dict() for p in published])
+    else:
+        for pack in published:
+            print(f"published {pack.pack_id} ({human_count(pack.records)} records)")
+        _say(args, f"recovered {len(published)} packs" if published else "nothing to recover")
+    return EXIT_OK
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from dmi._plot import token_norms, write_norm_plot
+
+    width, height = args.size
+    output = args.output or f"{args.request_id}-{args.hook}.png"
+    with _open_store(args) as store:
+        view = store.lazy(args.model_id, args.request_id, args.hook, layers=parse_layers(args.layers),
+                          shard_rank=args.shard_rank, run_id=args.run)
+        tensor = view[:]
+    norms = token_norms(tensor if view.per_layer else tensor.unsqueeze(0))
+    drawn = write_norm_plot(norms, view.layers, output, width=width, height=height,
+                            title=f"{args.hook} L2 norm · {args.model_id} · {args.request_id}")
+    if args.json:
+        _emit_json({"path": drawn.path, "width": drawn.width, "height": drawn.height, "layers": drawn.layers,
+                    "n_tokens": drawn.n_tokens, "mean_norm_per_layer": drawn.mean_norm_per_layer})
+    else:
+        _say(args, f"wrote {drawn.width}x{drawn.height} plot of {args.hook} "
+                   f"({len(drawn.layers)} layers x {drawn.n_tokens} tokens) to {drawn.path}")
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------- the parser
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    where = common.add_argument_group("where the store is")
+    where.add_argument("--home", metavar="DIR",
+                       help="DMI home: embedded catalog in DIR/catalog, packs in DIR/packs "
+                            "(default: $DMI_HOME, else ~/.dmi)")
+    where.add_argument("--catalog", metavar="URI",
+                       help="catalog: chdb:///PATH or clickhouse://USER:PASSWORD@HOST:PORT/DB "
+                            "(default: $DMI_CATALOG, else the embedded chDB catalog in the home)")
+    where.add_argument("--packs", metavar="LOCATION",
+                       help="pack files: a directory or a pyarrow.fs URI such as s3://bucket/prefix "
+                            "(default: $DMI_PACKS, else HOME/packs)")
+    common.add_argument("-q", "--quiet", action="store_true", help="no progress bars or commentary")
+    tabular = argparse.ArgumentParser(add_help=False)
+    tabular.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    selecting = argparse.ArgumentParser(add_help=False)
+    selecting.add_argument("--run", metavar="RUN_ID", help="only this run (when several runs share a model id)")
+
+    parser = argparse.ArgumentParser(
+        prog="dmi",
+        description="Capture a language model's internals, keep them, query them, read them back.",
+        epilog="Start with `dmi demo`. Reference: docs/cli.md.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, func, help_text: str, parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
+        cmd = sub.add_parser(name, help=help_text, description=help_text, parents=[common, *parents])
+        cmd.set_defaults(func=func)
+        return cmd
+
+    demo = add("demo", _cmd_demo, "build a tiny model, capture a few prompts, read back, check, plot", [tabular])
+    demo.add_argument("--plot", metavar="PNG", help="where to write the plot (default: HOME/demo.png)")
+
+    cap = add("capture", _cmd_capture, "run prompts through a model and capture its internals", [tabular])
+    cap.add_argument("--model", required=True, metavar="DIR|NAME",
+                     help="a local Hugging Face model directory, or a built-in model: tiny-llama, small-llama")
+    cap.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
+    cap.add_argument("--prompts-file", metavar="FILE", help="prompts, one per line ('-' for stdin)")
+    cap.add_argument("--hooks", default="resid_post",
+                     help="hook names and group tokens, comma separated (default: resid_post; e.g. resid,attn,logits)")
+    cap.add_argument("--layers", metavar="RANGE", help="START:STOP (stop excluded), N, or N,M,... (default: all)")
+    cap.add_argument("--phases", default="prefill,decode", help="prefill, decode, forward (default: prefill,decode)")
+    cap.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help="decode steps per prompt (default: 16; 0 = prefill only)")
+    cap.add_argument("--batch-size", type=int, default=8, metavar="N", help="prompts per generate call (default: 8)")
+    cap.add_argument("--step-stride", type=int, default=1, metavar="N", help="capture every N-th decode step")
+    cap.add_argument("--request-stride", type=int, default=1, metavar="N", help="capture every N-th request")
+    cap.add_argument("--warmup", type=int, default=0, metavar="N", help="skip the first N forwards")
+    cap.add_argument("--model-id", metavar="ID", help="model id in the catalog (default: derived from the model)")
+    cap.add_argument("--attn-implementation", metavar="IMPL",
+                     help="attention implementation for a model directory (eager is needed for attn_pattern)")
+
+    add("models", _cmd_models, "list the models in the catalog", [tabular])
+
+    req = add("requests", _cmd_requests, "list the requests captured for a model", [tabular, selecting])
+    req.add_argument("model_id")
+
+    show = add("show", _cmd_show, "what one request holds: hooks, layers, shards, tokens, bytes", [tabular, selecting])
+    show.add_argument("model_id")
+    show.add_argument("request_id")
+
+    get = add("get", _cmd_get, "read one hook of one request into a .safetensors, .npy or .pt file", [tabular, selecting])
+    get.add_argument("model_id")
+    get.add_argument("request_id")
+    get.add_argument("hook")
+    get.add_argument("-o", "--output", required=True, metavar="FILE", help="FILE.safetensors, FILE.npy or FILE.pt")
+    get.add_argument("--layers", metavar="RANGE", help="START:STOP, N, or N,M,... (default: every stored layer)")
+    get.add_argument("--shard-rank", type=int, metavar="RANK", help="only this tensor-parallel rank's shard")
+    get.add_argument("--merge-shards", action="store_true", help="join tensor-parallel shards into the full tensor")
+
+    sql = add("sql", _cmd_sql, "run SQL over the catalog's index (no payload is read)", [tabular])
+    sql.add_argument("query", help="the query ('-' reads it from stdin)")
+
+    ver = add("verify", _cmd_verify, "check every record's checksum; report corrupt records by pack and key", [tabular])
+    ver.add_argument("--model-id", metavar="ID", help="only this model's records")
+
+    add("recover", _cmd_recover, "publish sealed packs that were never published", [tabular])
+
+    plot = add("plot", _cmd_plot, "PNG: layers x tokens heatmap of activation norms, and a per-layer curve",
+               [tabular, selecting])
+    plot.add_argument("model_id")
+    plot.add_argument("request_id")
+    plot.add_argument("--hook", default="resid_post", help="which hook (default: resid_post)")
+    plot.add_argument("-o", "--output", metavar="PNG", help="output file (default: REQUEST-HOOK.png)")
+    plot.add_argument("--layers", metavar="RANGE", help="START:STOP, N, or N,M,... (default: every stored layer)")
+    plot.add_argument("--shard-rank", type=int, metavar="RANK", help="only this tensor-parallel rank's shard")
+    plot.add_argument("--size", type=_parse_size, default=(1200, 500), metavar="WxH",
+                      help="image size in pixels (default: 1200x500)")
+    return parser
+
+
+def _version() -> str:
+    from dmi import __version__
+
+    return __version__
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``dmi`` command line; returns the exit status (see the module docstring)."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except InvalidArgumentError as exc:
+        print(f"dmi: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except (DMIError, OSError) as exc:
+        print(f"dmi: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print("dmi: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
