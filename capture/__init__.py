@@ -1,3 +1,41 @@
-"""``dmi.capture``: hooks on Hugging Face models, the ring of host slots and the drain thread."""
+"""``dmi.capture``: hooks on Hugging Face models, the ring of host slots and the drain thread.
 
-__all__: list[str] = []
+::
+
+    from dmi.capture import attach
+    with attach(model, hooks="resid_post", layers=range(4), store=store, catalog=catalog) as cap:
+        request_ids, out = cap.generate(input_ids, attention_mask=mask, max_new_tokens=16)
+    # every captured record is now in sealed packs, published in the catalog
+
+See ``docs/capture.md``.
+"""
+
+from ._arch import SUPPORTED_MODEL_TYPES, resolve_architecture
+from ._generate import CaptureResult, prepare_batch
+from ._hooks import GROUPS, HOOKS, HookSpec, ModelGeometry
+from ._plan import RowSpan, StepPlan
+from ._ring import Ring
+from ._schedule import Schedule
+from ._selection import Selection, resolve_hooks, resolve_layers
+from ._session import CaptureSession, attach, derive_model_id
+
+__all__ = [
+    "attach",
+    "CaptureSession",
+    "CaptureResult",
+    "Schedule",
+    "HOOKS",
+    "GROUPS",
+    "HookSpec",
+    "ModelGeometry",
+    "resolve_hooks",
+    "resolve_layers",
+    "Selection",
+    "StepPlan",
+    "RowSpan",
+    "Ring",
+    "prepare_batch",
+    "derive_model_id",
+    "resolve_architecture",
+    "SUPPORTED_MODEL_TYPES",
+]

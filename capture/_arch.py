@@ -1,0 +1,225 @@
+"""Where each hook lives in an unmodified ``transformers`` model, per architecture.
+
+Nothing is re-implemented: every hook is a PyTorch forward (pre-)hook on a module found by
+name, and an *extractor* that picks the tensor out of that module's inputs or outputs.
+
+A :class:`Tap` is one module hook; it may serve several catalogue hooks (GPT-2's fused
+``c_attn`` projection serves ``attn_q``, ``attn_k`` and ``attn_v``). Extractors return the
+tensor in one of three layouts:
+
+* ``"bt"``: ``[batch, tokens, ...]`` (most hooks)
+* ``"flat"``: ``[batch * tokens, ...]`` (MoE routers flatten tokens)
+* ``"pattern"``: ``[batch, heads, q_tokens, kv_tokens]``
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from dmi.catalog.errors import AttachError
+
+__all__ = ["Tap", "Emission", "Architecture", "resolve_architecture", "SUPPORTED_MODEL_TYPES"]
+
+Extractor = Callable[[tuple, dict, Any], torch.Tensor | None]
+
+
+@dataclass(slots=True)
+class Emission:
+    """One catalogue hook produced by a tap."""
+
+    hook: str
+    layer: int
+    extract: Extractor
+    layout: str = "bt"
+
+
+@dataclass(slots=True)
+class Tap:
+    """One PyTorch hook on one module: ``kind`` is ``"pre"`` (inputs) or ``"post"`` (outputs)."""
+
+    module: nn.Module
+    kind: str
+    emissions: list[Emission] = field(default_factory=list)
+
+
+def _arg0(name: str = "hidden_states") -> Extractor:
+    def extract(args, kwargs, output):
+        return args[0] if args else kwargs[name]
+
+    return extract
+
+
+def _out(index: int | None = None) -> Extractor:
+    def extract(args, kwargs, output):
+        if isinstance(output, torch.Tensor):
+            return output if index in (None, 0) else None
+        return output[0 if index is None else index]
+
+    return extract
+
+
+def _split3(part: int) -> Extractor:
+    def extract(args, kwargs, output):
+        width = output.shape[-1] // 3
+        return output[..., part * width : (part + 1) * width]
+
+    return extract
+
+
+@dataclass(frozen=True, slots=True)
+class _Family:
+    """Module paths of one architecture family, relative to the decoder stack / a layer."""
+
+    base: tuple[str, ...]  # candidate paths of the decoder stack module (has layers, embed, norm)
+    layers: str
+    embed: str
+    final_norm: str
+    lm_head: str
+    per_layer: dict[str, tuple[str, str, Extractor, str]]  # hook -> (module path, kind, extractor, layout)
+
+
+_LLAMA_LIKE = _Family(
+    base=("model", ""),
+    layers="layers",
+    embed="embed_tokens",
+    final_norm="norm",
+    lm_head="lm_head",
+    per_layer={
+        "resid_pre": ("", "pre", _arg0(), "bt"),
+        "attn_q": ("self_attn.q_proj", "post", _out(), "bt"),
+        "attn_k": ("self_attn.k_proj", "post", _out(), "bt"),
+        "attn_v": ("self_attn.v_proj", "post", _out(), "bt"),
+        "attn_z": ("self_attn.o_proj", "pre", _arg0("input"), "bt"),
+        "attn_pattern": ("self_attn", "post", _out(1), "pattern"),
+        "attn_out": ("self_attn", "post", _out(0), "bt"),
+        "resid_mid": ("post_attention_layernorm", "pre", _arg0(), "bt"),
+        "mlp_post": ("mlp.down_proj", "pre", _arg0("input"), "bt"),
+        "mlp_out": ("mlp", "post", _out(0), "bt"),
+        "resid_post": ("", "post", _out(0), "bt"),
+        "router_logits": ("mlp.gate", "post", _out(0), "flat"),
+        "router_topk": ("mlp.gate", "post", _out(2), "flat"),
+    },
+)
+
+_GPT2 = _Family(
+    base=("transformer", ""),
+    layers="h",
+    embed="wte",
+    final_norm="ln_f",
+    lm_head="lm_head",
+    per_layer={
+        "resid_pre": ("", "pre", _arg0(), "bt"),
+        "attn_q": ("attn.c_attn", "post", _split3(0), "bt"),
+        "attn_k": ("attn.c_attn", "post", _split3(1), "bt"),
+        "attn_v": ("attn.c_attn", "post", _split3(2), "bt"),
+        "attn_z": ("attn.c_proj", "pre", _arg0("input"), "bt"),
+        "attn_pattern": ("attn", "post", _out(1), "pattern"),
+        "attn_out": ("attn", "post", _out(0), "bt"),
+        "resid_mid": ("ln_2", "pre", _arg0("input"), "bt"),
+        "mlp_post": ("mlp.c_proj", "pre", _arg0("input"), "bt"),
+        "mlp_out": ("mlp", "post", _out(0), "bt"),
+        "resid_post": ("", "post", _out(0), "bt"),
+    },
+)
+
+_FAMILIES: dict[str, _Family] = {
+    "llama": _LLAMA_LIKE,
+    "mistral": _LLAMA_LIKE,
+    "qwen2": _LLAMA_LIKE,
+    "qwen3": _LLAMA_LIKE,
+    "mixtral": _LLAMA_LIKE,
+    "gpt2": _GPT2,
+}
+
+SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
+
+
+def _get(root: nn.Module, path: str) -> nn.Module | None:
+    mod: Any = root
+    for part in filter(None, path.split(".")):
+        mod = getattr(mod, part, None)
+        if mod is None:
+            return None
+    return mod if isinstance(mod, nn.Module) else None
+
+
+@dataclass(slots=True)
+class Architecture:
+    """The resolved module map of one model instance."""
+
+    model_type: str
+    model: nn.Module
+    base: nn.Module
+    layers: nn.ModuleList
+    family: _Family
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def available(self, hook: str) -> bool:
+        """Whether this model instance has the module the hook needs."""
+        f = self.family
+        if hook == "token_ids":
+            return True
+        if hook == "embed":
+            return _get(self.base, f.embed) is not None
+        if hook == "final_norm":
+            return _get(self.base, f.final_norm) is not None
+        if hook == "logits":
+            return _get(self.model, f.lm_head) is not None
+        if hook not in f.per_layer:
+            return False
+        path = f.per_layer[hook][0]
+        return all(_get(layer, path) is not None for layer in self.layers)
+
+    def taps(self, selected: dict[str, tuple[int, ...]]) -> list[Tap]:
+        """Group the selected (hook, layers) into one tap per (module, kind).
+
+        ``token_ids`` is not a tap: the session takes it from the model's own inputs.
+        """
+        taps: dict[tuple[int, str], Tap] = {}
+
+        def add(module: nn.Module, kind: str, em: Emission) -> None:
+            tap = taps.setdefault((id(module), kind), Tap(module, kind))
+            tap.emissions.append(em)
+
+        f = self.family
+        for hook, layers in selected.items():
+            if hook == "token_ids":
+                continue
+            if hook == "embed":
+                add(_get(self.base, f.embed), "post", Emission(hook, -1, _out(0)))
+            elif hook == "final_norm":
+                add(_get(self.base, f.final_norm), "post", Emission(hook, -1, _out(0)))
+            elif hook == "logits":
+                add(_get(self.model, f.lm_head), "post", Emission(hook, -1, _out(0)))
+            else:
+                path, kind, extract, layout = f.per_layer[hook]
+                for layer in layers:
+                    add(_get(self.layers[layer], path), kind, Emission(hook, layer, extract, layout))
+        return list(taps.values())
+
+
+def resolve_architecture(model: nn.Module) -> Architecture:
+    """Find the decoder stack of a supported model, or raise :class:`AttachError`."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    family = _FAMILIES.get(model_type)
+    if family is None:
+        raise AttachError(
+            f"cannot attach to a model of type {model_type!r} ({type(model).__name__}); "
+            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    for path in family.base:
+        base = _get(model, path)
+        if base is not None and isinstance(getattr(base, family.layers, None), nn.ModuleList):
+            return Architecture(model_type, model, base, getattr(base, family.layers), family)
+    raise AttachError(
+        f"{type(model).__name__} (model type {model_type!r}) has no decoder layer list at "
+        f"{' or '.join(repr(p + '.' + family.layers if p else family.layers) for p in family.base)}"
+    )

@@ -1,0 +1,246 @@
+"""The drain thread: filled ring slots → records → pack writer → published packs.
+
+For each submitted slot the thread waits the slot's CUDA event (if any), cuts every entry
+into per-request records using the entry's step plan, appends them to the pack writer (which
+copies, compresses and checksums them — zstd releases the GIL), frees the slot, and
+publishes every pack the writer sealed meanwhile. ``flush()`` seals the open pack and
+publishes it; any exception the thread hit is re-raised there (and at the next reservation
+on the model thread) as :class:`DrainError` with the original as ``__cause__`` — an error
+in the thread is never swallowed.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dmi.catalog.errors import DrainError
+from dmi.catalog.records import RecordKey, ShardGeometry
+
+from ._hooks import HOOKS
+
+__all__ = ["Drain", "DrainStats", "LostRecords"]
+
+
+@dataclass(slots=True)
+class DrainStats:
+    slots: int = 0
+    records: int = 0
+    bytes: int = 0
+    packs_sealed: int = 0
+    packs_published: int = 0
+    records_lost: int = 0
+    busy_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class LostRecords:
+    """Records that an explicit drop policy dropped (turned into keys on the drain thread)."""
+
+    hook: str
+    layer: int
+    plan: object
+
+
+class _Marker:
+    __slots__ = ("done", "kind")
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.done = threading.Event()
+
+
+@dataclass(slots=True)
+class KeyContext:
+    model_id: str
+    run_id: str
+    shard_rank: int = 0
+    tp_size: int = 1
+    head_dim: int = 0
+    n_kv_heads: int = 0
+    replicated_kv: bool = False
+    sealed: list = field(default_factory=list)
+
+
+class Drain:
+    """One consumer thread between the ring and the pack writer."""
+
+    def __init__(self, ring, writer, ctx: KeyContext, *, publish=None, record_losses=None,
+                 name: str = "dmi-drain"):
+        self.ring = ring
+        self.writer = writer
+        self.ctx = ctx
+        self._publish = publish  # callable(list[PackDescriptor]) or None
+        self._record_losses = record_losses  # callable(list[RecordKey]) or None
+        self.stats = DrainStats()
+        self.error: BaseException | None = None
+        self.published: list = []
+        self.lost_keys: list[RecordKey] = []
+        self._pending_losses: list[LostRecords] = []
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- called from the model thread ---------------------------------------------------------
+    def submit(self, slot) -> None:
+        self._q.put(slot)
+
+    def note_loss(self, hook: str, layer: int, plan) -> None:
+        self._q.put(LostRecords(hook, layer, plan))
+
+    def check(self) -> None:
+        """Raise :class:`DrainError` if the thread has failed."""
+        if self.error is not None:
+            raise DrainError(f"the capture drain thread failed: {self.error!r}") from self.error
+
+    def flush(self, timeout: float | None = None) -> list:
+        """Seal the open pack, publish everything, surface any thread error.
+
+        Returns the descriptors published since the previous flush.
+        """
+        if not self._thread.is_alive():
+            self.check()
+            raise DrainError("the capture drain thread is not running")
+        marker = _Marker("flush")
+        self._q.put(marker)
+        if not marker.done.wait(timeout):
+            raise DrainError(f"flush did not finish within {timeout}s")
+        self.check()
+        out, self.published = self.published, []
+        return out
+
+    def close(self, timeout: float | None = None) -> list:
+        if self._closed:
+            return []
+        self._closed = True
+        try:
+            return self.flush(timeout)
+        finally:
+            self._q.put(None)
+            self._thread.join(timeout)
+
+    # -- the thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            if isinstance(item, _Marker):
+                if self.error is None:
+                    try:
+                        self._seal_and_publish()
+                    except BaseException as exc:  # noqa: BLE001 - surfaced by check()
+                        self.error = exc
+                item.done.set()
+                continue
+            if isinstance(item, LostRecords):
+                if self.error is None:
+                    try:
+                        self._lose(item)
+                    except BaseException as exc:  # noqa: BLE001
+                        self.error = exc
+                continue
+            try:
+                if self.error is None:
+                    t0 = time.perf_counter()
+                    self._process(item)
+                    self._publish_sealed()
+                    self.stats.busy_seconds += time.perf_counter() - t0
+            except BaseException as exc:  # noqa: BLE001
+                self.error = exc
+            finally:
+                self.ring.release(item)
+
+    def _seal_and_publish(self) -> None:
+        self._flush_losses()
+        desc = self.writer.seal()
+        if desc is not None and all(d is not desc for d in self.ctx.sealed):
+            self.ctx.sealed.append(desc)
+        self._publish_sealed()
+
+    def _publish_sealed(self) -> None:
+        sealed = self.ctx.sealed
+        if not sealed:
+            return
+        batch = list(sealed)
+        sealed.clear()
+        self.stats.packs_sealed += len(batch)
+        if self._publish is not None:
+            self._publish(batch)
+            self.stats.packs_published += len(batch)
+        self.published.extend(batch)
+
+    def _lose(self, lost: LostRecords) -> None:
+        keys = [self._key(lost.hook, lost.layer, lost.plan, s) for s in lost.plan.spans]
+        self.lost_keys.extend(keys)
+        self.stats.records_lost += len(keys)
+
+    def _flush_losses(self) -> None:
+        if self._record_losses is not None and self.lost_keys:
+            keys, self.lost_keys = self.lost_keys, []
+            self._record_losses(keys)
+
+    def _key(self, hook, layer, plan, span) -> RecordKey:
+        c = self.ctx
+        return RecordKey(c.model_id, c.run_id, span.request_id, hook, layer, span.start, span.n,
+                         plan.step, plan.phase, c.shard_rank, c.tp_size)
+
+    def _shard(self, hook: str, shape: tuple[int, ...]) -> ShardGeometry | None:
+        c = self.ctx
+        axis = HOOKS[hook].tp_axis
+        if c.tp_size <= 1 or axis is None:
+            return None
+        if hook in ("attn_k", "attn_v") and c.replicated_kv:
+            return None  # k/v heads replicated across ranks: no unambiguous geometry
+        local = shape[axis]
+        full = list(shape)
+        full[axis] = local * c.tp_size
+        return ShardGeometry(axis, c.shard_rank * local, tuple(full))
+
+    def _process(self, slot) -> None:
+        if slot.event is not None:
+            slot.event.synchronize()
+        buf = slot.buffer
+        append = self.writer.append
+        head_dim = self.ctx.head_dim
+        for e in slot.entries:
+            plan = e.plan
+            data = buf[e.offset : e.offset + e.nbytes].view(e.dtype)
+            if e.hook == "attn_pattern":
+                s = plan.spans[e.span_index]
+                rec = data.view(-1, s.n, e.kv_tokens - s.kv_pad)
+                append(self._key(e.hook, e.layer, plan, s), rec, shard=self._shard(e.hook, tuple(rec.shape)))
+                self.stats.records += 1
+                self.stats.bytes += e.nbytes
+                continue
+            rows = data.view(e.rows, -1)
+            feat = rows.shape[1]
+            if e.hook == "token_ids":
+                tail = ()
+            elif e.hook in ("attn_q", "attn_k", "attn_v", "attn_z"):
+                tail = (feat // head_dim, head_dim)
+            else:
+                tail = (feat,)
+            shard = None
+            for s in plan.spans:
+                rec = rows[s.offset : s.offset + s.n].view(s.n, *tail)
+                if shard is None and self.ctx.tp_size > 1:
+                    shard = self._shard(e.hook, tuple(rec.shape))
+                append(self._key(e.hook, e.layer, plan, s), rec,
+                       shard=(None if shard is None else
+                              ShardGeometry(shard.axis, shard.offset, (s.n, *shard.full_shape[1:]))))
+                self.stats.records += 1
+            self.stats.bytes += e.nbytes
+        self.stats.slots += 1
+
+
+def cuda_event_for_submission(stream) -> object:
+    """Record an event on ``stream`` (the side stream) for the drain thread to wait on."""
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev

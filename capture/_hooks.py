@@ -1,0 +1,177 @@
+"""The hook catalogue: every capturable internal, in one table that everything else reads.
+
+Each :class:`HookSpec` says what a hook is (its meaning), its scope (per layer, or global
+with ``layer == GLOBAL_LAYER``), the shape of one stored record for a model geometry, its
+dtype, and how tensor parallelism splits it (the axis of the stored record along which each
+rank holds a contiguous block, or ``None`` when every rank holds the full tensor).
+
+Stored shapes (one record = one request, one contiguous token range):
+
+=================  =========================================  ==================================
+hook               stored record shape                        taken from
+=================  =========================================  ==================================
+``token_ids``      ``[tokens]`` int64                         the model's ``input_ids``
+``embed``          ``[tokens, hidden]``                       token embedding output
+``resid_pre``      ``[tokens, hidden]``                       decoder layer input
+``attn_q/k/v``     ``[tokens, heads, head_dim]``              q/k/v projection output (before any
+                                                              q/k norm and before RoPE)
+``attn_z``         ``[tokens, heads, head_dim]``              input of the output projection
+``attn_pattern``   ``[heads, q_tokens, kv_tokens]``           attention weights (eager only)
+``attn_out``       ``[tokens, hidden]``                       attention block output
+``resid_mid``      ``[tokens, hidden]``                       residual after attention
+``mlp_post``       ``[tokens, intermediate]``                 input of the MLP down projection
+``mlp_out``        ``[tokens, hidden]``                       MLP / MoE block output
+``resid_post``     ``[tokens, hidden]``                       decoder layer output
+``final_norm``     ``[tokens, hidden]``                       final norm output
+``logits``         ``[tokens, vocab]``                        LM head output, only the positions
+                                                              the model materialises
+``router_logits``  ``[tokens, experts]``                      MoE router logits
+``router_topk``    ``[tokens, top_k]`` int64                  experts chosen by the router
+=================  =========================================  ==================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable
+
+import torch
+
+__all__ = ["ModelGeometry", "HookSpec", "HOOKS", "GROUPS", "hook_names"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelGeometry:
+    """The sizes of a model that determine every hook's shape."""
+
+    model_type: str
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    dtype: torch.dtype
+    n_experts: int = 0
+    top_k: int = 0
+
+    @classmethod
+    def from_config(cls, config, dtype: torch.dtype) -> "ModelGeometry":
+        get = lambda *names, default=0: next(  # noqa: E731
+            (getattr(config, n) for n in names if getattr(config, n, None) is not None), default
+        )
+        hidden = get("hidden_size", "n_embd")
+        n_heads = get("num_attention_heads", "n_head")
+        head_dim = get("head_dim", default=0) or hidden // max(n_heads, 1)
+        inter = get("intermediate_size", "n_inner", default=0) or 4 * hidden
+        return cls(
+            model_type=str(getattr(config, "model_type", "unknown")),
+            n_layers=get("num_hidden_layers", "n_layer"),
+            hidden=hidden,
+            n_heads=n_heads,
+            n_kv_heads=get("num_key_value_heads", default=0) or n_heads,
+            head_dim=head_dim,
+            intermediate=inter,
+            vocab=get("vocab_size"),
+            dtype=dtype,
+            n_experts=get("num_local_experts", "num_experts", default=0),
+            top_k=get("num_experts_per_tok", default=0),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class HookSpec:
+    """One catalogue entry."""
+
+    name: str
+    per_layer: bool
+    groups: tuple[str, ...]
+    doc: str
+    _feature_shape: Callable[[ModelGeometry], tuple[int, ...]]
+    fixed_dtype: torch.dtype | None = None
+    tp_axis: int | None = None
+    needs_eager: bool = False
+    moe_only: bool = False
+
+    def feature_shape(self, g: ModelGeometry) -> tuple[int, ...]:
+        """Shape of one token's values (``attn_pattern``: ``(heads,)``; q/kv lengths vary)."""
+        return self._feature_shape(g)
+
+    def dtype(self, g: ModelGeometry) -> torch.dtype:
+        return self.fixed_dtype or g.dtype
+
+    def record_shape(self, g: ModelGeometry, n_tokens: int, kv_tokens: int | None = None) -> tuple[int, ...]:
+        """Shape of a stored record covering ``n_tokens`` tokens."""
+        if self.name == "attn_pattern":
+            return (g.n_heads, n_tokens, n_tokens if kv_tokens is None else kv_tokens)
+        return (n_tokens, *self._feature_shape(g))
+
+    def record_bytes(self, g: ModelGeometry, n_tokens: int, kv_tokens: int | None = None) -> int:
+        """Bytes of one record, rounded up to 16 (each hook rounded on its own)."""
+        n = 1
+        for d in self.record_shape(g, n_tokens, kv_tokens):
+            n *= d
+        return _round16(n * self.dtype(g).itemsize)
+
+
+def _round16(n: int) -> int:
+    return (n + 15) & ~15
+
+
+_H = lambda g: (g.hidden,)  # noqa: E731
+
+
+def _spec(name, per_layer, groups, doc, shape, **kw) -> HookSpec:
+    return HookSpec(name, per_layer, tuple(groups), doc, shape, **kw)
+
+
+_SPECS = [
+    _spec("token_ids", False, ("tokens",), "input token ids", lambda g: (), fixed_dtype=torch.int64),
+    _spec("embed", False, ("resid",), "token embedding output", _H),
+    _spec("resid_pre", True, ("resid",), "decoder layer input (residual stream before the layer)", _H),
+    _spec("attn_q", True, ("attn", "qkv"), "query projection, before q-norm and RoPE",
+          lambda g: (g.n_heads, g.head_dim), tp_axis=1),
+    _spec("attn_k", True, ("attn", "qkv"), "key projection, before k-norm and RoPE",
+          lambda g: (g.n_kv_heads, g.head_dim), tp_axis=1),
+    _spec("attn_v", True, ("attn", "qkv"), "value projection",
+          lambda g: (g.n_kv_heads, g.head_dim), tp_axis=1),
+    _spec("attn_z", True, ("attn",), "attention output per head (input of o_proj)",
+          lambda g: (g.n_heads, g.head_dim), tp_axis=1),
+    _spec("attn_pattern", True, ("attn_pattern", "patterns"), "attention weights [heads, q, kv]",
+          lambda g: (g.n_heads,), tp_axis=0, needs_eager=True),
+    _spec("attn_out", True, ("attn",), "attention block output (after o_proj)", _H),
+    _spec("resid_mid", True, ("resid",), "residual stream after attention, before the MLP", _H),
+    _spec("mlp_post", True, ("mlp",), "MLP activation (input of the down projection)",
+          lambda g: (g.intermediate,), tp_axis=1),
+    _spec("mlp_out", True, ("mlp",), "MLP / MoE block output", _H),
+    _spec("resid_post", True, ("resid",), "decoder layer output (residual stream after the layer)", _H),
+    _spec("final_norm", False, ("resid",), "final norm output", _H),
+    _spec("logits", False, ("logits",), "LM head output (positions the model materialises)",
+          lambda g: (g.vocab,)),
+    _spec("router_logits", True, ("router",), "MoE router logits", lambda g: (g.n_experts,), moe_only=True),
+    _spec("router_topk", True, ("router",), "experts chosen by the router (indices)",
+          lambda g: (g.top_k,), fixed_dtype=torch.int64, moe_only=True),
+]
+
+HOOKS: "MappingProxyType[str, HookSpec]" = MappingProxyType({s.name: s for s in _SPECS})
+"""Every hook, by name, in canonical order."""
+
+
+def _group_members() -> dict[str, tuple[str, ...]]:
+    groups: dict[str, list[str]] = {}
+    for s in _SPECS:
+        for grp in s.groups:
+            groups.setdefault(grp, []).append(s.name)
+    groups["all"] = [s.name for s in _SPECS]
+    groups["all_but_patterns"] = [s.name for s in _SPECS if s.name != "attn_pattern"]
+    return {k: tuple(v) for k, v in groups.items()}
+
+
+GROUPS: "MappingProxyType[str, tuple[str, ...]]" = MappingProxyType(_group_members())
+"""Group tokens and the hooks each expands to (``all`` includes ``attn_pattern``)."""
+
+
+def hook_names() -> tuple[str, ...]:
+    return tuple(HOOKS)

@@ -1,0 +1,198 @@
+"""The ring: a bounded set of host slots that hook tensors are copied into.
+
+The model thread *reserves* a region of the open slot for each (hook, layer) tensor, copies
+into it, and notes an :class:`Entry` (where the bytes are and which step plan cuts them
+into records). A slot that is full — or at the end of every step — is *submitted* to the
+drain thread, which turns it into records and *releases* it.
+
+* Slots are pinned host memory when CUDA is available. On CUDA the copies run on a side
+  stream that first ``wait_stream``s the model's stream; the source is
+  ``record_stream``-ed on the side stream so the allocator cannot recycle it early, and an
+  event recorded at submission tells the drain thread when the bytes are there. Nothing
+  synchronises the model's stream.
+* On CPU the copy is a plain memcpy (``copy_`` / ``index_select(out=)``) into the slot —
+  the model cannot overwrite a tensor we only referenced, because we never keep references.
+* **Lossless by default** (``drop_policy="wait"``): with no free slot the producer waits up
+  to ``timeout`` seconds, then raises :class:`RingFullError`. With ``drop_policy="drop"``
+  the tensor is not copied and the caller counts every record it would have produced as a
+  loss — nothing is dropped silently.
+* A tensor larger than a slot grows that slot's buffer (memory stays bounded by the largest
+  single tensor times the slot count).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dmi.catalog.errors import InvalidArgumentError, RingFullError
+
+__all__ = ["Entry", "Slot", "Ring", "RingStats"]
+
+_ALIGN = 16
+
+
+@dataclass(slots=True)
+class Entry:
+    """One (hook, layer) tensor inside a slot."""
+
+    hook: str
+    layer: int
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    rows: int  # leading dimension as copied ([rows, features])
+    plan: object  # the StepPlan that cuts the rows into records
+    kv_tokens: int = 0  # attn_pattern only: key length before stripping
+    span_index: int = -1  # attn_pattern only: the request this region belongs to
+
+
+@dataclass(slots=True)
+class Slot:
+    index: int
+    buffer: torch.Tensor  # uint8
+    used: int = 0
+    entries: list = field(default_factory=list)
+    event: object = None
+    generation: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer.numel()
+
+
+@dataclass(slots=True)
+class RingStats:
+    reservations: int = 0
+    reserved_bytes: int = 0
+    copies: int = 0
+    submitted_slots: int = 0
+    waits: int = 0
+    wait_seconds: float = 0.0
+    dropped_tensors: int = 0
+    grown_slots: int = 0
+
+
+class Ring:
+    """Bounded slots; one producer (the model thread), one consumer (the drain thread)."""
+
+    def __init__(
+        self,
+        n_slots: int = 8,
+        slot_bytes: int = 32 << 20,
+        *,
+        pin: bool | None = None,
+        timeout: float = 60.0,
+        drop_policy: str = "wait",
+        on_submit=None,
+    ):
+        if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
+            raise InvalidArgumentError(f"ring_slots must be an int >= 1, got {n_slots!r}")
+        if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes < _ALIGN:
+            raise InvalidArgumentError(f"slot_bytes must be an int >= {_ALIGN}, got {slot_bytes!r}")
+        if drop_policy not in ("wait", "drop"):
+            raise InvalidArgumentError(f"drop_policy must be 'wait' or 'drop', got {drop_policy!r}")
+        if timeout is None or timeout < 0:
+            raise InvalidArgumentError(f"ring timeout must be >= 0 seconds, got {timeout!r}")
+        self.pin = torch.cuda.is_available() if pin is None else bool(pin)
+        self.slot_bytes = slot_bytes
+        self.timeout = float(timeout)
+        self.drop_policy = drop_policy
+        self.stats = RingStats()
+        self._on_submit = on_submit  # callable(slot): hands a filled slot to the drain
+        self._slots = [Slot(i, self._alloc(slot_bytes)) for i in range(n_slots)]
+        self._free = list(reversed(self._slots))
+        self._cond = threading.Condition()
+        self._current: Slot | None = None
+        self._closed = False
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        return buf.pin_memory() if self.pin else buf
+
+    @property
+    def n_slots(self) -> int:
+        return len(self._slots)
+
+    def free_slots(self) -> int:
+        with self._cond:
+            return len(self._free)
+
+    # -- producer side (model thread) ---------------------------------------------------------
+    def reserve(self, nbytes: int, *, check=None) -> tuple[Slot, int] | None:
+        """A region of ``nbytes`` (rounded up to 16) in the open slot, or ``None`` when the
+        drop policy drops it. ``check`` is called while waiting (to surface drain errors)."""
+        need = (nbytes + _ALIGN - 1) & ~(_ALIGN - 1)
+        slot = self._current
+        if slot is None or slot.used + need > slot.capacity:
+            if slot is not None:
+                self.submit()
+            slot = self._acquire(check)
+            if slot is None:
+                self.stats.dropped_tensors += 1
+                return None
+            if need > slot.capacity:
+                slot.buffer = self._alloc(need)
+                self.stats.grown_slots += 1
+            self._current = slot
+        off = slot.used
+        slot.used += need
+        self.stats.reservations += 1
+        self.stats.reserved_bytes += need
+        return slot, off
+
+    def _acquire(self, check) -> Slot | None:
+        with self._cond:
+            if self._free:
+                return self._free.pop()
+            if self.drop_policy == "drop":
+                return None
+            self.stats.waits += 1
+            t0 = time.monotonic()
+            deadline = t0 + self.timeout
+            while not self._free:
+                if check is not None:
+                    check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.stats.wait_seconds += time.monotonic() - t0
+                    raise RingFullError(
+                        f"no free ring slot after waiting {self.timeout:.1f}s "
+                        f"({self.n_slots} slots of {self.slot_bytes} bytes, all waiting for the "
+                        "drain thread); raise ring_slots / slot_bytes or ring_timeout, or pass "
+                        "drop_policy='drop' to drop (and count) records instead of waiting"
+                    )
+                self._cond.wait(min(left, 0.05))
+            self.stats.wait_seconds += time.monotonic() - t0
+            return self._free.pop()
+
+    def submit(self) -> None:
+        """Hand the open slot (if it holds anything) to the drain."""
+        slot = self._current
+        if slot is None:
+            return
+        self._current = None
+        if not slot.entries:
+            self.release(slot)
+            return
+        self.stats.submitted_slots += 1
+        self._on_submit(slot)
+
+    # -- consumer side (drain thread) ---------------------------------------------------------
+    def release(self, slot: Slot) -> None:
+        slot.used = 0
+        slot.entries = []
+        slot.event = None
+        slot.generation += 1
+        with self._cond:
+            self._free.append(slot)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._slots.clear()
+            self._free.clear()

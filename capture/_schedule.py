@@ -1,0 +1,68 @@
+"""Schedule: which forward steps and which requests are captured.
+
+Steps are numbered per call: ``0`` is the prefill (or the single step of a scoring
+``forward``), ``1, 2, ...`` are decode steps. A step the schedule refuses dispatches nothing:
+no copy, no ring reservation, no record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dmi.catalog.errors import InvalidArgumentError
+
+__all__ = ["Schedule"]
+
+_PHASES = ("prefill", "decode", "forward")
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """When to capture.
+
+    * ``phases``: any of ``"prefill"``, ``"decode"``, ``"forward"`` (scoring passes).
+    * ``step_stride``: capture decode step ``d`` (1-based) when ``(d - 1) % step_stride == 0``
+      — the first decode step is always captured; prefill is not affected.
+    * ``request_stride``: capture the ``n``-th request of the session (0-based, counted over
+      every call) when ``n % request_stride == 0``.
+    * ``warmup``: ignore the first ``warmup`` model forwards after attaching.
+    """
+
+    phases: tuple[str, ...] = _PHASES
+    step_stride: int = 1
+    request_stride: int = 1
+    warmup: int = 0
+
+    def __post_init__(self):
+        phases = (self.phases,) if isinstance(self.phases, str) else tuple(self.phases)
+        bad = [p for p in phases if p not in _PHASES]
+        if bad or not phases:
+            raise InvalidArgumentError(f"schedule phases {bad or phases!r} invalid; choose from {_PHASES}")
+        object.__setattr__(self, "phases", phases)
+        for name in ("step_stride", "request_stride"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidArgumentError(f"schedule {name} must be an int >= 1, got {v!r}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise InvalidArgumentError(f"schedule warmup must be an int >= 0, got {self.warmup!r}")
+
+    @classmethod
+    def coerce(cls, value) -> "Schedule":
+        if value is None:
+            return cls()
+        if isinstance(value, Schedule):
+            return value
+        if isinstance(value, dict):
+            return cls(**value)
+        if isinstance(value, (str, tuple, list)):
+            return cls(phases=value)
+        raise InvalidArgumentError(f"schedule must be a Schedule, a dict or phases, got {value!r}")
+
+    def admits_step(self, forward_index: int, phase: str, step: int) -> bool:
+        """``forward_index``: model forwards since attach (for warmup); ``step``: within the call."""
+        if forward_index < self.warmup or phase not in self.phases:
+            return False
+        return phase != "decode" or (step - 1) % self.step_stride == 0
+
+    def admits_request(self, sequence: int) -> bool:
+        return sequence % self.request_stride == 0

@@ -1,0 +1,600 @@
+"""Attach / detach: the context manager that owns a model while capturing.
+
+``attach(model, ...)`` validates everything (hooks, layers, attention implementation,
+identifiers, ownership) *before* it touches the model, then installs one PyTorch hook per
+(module, kind) plus a pre- and post-hook on the model itself, and yields a
+:class:`CaptureSession`. On exit — including on error — every hook is removed, the open
+slot is drained, the open pack sealed and published, the publisher lease released, and the
+model's ownership given back. A second attach while the model is owned raises
+:class:`AttachError` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+import secrets
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dmi.catalog.errors import (
+    AttachError,
+    AttentionImplementationError,
+    CaptureError,
+    InvalidArgumentError,
+    InvalidIdentifierError,
+)
+
+from ._arch import Architecture, resolve_architecture
+from ._drain import Drain, KeyContext, cuda_event_for_submission
+from ._generate import CaptureResult, left_pads, prepare_batch
+from ._hooks import HOOKS, ModelGeometry
+from ._plan import StepPlan
+from ._ring import Entry, Ring
+from ._schedule import Schedule
+from ._selection import Selection, select
+
+__all__ = ["attach", "CaptureSession", "derive_model_id"]
+
+_OWNERS: "weakref.WeakKeyDictionary[nn.Module, CaptureSession]" = weakref.WeakKeyDictionary()
+_OWNERS_LOCK = threading.Lock()
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+=-]{0,254}$")
+
+
+def _validate_id(kind: str, value: str) -> str:
+    try:  # the catalog's own validator, when it has one, is the authority
+        from dmi.catalog import validate_identifier  # type: ignore[attr-defined]
+    except ImportError:
+        validate_identifier = None
+    if not isinstance(value, str) or not _ID_RE.match(value) or ".." in value:
+        raise InvalidIdentifierError(
+            f"{kind} {value!r} is not acceptable: 1-255 characters from letters, digits and "
+            "'._:/@+=-', starting with a letter or digit, no '..'"
+        )
+    if validate_identifier is not None:
+        validate_identifier(kind, value)
+    return value
+
+
+def derive_model_id(model: nn.Module) -> str:
+    """The model's hub name or directory (``config._name_or_path``), else
+    ``<model_type>-<12 hex of the config's hash>`` for models built from a config."""
+    config = model.config
+    name = getattr(config, "_name_or_path", "") or ""
+    name = name.rstrip("/")
+    if name and _ID_RE.match(name) and ".." not in name:
+        return name
+    if name:  # a local path with unusual characters: keep its last component, plus a hash
+        tail = re.sub(r"[^A-Za-z0-9._-]", "-", name.split("/")[-1]).strip("-.") or "model"
+        return f"{tail}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+    try:
+        blob = config.to_json_string(use_diff=False)
+    except Exception:  # noqa: BLE001 - any config still gets a stable-enough id
+        blob = json.dumps(repr(config))
+    return f"{config.model_type}-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
+
+
+def _new_run_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+@dataclass(slots=True)
+class _Call:
+    """State of one generate / forward call (or one implicit call seen through the hooks)."""
+
+    request_ids: list[str]
+    admitted: list[bool]
+    first_phase: str  # "prefill" or "forward"
+    pads: list[int] | None = None  # prompt left padding per row (known at the first step)
+    n_real: list[int] = field(default_factory=list)
+    step: int = -1
+
+
+class CaptureSession:
+    """A model under capture. Made by :func:`attach`; use its methods inside the ``with``."""
+
+    def __init__(self, model, arch: Architecture, selection: Selection, geometry: ModelGeometry,
+                 *, model_id: str, run_id: str, schedule: Schedule, ring: Ring, drain: Drain,
+                 publisher=None, tp_rank: int = 0, tp_size: int = 1, capture_enabled: bool = True):
+        self.model = model
+        self.arch = arch
+        self.selection = selection
+        self.geometry = geometry
+        self.model_id = model_id
+        self.run_id = run_id
+        self.schedule = schedule
+        self.ring = ring
+        self.drain = drain
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self._publisher = publisher
+        self._capture_enabled = capture_enabled
+        self._handles: list = []
+        self._plan: StepPlan | None = None
+        self._call: _Call | None = None
+        self._implicit: _Call | None = None
+        self._forwards = 0
+        self._n_requests = 0
+        self._closed = False
+        self._cuda_side_stream = None
+        self._lock = threading.RLock()
+        self.published: list = []
+
+    # -- public ---------------------------------------------------------------------------------
+    @property
+    def hooks(self) -> dict[str, tuple[int, ...]]:
+        """The selected hooks and the layers each is captured at (``(-1,)``: global)."""
+        return dict(self.selection.hooks)
+
+    def generate(self, input_ids, attention_mask=None, *, request_ids=None, **generate_kwargs) -> CaptureResult:
+        """``model.generate`` with capture. ``input_ids``: a ``[b, t]`` tensor (left-padded, with
+        its ``attention_mask``) or a list of prompts' token ids (left-padded for you). Returns
+        the request ids (one per row) and ``model.generate``'s output unchanged."""
+        ids, mask = self._batch(input_ids, attention_mask)
+        call = self._open_call(ids, mask, request_ids, "prefill")
+        try:
+            out = self.model.generate(input_ids=ids, attention_mask=mask, **generate_kwargs)
+        finally:
+            self._close_call()
+        return CaptureResult(tuple(call.request_ids), out)
+
+    def forward(self, input_ids, attention_mask=None, *, request_ids=None, **forward_kwargs) -> CaptureResult:
+        """One scoring pass (phase ``"forward"``) with capture; returns request ids and the
+        model's output."""
+        ids, mask = self._batch(input_ids, attention_mask)
+        call = self._open_call(ids, mask, request_ids, "forward")
+        forward_kwargs.setdefault("use_cache", False)
+        try:
+            out = self.model(input_ids=ids, attention_mask=mask, **forward_kwargs)
+        finally:
+            self._close_call()
+        return CaptureResult(tuple(call.request_ids), out)
+
+    def flush(self, timeout: float | None = None) -> list:
+        """Drain every copied tensor, seal the open pack, publish; re-raise any drain error.
+        Returns the pack descriptors published since the previous flush."""
+        self._submit()
+        out = self.drain.flush(timeout)
+        self.published.extend(out)
+        return out
+
+    @property
+    def stats(self) -> dict:
+        r, d = self.ring.stats, self.drain.stats
+        return {
+            "forwards": self._forwards,
+            "requests": self._n_requests,
+            "reservations": r.reservations,
+            "reserved_bytes": r.reserved_bytes,
+            "copies": r.copies,
+            "slots_submitted": r.submitted_slots,
+            "ring_waits": r.waits,
+            "ring_wait_seconds": r.wait_seconds,
+            "tensors_dropped": r.dropped_tensors,
+            "records": d.records,
+            "records_lost": d.records_lost,
+            "packs_sealed": d.packs_sealed,
+            "packs_published": d.packs_published,
+            "drain_busy_seconds": d.busy_seconds,
+        }
+
+    # -- calls ----------------------------------------------------------------------------------
+    def _batch(self, input_ids, attention_mask):
+        self._check_open()
+        pad = getattr(getattr(self.model, "generation_config", None), "pad_token_id", None)
+        if pad is None:
+            pad = getattr(self.model.config, "pad_token_id", None)
+        if isinstance(pad, (list, tuple)):
+            pad = pad[0] if pad else None
+        ids, mask = prepare_batch(input_ids, attention_mask, pad_token_id=pad)
+        dev = _model_device(self.model)
+        return ids.to(dev), mask.to(dev)
+
+    def _check_open(self):
+        if self._closed:
+            raise CaptureError("this capture session is closed (its `with` block has exited)")
+        self.drain.check()
+
+    def _open_call(self, ids, mask, request_ids, first_phase) -> _Call:
+        b = ids.shape[0]
+        pads = left_pads(mask)
+        if request_ids is None:
+            rids = [f"{self.run_id}-{self._n_requests + i:06d}" for i in range(b)]
+        else:
+            rids = [_validate_id("request id", r) for r in request_ids]
+            if len(rids) != b or len(set(rids)) != b:
+                raise InvalidArgumentError(f"need {b} distinct request ids, got {request_ids!r}")
+        call = self._new_call(rids, first_phase)
+        call.pads = pads
+        self._call = call
+        return call
+
+    def _new_call(self, rids, first_phase) -> _Call:
+        base = self._n_requests
+        self._n_requests += len(rids)
+        admitted = [self.schedule.admits_request(base + i) for i in range(len(rids))]
+        return _Call(list(rids), admitted, first_phase, None, [0] * len(rids))
+
+    def _close_call(self):
+        self._call = None
+        self._plan = None
+        self._submit()
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def _install(self) -> None:
+        m = self.model
+        self._handles.append(m.register_forward_pre_hook(self._on_model_pre, with_kwargs=True))
+        self._handles.append(m.register_forward_hook(self._on_model_post, always_call=True))
+        for tap in self.arch.taps(self.selection.hooks):
+            if tap.module is None:
+                raise AttachError(f"module for {[e.hook for e in tap.emissions]} not found")
+            if tap.kind == "pre":
+                self._handles.append(tap.module.register_forward_pre_hook(self._pre_hook(tap), with_kwargs=True))
+            else:
+                self._handles.append(tap.module.register_forward_hook(self._post_hook(tap), with_kwargs=True))
+
+    def _remove_hooks(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+
+    def _pre_hook(self, tap):
+        emissions = tap.emissions
+        emit = self._emit
+
+        def hook(module, args, kwargs):
+            plan = self._plan
+            if plan is None:
+                return None
+            for em in emissions:
+                emit(em.hook, em.layer, em.extract(args, kwargs, None), em.layout, plan)
+            return None
+
+        return hook
+
+    def _post_hook(self, tap):
+        emissions = tap.emissions
+        emit = self._emit
+
+        def hook(module, args, kwargs, output):
+            plan = self._plan
+            if plan is None:
+                return None
+            for em in emissions:
+                emit(em.hook, em.layer, em.extract(args, kwargs, output), em.layout, plan)
+            return None
+
+        return hook
+
+    def _on_model_pre(self, module, args, kwargs):
+        self._plan = None
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        ref = ids if ids is not None else embeds
+        if ref is None:
+            return None
+        b, t = ref.shape[0], ref.shape[1]
+        call = self._call
+        if call is None:
+            call = self._implicit_call(b, kwargs)
+        if call.step < 0:
+            phase = call.first_phase
+            if call.pads is None:
+                mask = kwargs.get("attention_mask")
+                call.pads = left_pads(mask) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else [0] * b
+            first_cols = call.pads
+        else:
+            phase = "decode"
+            first_cols = [0] * b
+        call.step += 1
+        starts = list(call.n_real)
+        for i in range(b):
+            call.n_real[i] += t - first_cols[i]
+        forward_index = self._forwards
+        self._forwards += 1
+        if not self._capture_enabled or not self.schedule.admits_step(forward_index, phase, call.step):
+            return None  # refused: nothing dispatched, nothing reserved
+        rows = [i for i in range(b) if call.admitted[i]]
+        if not rows:
+            return None
+        plan = StepPlan.build(batch=b, tokens=t, phase=phase, step=call.step, first_cols=first_cols,
+                              starts=starts, kv_pads=call.pads, rows=rows, request_ids=call.request_ids,
+                              geometry=self.geometry, hooks=self.selection.hooks)
+        self._plan = plan
+        if "token_ids" in self.selection.hooks and ids is not None:
+            self._emit("token_ids", -1, ids, "bt", plan)
+        return None
+
+    def _on_model_post(self, module, args, output):
+        self._plan = None
+        self._submit()
+        return None
+
+    def _implicit_call(self, b: int, kwargs) -> _Call:
+        """A forward that did not come through ``generate``/``forward`` (e.g. the user called
+        ``model.generate`` directly): a non-empty cache continues the previous implicit call
+        (decode), anything else starts a new one with fresh request ids."""
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        seen = 0
+        if cache is not None and hasattr(cache, "get_seq_length"):
+            seen = int(cache.get_seq_length())
+        prev = self._implicit
+        if seen > 0 and prev is not None and len(prev.request_ids) == b:
+            return prev
+        rids = [f"{self.run_id}-{self._n_requests + i:06d}" for i in range(b)]
+        call = self._new_call(rids, "prefill" if cache is not None else "forward")
+        self._implicit = call
+        return call
+
+    def _emit(self, hook: str, layer: int, x, layout: str, plan: StepPlan) -> None:
+        if x is None:
+            if hook == "attn_pattern":
+                raise AttentionImplementationError(
+                    "the attention module returned no weights; attn_pattern needs eager attention "
+                    "(model.set_attn_implementation('eager'))"
+                )
+            raise CaptureError(f"hook {hook!r} (layer {layer}) produced no tensor")
+        x = x.detach()
+        if layout == "pattern":
+            self._emit_pattern(hook, layer, x, plan)
+            return
+        if layout == "bt":
+            t = x.shape[1]
+            if t != plan.tokens:
+                plan = plan.tail(t)
+            x2 = x.reshape(x.shape[0] * t, -1)
+        else:
+            x2 = x.reshape(x.shape[0], -1)
+        n = plan.n_rows
+        nbytes = n * x2.shape[1] * x2.element_size()
+        res = self.ring.reserve(nbytes, check=self.drain.check)
+        if res is None:
+            self.drain.note_loss(hook, layer, plan)
+            return
+        slot, off = res
+        dst = slot.buffer[off : off + nbytes].view(x2.dtype).view(n, x2.shape[1])
+        index = plan.index_on(x2.device)
+        if x2.device.type == "cuda":
+            self._copy_cuda(dst, x2, index)
+        elif index is None:
+            dst.copy_(x2)
+        else:
+            torch.index_select(x2, 0, index, out=dst)
+        slot.entries.append(Entry(hook, layer, off, nbytes, x2.dtype, n, plan))
+        self.ring.stats.copies += 1
+
+    def _emit_pattern(self, hook, layer, x, plan: StepPlan) -> None:
+        kv = x.shape[-1]
+        for i, s in enumerate(plan.spans):
+            src = x[s.row, :, s.first_col :, s.kv_pad :]
+            nbytes = src.numel() * src.element_size()
+            res = self.ring.reserve(nbytes, check=self.drain.check)
+            if res is None:
+                self.drain.note_loss(hook, layer, _OneSpan(plan, s))
+                continue
+            slot, off = res
+            dst = slot.buffer[off : off + nbytes].view(src.dtype).view(src.shape)
+            if src.device.type == "cuda":
+                self._copy_cuda(dst, src, None)
+            else:
+                dst.copy_(src)
+            slot.entries.append(Entry(hook, layer, off, nbytes, src.dtype, s.n, plan, kv, i))
+            self.ring.stats.copies += 1
+
+    def _copy_cuda(self, dst, src, index) -> None:
+        side = self._cuda_side_stream
+        if side is None:
+            side = self._cuda_side_stream = torch.cuda.Stream(device=src.device)
+        side.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(side):
+            if index is not None:
+                src = src.index_select(0, index)  # allocated on the side stream
+            else:
+                src.record_stream(side)
+            dst.copy_(src, non_blocking=True)
+
+    def _submit(self) -> None:
+        slot = self.ring._current
+        if slot is not None and slot.entries and self._cuda_side_stream is not None:
+            slot.event = cuda_event_for_submission(self._cuda_side_stream)
+        self.ring.submit()
+
+    # -- close ----------------------------------------------------------------------------------
+    def _close(self, error: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._plan = None
+        self._remove_hooks()
+        try:
+            self._submit()
+            published = self.drain.close()
+            self.published.extend(published)
+        finally:
+            try:
+                if self._publisher is not None:
+                    self._publisher.close()
+            finally:
+                self.ring.close()
+
+
+class _OneSpan:
+    """A view of a plan restricted to one request (for counting dropped pattern records)."""
+
+    __slots__ = ("spans", "step", "phase")
+
+    def __init__(self, plan, span):
+        self.spans = (span,)
+        self.step = plan.step
+        self.phase = plan.phase
+
+
+def _model_device(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def _model_dtype(model) -> torch.dtype:
+    try:
+        return next(p.dtype for p in model.parameters() if p.is_floating_point())
+    except StopIteration:
+        return torch.float32
+
+
+def _tp_info(model, tp_rank, tp_size) -> tuple[int, int]:
+    if tp_size is None:
+        tp_size = int(getattr(model, "tp_size", None) or 1)
+    if tp_rank is None:
+        tp_rank = 0
+        if tp_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            tp_rank = torch.distributed.get_rank()
+    return int(tp_rank), int(tp_size)
+
+
+@contextlib.contextmanager
+def attach(
+    model: nn.Module,
+    *,
+    hooks="resid_post",
+    layers=None,
+    store=None,
+    catalog=None,
+    model_id: str | None = None,
+    run_id: str | None = None,
+    schedule=None,
+    ring_slots: int = 8,
+    slot_bytes: int = 32 << 20,
+    ring_timeout: float = 60.0,
+    drop_policy: str = "wait",
+    writer_options: dict | None = None,
+    publish_scope: str | None = None,
+    tp_rank: int | None = None,
+    tp_size: int | None = None,
+    tp_ranks=None,
+    pp_rank: int = 0,
+    pp_ranks=None,
+    writer=None,
+):
+    """Attach capture to ``model``; yields a :class:`CaptureSession`.
+
+    * ``hooks``: names or group tokens (see ``HOOKS`` / ``GROUPS``); ``layers``: ``None`` (all),
+      an int, ``range``, ``slice``, ``(start, stop)`` or a list.
+    * ``store``: the ``PackStore`` packs are written to; ``catalog``: where they are published
+      (under a publisher lease on ``publish_scope``, default ``"capture/<model_id>/<run_id>"``);
+      without a catalog, packs are sealed but not published.
+    * ``schedule``: a :class:`Schedule` (or a dict of its fields, or phases).
+    * ``ring_slots`` × ``slot_bytes``: host memory between the model and the drain thread;
+      ``ring_timeout``: how long the producer waits for a free slot before
+      :class:`RingFullError`; ``drop_policy="drop"``: drop (and count in the catalog's losses)
+      instead of waiting.
+    * ``tp_ranks`` / ``pp_ranks``: capture only on these ranks (others attach, capture nothing).
+    * ``writer``: a ready pack writer (``append``/``seal``/``close``) instead of one made from
+      ``store`` — for tests and custom sinks.
+    """
+    # 1. everything that can be refused is checked before the model is touched
+    arch = resolve_architecture(model)
+    impl = getattr(model.config, "_attn_implementation", None)
+    selection = select(arch, hooks, layers, attn_implementation=impl)
+    schedule = Schedule.coerce(schedule)
+    model_id = _validate_id("model id", model_id if model_id is not None else derive_model_id(model))
+    run_id = _validate_id("run id", run_id if run_id is not None else _new_run_id())
+    tp_rank, tp_size = _tp_info(model, tp_rank, tp_size)
+    enabled = (tp_ranks is None or tp_rank in set(tp_ranks)) and (pp_ranks is None or pp_rank in set(pp_ranks))
+    if writer is None and store is None:
+        raise InvalidArgumentError("attach needs a pack store (store=PackStore.local(path))")
+    geometry = ModelGeometry.from_config(model.config, _model_dtype(model))
+    owner_key = arch.layers  # shared by a *ForCausalLM and its inner base model
+    with _OWNERS_LOCK:
+        if owner_key in _OWNERS:
+            holder = _OWNERS[owner_key]
+            raise AttachError(
+                f"{type(model).__name__} is already attached (run {getattr(holder, 'run_id', '?')!r}); "
+                "detach (leave its `with` block) before attaching again"
+            )
+        ring = Ring(ring_slots, slot_bytes, timeout=ring_timeout, drop_policy=drop_policy)
+        _OWNERS[owner_key] = None  # type: ignore[assignment]  # reserved while we build
+    session = None
+    try:
+        ctx = KeyContext(model_id, run_id, tp_rank, tp_size, geometry.head_dim, geometry.n_kv_heads,
+                         replicated_kv=tp_size > 1 and geometry.n_kv_heads < tp_size)
+        publisher = None
+        if catalog is not None:
+            publisher = _Publishing(catalog, publish_scope or f"capture/{model_id}/{run_id}")
+        if writer is None:
+            writer = _make_writer(store, ctx, run_id, writer_options)
+        drain = Drain(ring, writer, ctx,
+                      publish=None if publisher is None else publisher.publish,
+                      record_losses=None if publisher is None else publisher.record_losses)
+        ring._on_submit = drain.submit
+        session = CaptureSession(model, arch, selection, geometry, model_id=model_id, run_id=run_id,
+                                 schedule=schedule, ring=ring, drain=drain, publisher=publisher,
+                                 tp_rank=tp_rank, tp_size=tp_size, capture_enabled=enabled)
+        with _OWNERS_LOCK:
+            _OWNERS[owner_key] = session
+        session._install()
+    except BaseException:
+        if session is not None:
+            session._remove_hooks()
+        with _OWNERS_LOCK:
+            _OWNERS.pop(owner_key, None)
+        raise
+    failed = False
+    try:
+        yield session
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        try:
+            if failed:
+                with contextlib.suppress(Exception):
+                    session._close(error=True)
+            else:
+                session._close(error=False)
+        finally:
+            with _OWNERS_LOCK:
+                _OWNERS.pop(owner_key, None)
+
+
+def _make_writer(store, ctx: KeyContext, run_id: str, options: dict | None):
+    from dmi.catalog import PackWriter  # type: ignore[attr-defined]
+
+    opts = dict(options or {})
+    opts.setdefault("writer_id", f"capture-{run_id}")
+    return PackWriter(store, on_seal=ctx.sealed.append, **opts)
+
+
+class _Publishing:
+    """The session's publisher lease: acquired at attach, renewed as packs are published,
+    released at detach."""
+
+    def __init__(self, catalog, scope: str, lease_seconds: float = 30.0):
+        self.catalog = catalog
+        self.lease_seconds = lease_seconds
+        self.publisher = catalog.publisher(scope, lease_seconds=lease_seconds)
+        self.publisher.acquire()
+        self._renewed = time.monotonic()
+
+    def _keep_alive(self) -> None:
+        if time.monotonic() - self._renewed > self.lease_seconds / 3:
+            self.publisher.renew()
+            self._renewed = time.monotonic()
+
+    def publish(self, descriptors) -> None:
+        self._keep_alive()
+        self.publisher.publish(list(descriptors))
+
+    def record_losses(self, keys) -> None:
+        self.catalog.record_losses(keys)
+
+    def close(self) -> None:
+        self.publisher.release()

@@ -1,0 +1,73 @@
+"""Tiny randomly initialised models for the capture tests (no weights are downloaded)."""
+
+from __future__ import annotations
+
+import torch
+
+SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def tiny(kind: str = "llama", *, attn: str = "sdpa", dtype=torch.float32, seed: int = 0, **over):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if kind == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=97, n_embd=32, n_layer=3, n_head=4, n_positions=128,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **over)
+        model = tf.GPT2LMHeadModel(cfg)
+    else:
+        cls_cfg, cls_model = {
+            "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+            "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+            "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+            "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        }[kind]
+        kw = dict(SMALL)
+        if kind == "mixtral":
+            kw.update(num_local_experts=4, num_experts_per_tok=2)
+        if kind == "qwen3":
+            kw.update(head_dim=8)
+        kw.update(over)
+        model = cls_model(cls_cfg(**kw))
+    model = model.to(dtype).eval()
+    model.set_attn_implementation(attn)
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def left_padded_batch(lengths=(7, 4, 6), vocab=97, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    t = max(lengths)
+    ids = torch.zeros(len(lengths), t, dtype=torch.long)
+    mask = torch.zeros(len(lengths), t, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, t - n:] = torch.randint(3, vocab, (n,), generator=g)
+        mask[i, t - n:] = 1
+    return ids, mask
+
+
+class MemoryWriter:
+    """Stands in for the pack writer where a test needs to see records without storage."""
+
+    def __init__(self, on_seal=None, fail_after=None):
+        self.records = []
+        self.on_seal = on_seal
+        self.fail_after = fail_after
+        self.sealed = 0
+
+    def append(self, key, data, *, shard=None):
+        if self.fail_after is not None and len(self.records) >= self.fail_after:
+            raise RuntimeError("disk on fire")
+        self.records.append((key, data.clone(), shard))
+
+    def seal(self):
+        self.sealed += 1
+        return None
+
+    def close(self):
+        pass
+
+    def by(self, hook, request_id=None):
+        return [(k, d) for k, d, _ in self.records if k.hook == hook and (request_id is None or k.request_id == request_id)]

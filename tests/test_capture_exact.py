@@ -1,0 +1,146 @@
+"""Bit-exact capture against independent references (uncaptured runs, recomputed projections)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _models import MemoryWriter, left_padded_batch, tiny
+from dmi.capture import attach
+
+N_NEW = 4
+
+
+def collect(writer, rid, hook, layer):
+    recs = sorted((k.start_token, k, d) for k, d, _ in writer.records
+                  if k.request_id == rid and k.hook == hook and k.layer == layer)
+    starts = [s for s, _, _ in recs]
+    assert starts == sorted(set(starts)), f"duplicate chunks for {hook} {layer}"
+    return torch.cat([d for _, _, d in recs]) if recs else None
+
+
+def _reference(model, ids, mask):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False,
+                          output_hidden_states=True, output_logits=True, return_dict_in_generate=True)
+
+
+def _per_row(ref_steps, layer_index, row, pad):
+    """Concatenate one row's real tokens over prefill and decode steps of a hidden-state list."""
+    parts = [ref_steps[0][layer_index][row, pad:]]
+    parts += [ref_steps[s][layer_index][row, -1:] for s in range(1, len(ref_steps))]
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gpt2"])
+def test_resid_stream_bit_exact_over_prefill_and_decode(kind):
+    model = tiny(kind)
+    ids, mask = left_padded_batch()
+    pads = (mask == 0).sum(1).tolist()
+    ref = _reference(model, ids, mask)
+    w = MemoryWriter()
+    with attach(model, hooks="resid_pre resid_post final_norm logits token_ids", writer=w) as cap:
+        rids, out = cap.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
+    # generation unchanged by capture
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.logits, ref.logits):
+        assert torch.equal(a, b)
+    n_layers = model.config.num_hidden_layers
+    steps = ref.hidden_states
+    assert len(steps) == N_NEW
+    for i, rid in enumerate(rids):
+        real = ids.shape[1] - pads[i]
+        toks = collect(w, rid, "token_ids", -1)
+        # every token fed to the model: the prompt, then each generated token but the last
+        assert torch.equal(toks, ref.sequences[i, pads[i]:-1])
+        for layer in range(n_layers):
+            assert torch.equal(collect(w, rid, "resid_pre", layer), _per_row(steps, layer, i, pads[i])), layer
+            got = collect(w, rid, "resid_post", layer)
+            assert got.shape == (real + N_NEW - 1, model.config.hidden_size)
+            if layer < n_layers - 1:  # the last hidden state HF returns is the normed one
+                assert torch.equal(got, _per_row(steps, layer + 1, i, pads[i])), layer
+        assert torch.equal(collect(w, rid, "final_norm", -1), _per_row(steps, n_layers, i, pads[i]))
+        # logits: the model materialises only the last position per step (logits_to_keep)
+        logits = collect(w, rid, "logits", -1)
+        assert torch.equal(logits, torch.stack([ref.logits[s][i] for s in range(N_NEW)]))
+        starts = sorted(k.start_token for k, _, _ in w.records if k.request_id == rid and k.hook == "logits")
+        assert starts == list(range(real - 1, real + N_NEW - 1))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt2"])
+def test_qkv_equal_projections_recomputed_from_resid_pre(kind):
+    model = tiny(kind)
+    ids, mask = left_padded_batch()
+    pads = (mask == 0).sum(1).tolist()
+    ref = model(ids, attention_mask=mask, output_hidden_states=True)
+    w = MemoryWriter()
+    with attach(model, hooks="resid_pre attn_q attn_k attn_v", writer=w) as cap:
+        rids, _ = cap.forward(ids, attention_mask=mask)
+    for layer in range(model.config.num_hidden_layers):
+        if kind == "gpt2":
+            blk = model.transformer.h[layer]
+            qkv = blk.attn.c_attn(blk.ln_1(ref.hidden_states[layer]))
+            q, k, v = qkv.split(model.config.n_embd, dim=2)
+            hd = model.config.n_embd // model.config.n_head
+        else:
+            blk = model.model.layers[layer]
+            x = blk.input_layernorm(ref.hidden_states[layer])
+            a = blk.self_attn
+            q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
+            hd = a.head_dim
+        for i, rid in enumerate(rids):
+            assert torch.equal(collect(w, rid, "resid_pre", layer), ref.hidden_states[layer][i, pads[i]:])
+            for name, ref_t in (("attn_q", q), ("attn_k", k), ("attn_v", v)):
+                got = collect(w, rid, name, layer)
+                want = ref_t[i, pads[i]:].reshape(-1, ref_t.shape[-1] // hd, hd)
+                assert got.shape == want.shape
+                assert torch.equal(got, want), (name, layer)
+
+
+def test_router_topk_equals_gate_topk():
+    model = tiny("mixtral")
+    ids, mask = left_padded_batch()
+    pads = (mask == 0).sum(1).tolist()
+    ref = model(ids, attention_mask=mask, output_hidden_states=True)
+    w = MemoryWriter()
+    with attach(model, hooks="router", writer=w) as cap:
+        rids, _ = cap.forward(ids, attention_mask=mask)
+    b, t = ids.shape
+    for layer, blk in enumerate(model.model.layers):
+        # independent: the gate applied to the MoE block's own input, captured by a plain hook
+        seen = {}
+        h = blk.mlp.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0].detach().clone()))
+        try:
+            model(ids, attention_mask=mask)
+        finally:
+            h.remove()
+        flat = seen["x"].reshape(b * t, -1)
+        logits = torch.nn.functional.linear(flat, blk.mlp.gate.weight)
+        top = torch.topk(torch.softmax(logits.float(), -1), model.config.num_experts_per_tok, dim=-1).indices
+        for i, rid in enumerate(rids):
+            rows = slice(i * t + pads[i], (i + 1) * t)
+            assert torch.equal(collect(w, rid, "router_logits", layer), logits[rows])
+            assert torch.equal(collect(w, rid, "router_topk", layer), top[rows])
+
+
+def test_attn_pattern_equals_eager_attentions_with_padding_stripped():
+    model = tiny("llama", attn="eager")
+    ids, mask = left_padded_batch()
+    pads = (mask == 0).sum(1).tolist()
+    ref = _reference(model, ids, mask)
+    ref_att = model.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False,
+                             output_attentions=True, return_dict_in_generate=True).attentions
+    w = MemoryWriter()
+    with attach(model, hooks="attn_pattern", layers=[0, 2], writer=w) as cap:
+        rids, out = cap.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False,
+                                 return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref.sequences)
+    for i, rid in enumerate(rids):
+        for layer in (0, 2):
+            recs = sorted((k.step, k, d) for k, d, _ in w.records
+                          if k.request_id == rid and k.layer == layer)
+            assert len(recs) == N_NEW
+            for step, k, d in recs:
+                want = ref_att[step][layer][i, :, pads[i]:, pads[i]:] if step == 0 else \
+                    ref_att[step][layer][i, :, :, pads[i]:]
+                assert torch.equal(d, want)
