@@ -1,0 +1,82 @@
+"""``dmi capture``: load a model, run prompts through it under capture, report what was stored."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dmi.catalog.errors import InvalidArgumentError
+
+__all__ = ["run_capture", "stored_totals"]
+
+
+def stored_totals(descriptors: Sequence[Any]) -> dict[str, int]:
+    """Records, packs and bytes (raw payload, stored payload, whole pack files) of sealed packs."""
+    records = [entry for d in descriptors for entry in d.records]
+    return {
+        "packs": len(descriptors),
+        "records": len(records),
+        "raw_bytes": sum(e.meta.raw_size for e in records),
+        "stored_bytes": sum(e.payload.length for e in records),
+        "pack_bytes": sum(d.size for d in descriptors),
+    }
+
+
+def run_capture(
+    args: argparse.Namespace,
+    prompts: Sequence[str],
+    *,
+    layers: Any,
+    progress: Callable[[int], Any],
+) -> dict[str, Any]:
+    """Capture ``prompts`` through the model ``args.model``; returns ids and totals as a dict.
+
+    ``--max-new-tokens 0`` runs one scoring pass per batch (phase ``forward``); otherwise
+    ``generate`` runs greedily and ``--phases`` chooses prefill and/or decode.
+    """
+    import torch
+
+    import dmi
+    from dmi._models import load_model
+    from dmi.capture import Schedule
+
+    for name in ("max_new_tokens", "batch_size"):
+        if getattr(args, name) < (0 if name == "max_new_tokens" else 1):
+            raise InvalidArgumentError(f"--{name.replace('_', '-')} must be at least "
+                                       f"{0 if name == 'max_new_tokens' else 1}")
+    scoring = args.max_new_tokens == 0
+    phases = ("forward",) if scoring else tuple(p.strip() for p in args.phases.split(",") if p.strip())
+    schedule = Schedule(phases=phases, step_stride=args.step_stride,
+                        request_stride=args.request_stride, warmup=args.warmup)
+    _quiet_transformers()
+    loaded = load_model(args.model, attn_implementation=args.attn_implementation)
+    tokenizer = loaded.tokenizer
+    request_ids: list[str] = []
+    with dmi.open(catalog=args.catalog, packs=args.packs, home=args.home) as store:
+        with dmi.capture(loaded.model, hooks=args.hooks, layers=layers, store=store,
+                         model_id=args.model_id, schedule=schedule) as session, progress(len(prompts)) as bar:
+            for start in range(0, len(prompts), args.batch_size):
+                batch = list(prompts[start:start + args.batch_size])
+                enc = tokenizer(batch, return_tensors="pt", padding=True)
+                with torch.inference_mode():
+                    if scoring:
+                        result = session.forward(enc["input_ids"], enc["attention_mask"])
+                    else:
+                        result = session.generate(enc["input_ids"], enc["attention_mask"],
+                                                  max_new_tokens=args.max_new_tokens, do_sample=False,
+                                                  pad_token_id=tokenizer.pad_token_id)
+                request_ids.extend(result.request_ids)
+                bar.update(len(batch))
+            session.flush()
+            published = list(session.published)
+            model_id, run_id = session.model_id, session.run_id
+    return {"model_id": model_id, "run_id": run_id, "request_ids": request_ids, **stored_totals(published)}
+
+
+def _quiet_transformers() -> None:
+    """HF's own progress bars and advisory logs would interleave with ours; DMI reports progress."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()

@@ -1,0 +1,208 @@
+"""``dmi demo``: the README quickstart, end to end, in seconds on a laptop CPU.
+
+1. builds the built-in ``tiny-llama`` (4 layers, hidden 64, random weights from seed 0,
+   an in-memory byte tokenizer: nothing is downloaded);
+2. captures a batch of prompts of different lengths (left padded) through greedy
+   ``generate`` — prefill and decode — with several hook groups, into the store;
+3. prints what was stored: the requests, the hooks and layers of one request, records,
+   bytes on disk against raw bytes, the compression ratio;
+4. reads hidden states back and checks them **bit for bit** against the model's own
+   ``output_hidden_states`` from the same ``generate`` call: ``embed`` is
+   ``hidden_states[0]``, ``resid_post`` of layer ``i`` is ``hidden_states[i + 1]`` for all
+   but the last layer, ``final_norm`` is ``hidden_states[-1]`` (transformers applies the
+   final norm to the last entry) — over the prompt's real tokens and every decode step;
+5. answers one question from per-record statistics alone (SQL, no payload read);
+6. writes a heatmap of ``resid_post`` norms and says what to run next.
+
+Running it again appends a new run (a new run id, new request ids) under the same model
+id; nothing already stored is touched, and every step reads back its own run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["DEMO_PROMPTS", "DEMO_HOOKS", "DEMO_MODEL_ID", "DemoReport", "run_demo"]
+
+DEMO_MODEL_ID = "tiny-llama"
+DEMO_HOOKS = "tokens,resid,attn,mlp,logits"
+DEMO_PROMPTS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Residual streams carry the model's running state from layer to layer.",
+    "Hello, world!",
+    "What happens inside a language model while it writes?",
+)
+DEMO_NEW_TOKENS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class DemoReport:
+    """What the demo did and measured; ``bit_exact`` is the check of step 4."""
+
+    home: str
+    model_id: str
+    run_id: str
+    request_ids: tuple[str, ...]
+    hooks: tuple[str, ...]
+    layers: tuple[int, ...]
+    records: int
+    packs: int
+    raw_bytes: int
+    stored_bytes: int
+    pack_bytes: int
+    checked_tensors: int
+    checked_tokens: int
+    bit_exact: bool
+    plot_path: str
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_demo(
+    *,
+    catalog: str | None = None,
+    packs: str | None = None,
+    home: str | None = None,
+    plot_path: str | None = None,
+    say: Callable[..., None] = print,
+) -> DemoReport:
+    """Run the demo against ``dmi.open(catalog, packs, home=home)``; returns its report.
+
+    Raises whatever opening the store raises (e.g. ``CatalogLockedError``) and
+    ``DMIError`` subclasses from capture and reading; a mismatch in the bit-exact check is
+    not an exception, it is ``report.bit_exact == False`` (and said on the way).
+    """
+    import os
+
+    import torch
+
+    import dmi
+    from dmi._capture_cli import _quiet_transformers, stored_totals
+    from dmi._human import human_bytes, human_seconds, render_table
+    from dmi._models import BUILTIN_MODELS, load_model
+    from dmi._plot import token_norms, write_norm_plot
+
+    started = time.perf_counter()
+    _quiet_transformers()
+    spec = BUILTIN_MODELS[DEMO_MODEL_ID]
+    say(f"1. building {spec.name}: Llama-style, {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, "
+        f"random weights (seed {spec.seed}), byte-level tokenizer; nothing downloaded")
+    loaded = load_model(DEMO_MODEL_ID)
+    model, tokenizer = loaded.model, loaded.tokenizer
+
+    with dmi.open(catalog=catalog, packs=packs, home=home) as store:
+        say(f"   store: catalog {store.catalog_uri}, packs {store.packs_uri}")
+        enc = tokenizer(list(DEMO_PROMPTS), return_tensors="pt", padding=True)
+        say(f"2. capturing {len(DEMO_PROMPTS)} prompts (left-padded batch, {enc['input_ids'].shape[1]} tokens), "
+            f"greedy generate with {DEMO_NEW_TOKENS} new tokens, hooks {DEMO_HOOKS!r}")
+        with dmi.capture(model, hooks=DEMO_HOOKS, store=store, model_id=DEMO_MODEL_ID) as session:
+            with torch.inference_mode():
+                result = session.generate(
+                    enc["input_ids"], enc["attention_mask"], max_new_tokens=DEMO_NEW_TOKENS, do_sample=False,
+                    output_hidden_states=True, return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id,
+                )
+            session.flush()
+            totals = stored_totals(session.published)
+            run_id = session.run_id
+        request_ids = result.request_ids
+
+        say(f"3. stored run {run_id}:")
+        requests = store.requests(DEMO_MODEL_ID, run_id=run_id)
+        say(_indent(render_table(
+            ["request", "tokens", "records", "stored"],
+            [[r.request_id, r.n_tokens, r.records, human_bytes(r.stored_bytes)] for r in requests],
+        )))
+        contents = store.contents(DEMO_MODEL_ID, request_ids[0], run_id=run_id)
+        layers = next((h.layers for h in contents.hooks if h.hook == "resid_post"), ())
+        say(f"   request {request_ids[0]} holds {len(contents.hooks)} hooks: "
+            f"{', '.join(h.hook for h in contents.hooks)}; layers {layers[0]}-{layers[-1]}")
+        ratio = totals["raw_bytes"] / totals["pack_bytes"] if totals["pack_bytes"] else 1.0
+        say(f"   {totals['records']} records in {totals['packs']} packs: {human_bytes(totals['raw_bytes'])} raw, "
+            f"{human_bytes(totals['pack_bytes'])} on disk ({ratio:.2f}x)")
+
+        say("4. reading back and checking against the model's own output_hidden_states")
+        checked, tokens, exact = _check_hidden_states(store, run_id, request_ids, enc["attention_mask"],
+                                                     result.output.hidden_states, say)
+        say(f"   {checked} tensors, {tokens} tokens: " + ("bit-exact" if exact else "MISMATCH"))
+
+        say("5. one question from per-record statistics, no payload read:")
+        query = store.example_query(DEMO_MODEL_ID, "resid_post", run_id=run_id)
+        say(_indent(query))
+        table = store.sql(query)
+        say(_indent(render_table(table.column_names, [[_fmt(v) for v in row.values()] for row in table.to_pylist()])))
+
+        out = plot_path or os.path.join(store.home, "demo.png")
+        stacked = store.get_internal(DEMO_MODEL_ID, request_ids[1], "resid_post", run_id=run_id)
+        drawn = write_norm_plot(token_norms(stacked), layers, out,
+                                title=f"resid_post L2 norm · {DEMO_MODEL_ID} · {request_ids[1]}")
+        say(f"6. wrote {drawn.path} (layers x tokens of resid_post norms, and the per-layer mean)")
+        home_used = store.home
+
+    seconds = time.perf_counter() - started
+    say(f"\ndone in {human_seconds(seconds)}. Next:")
+    flag = "" if home is None else f" --home {home}"
+    for line in (
+        f"dmi models{flag}",
+        f"dmi requests {DEMO_MODEL_ID}{flag}",
+        f"dmi show {DEMO_MODEL_ID} {request_ids[0]}{flag}",
+        f"dmi get {DEMO_MODEL_ID} {request_ids[0]} resid_post -o resid_post.safetensors{flag}",
+        f"dmi plot {DEMO_MODEL_ID} {request_ids[0]} --hook mlp_out -o mlp_out.png{flag}",
+        f"dmi verify{flag}",
+        "dmi capture --model tiny-llama --prompt 'your text' --hooks resid,attn   (or --model /path/to/hf-model)",
+    ):
+        say(f"  {line}")
+    say("  python: see docs/api.md (dmi.open(), store.get_internal(...), store.lazy(...), store.sql(...))")
+    return DemoReport(
+        home=home_used, model_id=DEMO_MODEL_ID, run_id=run_id, request_ids=tuple(request_ids),
+        hooks=tuple(h.hook for h in contents.hooks), layers=tuple(layers),
+        records=totals["records"], packs=totals["packs"], raw_bytes=totals["raw_bytes"],
+        stored_bytes=totals["stored_bytes"], pack_bytes=totals["pack_bytes"],
+        checked_tensors=checked, checked_tokens=tokens, bit_exact=exact, plot_path=drawn.path, seconds=seconds,
+    )
+
+
+def _check_hidden_states(store, run_id: str, request_ids, mask, hidden_states, say) -> tuple[int, int, bool]:
+    """Compare stored ``embed``/``resid_post``/``final_norm`` with ``generate``'s hidden states.
+
+    ``hidden_states[step][j]`` is ``[batch, step_tokens, hidden]``; for row ``b`` the stored
+    tokens are the prompt's real (unpadded) positions followed by one token per decode step.
+    Returns (tensors compared, tokens compared, all equal).
+    """
+    import torch
+
+    n_layers = len(hidden_states[0]) - 1
+    checked = tokens = 0
+    exact = True
+    for row, rid in enumerate(request_ids):
+        real = mask[row].bool()
+
+        def expected(j: int) -> torch.Tensor:
+            first = hidden_states[0][j][row][real]
+            return torch.cat([first, *(step[j][row] for step in hidden_states[1:])])
+
+        resid = store.get_internal(DEMO_MODEL_ID, rid, "resid_post", run_id=run_id)
+        pairs = [("embed", store.get_internal(DEMO_MODEL_ID, rid, "embed", run_id=run_id), expected(0))]
+        pairs += [(f"resid_post[{i}]", resid[i], expected(i + 1)) for i in range(n_layers - 1)]
+        pairs.append(("final_norm", store.get_internal(DEMO_MODEL_ID, rid, "final_norm", run_id=run_id),
+                      expected(n_layers)))
+        for name, got, want in pairs:
+            same = got.shape == want.shape and torch.equal(got, want)
+            if not same:
+                say(f"   {rid} {name}: stored {tuple(got.shape)} differs from hidden_states {tuple(want.shape)}")
+            exact &= same
+            checked += 1
+        tokens += int(resid.shape[1])
+    return checked, tokens, exact
+
+
+def _indent(text: str) -> str:
+    return "\n".join("   " + line for line in text.splitlines())
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
