@@ -1,0 +1,351 @@
+"""PackWriter: records in, sealed packs out.
+
+``append`` encodes a record (checksum, statistics, compression — all outside the GIL and
+outside the writer's lock, so several threads can encode at once), then adds it to the
+open pack. Records of at least ``batch_bytes`` are written at once as their own record
+batch, straight from the caller's memory; smaller ones are gathered (copied) into one
+batch so that per-batch overhead stays small. The pack seals at ``max_records`` records,
+before it would pass ``max_bytes`` stored bytes, on :meth:`PackWriter.seal`, and on
+:meth:`PackWriter.close`.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from dmi.catalog._codecs import CODECS, DEFAULT_CODEC, checksum, encode
+from dmi.catalog._pack_format import PACK_SCHEMA, FORMAT_VERSION, dtype_name, encode_index, schema_with_metadata, torch_dtype
+from dmi.catalog._store import PackSink, PackStore
+from dmi.catalog.errors import InvalidArgumentError, PackError, PackSealError, UnsupportedDtypeError
+from dmi.catalog.records import ByteRange, PackDescriptor, RecordEntry, RecordKey, RecordMeta, RecordStats, ShardGeometry
+
+__all__ = ["PackWriter", "DEFAULT_MAX_RECORDS", "DEFAULT_MAX_BYTES", "DEFAULT_BATCH_BYTES"]
+
+DEFAULT_MAX_RECORDS = 10_000
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+DEFAULT_BATCH_BYTES = 1024 * 1024
+_IPC_ALIGNMENT = 8  # Arrow IPC pads every body buffer to a multiple of 8 bytes
+_IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression=None)
+_WIDE = {torch.float64, torch.int64, torch.uint64, torch.int32, torch.uint32, torch.complex128}
+
+
+@dataclass(frozen=True, slots=True)
+class _Encoded:
+    """A record ready for the pack: its description and its stored bytes."""
+
+    meta: RecordMeta
+    stored: object  # buffer-like; may alias the caller's tensor until written
+    length: int
+
+
+class PackWriter:
+    """Append records; get sealed packs (and their descriptors) back.
+
+    Thread-safe. ``on_seal(descriptor)`` runs, under the writer's lock, after each pack
+    is sealed (automatically or on demand); if it raises, the pack stays sealed and the
+    exception reaches whoever triggered the seal.
+    """
+
+    def __init__(
+        self,
+        store: PackStore,
+        *,
+        writer_id: str | None = None,
+        codec: str = DEFAULT_CODEC,
+        max_records: int = DEFAULT_MAX_RECORDS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        on_seal: Callable[[PackDescriptor], object] | None = None,
+        stats: bool = True,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
+    ):
+        if codec not in CODECS:
+            raise InvalidArgumentError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+        for name, value in (("max_records", max_records), ("max_bytes", max_bytes), ("batch_bytes", batch_bytes)):
+            if not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+        self.store = store
+        self.writer_id = writer_id or f"w-{secrets.token_hex(6)}"
+        self.codec = codec
+        self.max_records = max_records
+        self.max_bytes = max_bytes
+        self.on_seal = on_seal
+        self.stats = stats
+        self.batch_bytes = batch_bytes
+        self._lock = threading.RLock()
+        self._pack: _OpenPack | None = None
+        self._closed = False
+
+    def append(
+        self,
+        key: RecordKey,
+        data,
+        *,
+        shard: ShardGeometry | None = None,
+        dtype: str | torch.dtype | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> None:
+        """Add one record. ``data``: a tensor, or bytes/a buffer described by ``dtype``/``shape``."""
+        self._check_open()
+        if not isinstance(key, RecordKey):
+            raise InvalidArgumentError(f"key must be a RecordKey, got {type(key).__name__}")
+        if shard is not None and not isinstance(shard, ShardGeometry):
+            raise InvalidArgumentError(f"shard must be a ShardGeometry, got {type(shard).__name__}")
+        encoded = self._encode(key, data, shard, dtype, shape)
+        with self._lock:
+            self._check_open()
+            pack = self._pack
+            if pack is not None and pack.records and pack.stored_bytes + encoded.length > self.max_bytes:
+                self._seal_locked()
+            if self._pack is None:
+                self._pack = _OpenPack(self.store, self.writer_id, self.batch_bytes)
+            self._pack.add(encoded, self._forget_pack)
+            if len(self._pack.records) + len(self._pack.pending) >= self.max_records or self._pack.stored_bytes >= self.max_bytes:
+                self._seal_locked()
+
+    def seal(self) -> PackDescriptor | None:
+        """Seal the open pack now; ``None`` if it has no records."""
+        with self._lock:
+            self._check_open()
+            return self._seal_locked()
+
+    def close(self) -> PackDescriptor | None:
+        """Seal what is open and refuse further appends. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return None
+            try:
+                return self._seal_locked()
+            finally:
+                self._closed = True
+
+    def abort(self) -> None:
+        """Discard the open pack (nothing becomes visible) and close the writer."""
+        with self._lock:
+            if self._pack is not None:
+                self._pack.abort()
+                self._pack = None
+            self._closed = True
+
+    def __enter__(self) -> PackWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PackError(f"pack writer {self.writer_id} is closed")
+
+    def _forget_pack(self) -> None:
+        self._pack = None
+
+    def _seal_locked(self) -> PackDescriptor | None:
+        pack, self._pack = self._pack, None
+        if pack is None:
+            return None
+        descriptor = pack.seal()
+        if self.on_seal is not None:
+            self.on_seal(descriptor)
+        return descriptor
+
+    def _encode(self, key, data, shard, dtype, shape) -> _Encoded:
+        flat, tensor, dtype_str, shape_t = _as_bytes(data, dtype, shape)
+        stored = encode(self.codec, flat, torch_dtype(dtype_str).itemsize)
+        view = memoryview(stored).cast("B") if not isinstance(stored, np.ndarray) else stored
+        length = view.nbytes
+        meta = RecordMeta(
+            key=key,
+            dtype=dtype_str,
+            shape=shape_t,
+            codec=self.codec,
+            raw_size=flat.nbytes,
+            checksum=checksum(view),
+            shard=shard,
+            stats=_stats(tensor) if self.stats and tensor is not None else None,
+        )
+        return _Encoded(meta, view, length)
+
+
+def _as_bytes(data, dtype, shape):
+    """(contiguous uint8 numpy view, tensor for stats or None, dtype name, shape)."""
+    if isinstance(data, torch.Tensor):
+        if dtype is not None or shape is not None:
+            raise InvalidArgumentError("dtype=/shape= describe bytes payloads; a tensor describes itself")
+        tensor = data.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        tensor = tensor.resolve_conj().resolve_neg().contiguous()
+        name = dtype_name(tensor.dtype)
+        try:
+            flat = tensor.reshape(-1).view(torch.uint8).numpy()
+        except (RuntimeError, TypeError) as exc:
+            raise UnsupportedDtypeError(f"dtype {name} cannot be stored as bytes: {exc}") from exc
+        return flat, tensor, name, tuple(tensor.shape)
+    try:
+        flat = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"data must be a tensor or a contiguous buffer, got {type(data).__name__}") from exc
+    torch_type = torch_dtype(dtype) if isinstance(dtype, str) else (dtype or torch.uint8)
+    name = dtype_name(torch_type)
+    shape_t = tuple(int(s) for s in shape) if shape is not None else (flat.nbytes // torch_type.itemsize,)
+    if math.prod(shape_t) * torch_type.itemsize != flat.nbytes:
+        raise InvalidArgumentError(f"{flat.nbytes} bytes do not hold a {name} tensor of shape {shape_t}")
+    tensor = None
+    if flat.flags.writeable and flat.nbytes:
+        tensor = torch.from_numpy(flat).view(torch_type).reshape(shape_t)
+    return flat, tensor, name, shape_t
+
+
+def _stats(tensor: torch.Tensor) -> RecordStats | None:
+    """L2 norm, mean and absmax; accumulated in float32 (float64 for 64-bit / int32 inputs).
+
+    ``None`` for empty tensors and dtypes torch cannot convert to a float (e.g. float4).
+    """
+    if tensor.numel() == 0:
+        return None
+    acc = torch.float64 if tensor.dtype in _WIDE else torch.float32
+    try:
+        x = tensor.abs() if tensor.is_complex() else tensor
+        if not x.is_floating_point() or x.element_size() == 1:
+            x = x.to(acc)
+        l2 = torch.linalg.vector_norm(x, dtype=acc).item()
+        mean = (x.sum(dtype=acc) / x.numel()).item()
+        lo, hi = torch.aminmax(x)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+    return RecordStats(l2_norm=float(l2), mean=float(mean), absmax=float(max(-lo.item(), hi.item())))
+
+
+class _OpenPack:
+    """One pack being written: Arrow IPC file writer over a store sink, plus its index."""
+
+    def __init__(self, store: PackStore, writer_id: str, batch_bytes: int):
+        self.pack_id = secrets.token_hex(16)
+        self.store = store
+        self.writer_id = writer_id
+        self.batch_bytes = batch_bytes
+        self.sink: PackSink = store.create(self.pack_id)
+        self.records: list[RecordEntry] = []
+        self.pending: list[_Encoded] = []
+        self.pending_bytes = 0
+        self.stored_bytes = 0
+        try:
+            self.ipc = pa.ipc.new_file(self.sink.stream, schema_with_metadata(self.pack_id, writer_id), options=_IPC_OPTIONS)
+        except OSError as exc:
+            self.sink.abort()
+            raise PackSealError(f"pack {self.pack_id}: cannot start the Arrow file: {exc}") from exc
+
+    def add(self, encoded: _Encoded, on_failure: Callable[[], None]) -> None:
+        try:
+            if encoded.length >= self.batch_bytes:
+                self._flush()
+                self._write([encoded])  # straight from the caller's memory, no copy
+            else:
+                if isinstance(encoded.stored, np.ndarray):  # aliases the caller's buffer
+                    encoded = _Encoded(encoded.meta, encoded.stored.tobytes(), encoded.length)
+                self.pending.append(encoded)
+                self.pending_bytes += encoded.length
+                if self.pending_bytes >= self.batch_bytes:
+                    self._flush()
+        except OSError as exc:
+            lost = len(self.records) + len(self.pending) + 1
+            self.abort()
+            on_failure()
+            raise PackSealError(
+                f"pack {self.pack_id}: write failed ({exc}); the pack was discarded with its {lost} records"
+            ) from exc
+        self.stored_bytes += encoded.length
+
+    def seal(self) -> PackDescriptor:
+        sealed_at = time.time()
+        try:
+            self._flush()
+            index = pa.RecordBatch.from_pylist([], schema=PACK_SCHEMA)
+            self.ipc.write_batch(index, custom_metadata=encode_index(self.records, sealed_at))
+            self.ipc.close()
+        except OSError as exc:
+            self.abort()
+            raise PackSealError(f"pack {self.pack_id}: could not finish the file ({exc}); nothing published") from exc
+        size = self.sink.seal()
+        return PackDescriptor(
+            pack_id=self.pack_id,
+            location=self.store.location(self.pack_id),
+            size=size,
+            writer_id=self.writer_id,
+            format_version=FORMAT_VERSION,
+            sealed_at=sealed_at,
+            records=tuple(self.records),
+        )
+
+    def abort(self) -> None:
+        self.sink.abort()
+
+    def _flush(self) -> None:
+        if self.pending:
+            batch, self.pending, self.pending_bytes = self.pending, [], 0
+            self._write(batch)
+
+    def _write(self, batch: list[_Encoded]) -> None:
+        """Write ``batch`` as one record batch and record each payload's file offset.
+
+        ``payload`` is the schema's last column, so its data buffer is the last buffer of
+        the batch body: it starts ``pad8(total)`` bytes before the stream position after
+        the write. ``verify_pack`` checks this against the file independently.
+        """
+        total = sum(e.length for e in batch)
+        self.ipc.write_batch(_record_batch(batch, total))
+        data_start = self.sink.stream.tell() - _pad(total)
+        pos = data_start
+        for e in batch:
+            self.records.append(RecordEntry(e.meta, self.pack_id, ByteRange(pos if e.length else 0, e.length)))
+            pos += e.length
+
+
+def _pad(n: int) -> int:
+    return -(-n // _IPC_ALIGNMENT) * _IPC_ALIGNMENT
+
+
+def _record_batch(batch: list[_Encoded], total: int) -> pa.RecordBatch:
+    metas = [e.meta for e in batch]
+    keys = [m.key for m in metas]
+    offsets = np.zeros(len(batch) + 1, dtype=np.int64)
+    np.cumsum([e.length for e in batch], out=offsets[1:])
+    data = pa.py_buffer(batch[0].stored) if len(batch) == 1 else pa.py_buffer(b"".join(e.stored for e in batch))
+    payload = pa.Array.from_buffers(pa.large_binary(), len(batch), [None, pa.py_buffer(offsets), data])
+    shards = [m.shard for m in metas]
+    stats = [m.stats for m in metas]
+    columns = {
+        "model_id": [k.model_id for k in keys],
+        "run_id": [k.run_id for k in keys],
+        "request_id": [k.request_id for k in keys],
+        "hook": [k.hook for k in keys],
+        "layer": [k.layer for k in keys],
+        "shard_rank": [k.shard_rank for k in keys],
+        "tp_size": [k.tp_size for k in keys],
+        "start_token": [k.start_token for k in keys],
+        "n_tokens": [k.n_tokens for k in keys],
+        "step": [k.step for k in keys],
+        "phase": [k.phase for k in keys],
+        "dtype": [m.dtype for m in metas],
+        "shape": [list(m.shape) for m in metas],
+        "shard_axis": [None if s is None else s.axis for s in shards],
+        "shard_offset": [None if s is None else s.offset for s in shards],
+        "shard_full_shape": [[] if s is None else list(s.full_shape) for s in shards],
+        "codec": [m.codec for m in metas],
+        "raw_size": [m.raw_size for m in metas],
+        "checksum": [m.checksum for m in metas],
+        "stat_l2_norm": [None if s is None else s.l2_norm for s in stats],
+        "stat_mean": [None if s is None else s.mean for s in stats],
+        "stat_absmax": [None if s is None else s.absmax for s in stats],
+    }
+    arrays = [pa.array(columns[f.name], type=f.type) for f in PACK_SCHEMA if f.name != "payload"]
+    return pa.RecordBatch.from_arrays([*arrays, payload], schema=PACK_SCHEMA)

@@ -1,0 +1,139 @@
+"""Reassembly: the records of one (request, hook) back into one tensor.
+
+Records carry their tokens on axis 0 (``shape[0] == n_tokens``). Per layer, chunks are
+ordered by ``start_token`` and concatenated; they must tile the token range without gaps
+or overlaps. Layers are stacked in ascending order as ``[n_layers, ...]``; global hooks
+(layer ``GLOBAL_LAYER``) get no layer axis. Tensor-parallel shards of one chunk are
+either selected (``shard_rank=``) or merged by their recorded geometry
+(``merge_shards=True``); anything else that puts two records on the same
+(layer, start token) is a :class:`DuplicateChunkError`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+
+from dmi.catalog.errors import DuplicateChunkError, InvalidArgumentError, ReaderError, RecordNotFoundError, ShardMergeError
+from dmi.catalog.records import GLOBAL_LAYER, RecordEntry
+
+__all__ = ["assemble"]
+
+
+def assemble(
+    entries: Sequence[RecordEntry],
+    tensors: Sequence[torch.Tensor],
+    *,
+    shard_rank: int | None = None,
+    merge_shards: bool = False,
+) -> torch.Tensor:
+    """One tensor for one (request, hook): token order, stacked per layer."""
+    if len(entries) != len(tensors):
+        raise InvalidArgumentError(f"{len(entries)} entries but {len(tensors)} tensors")
+    if not entries:
+        raise RecordNotFoundError("no records to assemble")
+    if shard_rank is not None and merge_shards:
+        raise InvalidArgumentError("pass shard_rank= or merge_shards=True, not both")
+    request, hook = _single_scope(entries)
+    pairs = list(zip(entries, tensors))
+    if shard_rank is not None:
+        pairs = [(e, t) for e, t in pairs if e.meta.key.shard_rank == shard_rank]
+        if not pairs:
+            ranks = sorted({e.meta.key.shard_rank for e in entries})
+            raise RecordNotFoundError(f"request {request} hook {hook}: no records of shard rank {shard_rank} (ranks present: {ranks})")
+    chunks: dict[int, dict[int, list[tuple[RecordEntry, torch.Tensor]]]] = defaultdict(lambda: defaultdict(list))
+    for e, t in pairs:
+        chunks[e.meta.key.layer][e.meta.key.start_token].append((e, t))
+    layers = sorted(chunks)
+    if GLOBAL_LAYER in layers and len(layers) > 1:
+        raise ReaderError(f"request {request} hook {hook}: mixes the global layer with layers {layers[1:]}")
+    per_layer = [_layer_tensor(request, hook, layer, chunks[layer], merge_shards) for layer in layers]
+    if layers == [GLOBAL_LAYER]:
+        return per_layer[0]
+    shapes = {tuple(t.shape) for t in per_layer}
+    if len(shapes) > 1:
+        raise ReaderError(f"request {request} hook {hook}: layers have different shapes {sorted(shapes)}; cannot stack")
+    return torch.stack(per_layer)
+
+
+def _single_scope(entries: Sequence[RecordEntry]) -> tuple[str, str]:
+    scopes = {(e.meta.key.request_id, e.meta.key.hook) for e in entries}
+    if len(scopes) != 1:
+        raise InvalidArgumentError(f"assemble takes the records of one (request, hook); got {sorted(scopes)}")
+    return next(iter(scopes))
+
+
+def _layer_tensor(request: str, hook: str, layer: int, by_start: dict, merge_shards: bool) -> torch.Tensor:
+    duplicated = sorted(s for s, group in by_start.items() if len(group) > 1)
+    if duplicated and not merge_shards:
+        group = by_start[duplicated[0]]
+        ranks = sorted({e.meta.key.shard_rank for e, _ in group})
+        runs = sorted({e.meta.key.run_id for e, _ in group})
+        raise DuplicateChunkError(
+            f"request {request} hook {hook} layer {layer}: more than one record starts at token(s) "
+            f"{duplicated} (shard ranks {ranks}, runs {runs}). Choose one with shard_rank=<rank>, "
+            f"merge tensor-parallel shards with merge_shards=True, or select a single run_id"
+        )
+    ordered = []
+    for start in sorted(by_start):
+        group = by_start[start]
+        tensor = _merge(request, hook, layer, start, group) if len(group) > 1 or _is_shard(group[0][0]) and merge_shards else group[0][1]
+        ordered.append((group[0][0], tensor))
+    return _concat_tokens(request, hook, layer, ordered)
+
+
+def _is_shard(entry: RecordEntry) -> bool:
+    return entry.meta.key.tp_size > 1 and entry.meta.shard is not None
+
+
+def _merge(request: str, hook: str, layer: int, start: int, group: list) -> torch.Tensor:
+    where = f"request {request} hook {hook} layer {layer} token {start}"
+    ranks = sorted(e.meta.key.shard_rank for e, _ in group)
+    if len(set(ranks)) != len(ranks):
+        raise DuplicateChunkError(f"{where}: shard rank(s) appear twice {ranks}; select a single run_id")
+    missing = [e.meta.key.shard_rank for e, _ in group if e.meta.shard is None]
+    if missing:
+        raise ShardMergeError(f"{where}: ranks {missing} recorded no shard geometry; read one rank with shard_rank=")
+    geoms = [e.meta.shard for e, _ in group]
+    axes = {g.axis for g in geoms}
+    fulls = {tuple(g.full_shape) for g in geoms}
+    if len(axes) != 1 or len(fulls) != 1:
+        raise ShardMergeError(f"{where}: shards disagree on axis {sorted(axes)} or full shape {sorted(fulls)}")
+    axis, full = axes.pop(), fulls.pop()
+    offsets = sorted(g.offset for g in geoms)
+    if len(set(offsets)) != len(offsets):
+        raise ShardMergeError(
+            f"{where}: several ranks hold the same slice (offsets {offsets}) — the tensor is replicated "
+            f"across ranks (e.g. GQA k/v with fewer heads than ranks); read one rank with shard_rank="
+        )
+    pieces = sorted(group, key=lambda p: p[0].meta.shard.offset)
+    pos = 0
+    for e, t in pieces:
+        if e.meta.shard.offset != pos or t.dim() <= axis:
+            raise ShardMergeError(f"{where}: shards do not tile axis {axis} of {full} (gap or overlap at {pos})")
+        pos += t.shape[axis]
+    merged = torch.cat([t for _, t in pieces], dim=axis)
+    if tuple(merged.shape) != full:
+        raise ShardMergeError(f"{where}: merged shape {tuple(merged.shape)} is not the recorded full shape {full}")
+    return merged
+
+
+def _concat_tokens(request: str, hook: str, layer: int, ordered: list) -> torch.Tensor:
+    where = f"request {request} hook {hook} layer {layer}"
+    if len(ordered) == 1:
+        return ordered[0][1]
+    expected = ordered[0][0].meta.key.start_token
+    for e, t in ordered:
+        k = e.meta.key
+        if k.start_token != expected:
+            kind = "missing" if k.start_token > expected else "overlapping"
+            raise ReaderError(f"{where}: tokens {min(expected, k.start_token)}..{max(expected, k.start_token)} {kind} between chunks")
+        if t.dim() == 0 or t.shape[0] != k.n_tokens:
+            raise ReaderError(f"{where}: record at token {k.start_token} has shape {tuple(t.shape)}, tokens not on axis 0")
+        expected += k.n_tokens
+    tails = {tuple(t.shape[1:]) for _, t in ordered}
+    if len(tails) > 1:
+        raise ReaderError(f"{where}: chunks have different trailing shapes {sorted(tails)}; read them one by one")
+    return torch.cat([t for _, t in ordered])

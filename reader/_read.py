@@ -1,0 +1,177 @@
+"""Fetching records: range reads, checksum before decode, decode into torch tensors.
+
+A record is one byte range of its pack. :func:`read_record` does one range read;
+:func:`read_records` executes :func:`plan_reads` (one read per planned range, straight
+into a torch-owned buffer) and decodes every member. ``raw`` records come back as views
+of that buffer — no copy — so keeping one alive keeps its whole read range alive.
+
+With a :class:`FooterCache`, each entry is also checked against its pack's own index
+(loaded once per pack and cached), which catches a stale or wrong catalog row before any
+payload is trusted; :func:`find_record` uses the same cached index to locate a record
+by key when no catalog row is at hand.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dmi.catalog._codecs import CodecError, checksum, decode
+from dmi.catalog._pack_read import read_pack_index
+from dmi.catalog._pack_format import torch_dtype
+from dmi.catalog._store import PackInput, PackStore
+from dmi.catalog.errors import DuplicateChunkError, PackCorruptError, PackTruncatedError, RecordNotFoundError
+from dmi.catalog.records import PackDescriptor, RecordEntry, RecordKey
+from dmi.reader._footer_cache import FooterCache
+from dmi.reader._ranges import DEFAULT_MAX_GAP, PlannedRead, plan_reads
+
+__all__ = ["PackFooter", "read_record", "read_records", "load_footer", "find_record", "read_by_key"]
+
+_ENTRY_COST = 1024  # estimated bytes of Python objects per indexed record
+_FOOTER_BASE_COST = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class PackFooter:
+    """A pack's parsed index, as held by the footer cache."""
+
+    descriptor: PackDescriptor
+    by_key: dict[RecordKey, tuple[RecordEntry, ...]]
+
+    @property
+    def nbytes(self) -> int:
+        return _FOOTER_BASE_COST + _ENTRY_COST * len(self.descriptor.records)
+
+
+def load_footer(store: PackStore, pack_id: str, *, cache: FooterCache | None = None, source: PackInput | None = None) -> PackFooter:
+    """The pack's index, from ``cache`` when present there (refreshing its recency)."""
+
+    def load() -> tuple[PackFooter, int]:
+        if source is not None:
+            descriptor = read_pack_index(source, store.location(pack_id))
+        else:
+            with store.open_input(pack_id) as opened:
+                descriptor = read_pack_index(opened, store.location(pack_id))
+        by_key: dict[RecordKey, tuple[RecordEntry, ...]] = {}
+        for e in descriptor.records:
+            by_key[e.meta.key] = (*by_key.get(e.meta.key, ()), e)
+        footer = PackFooter(descriptor, by_key)
+        return footer, footer.nbytes
+
+    if cache is None:
+        return load()[0]
+    return cache.get_or_load((store.uri, pack_id), load)
+
+
+def find_record(store: PackStore, pack_id: str, key: RecordKey, *, cache: FooterCache | None = None) -> RecordEntry:
+    """The entry for ``key`` in pack ``pack_id``, from the pack's own index."""
+    found = load_footer(store, pack_id, cache=cache).by_key.get(key, ())
+    if not found:
+        raise RecordNotFoundError(f"pack {pack_id} has no record {_describe_key(key)}")
+    if len(found) > 1:
+        raise DuplicateChunkError(f"pack {pack_id} holds {len(found)} records with key {_describe_key(key)}")
+    return found[0]
+
+
+def read_by_key(store: PackStore, pack_id: str, key: RecordKey, *, cache: FooterCache | None = None) -> torch.Tensor:
+    """Locate ``key`` through the (cached) footer, then one range read."""
+    entry = find_record(store, pack_id, key, cache=cache)
+    with store.open_input(pack_id) as source:
+        return _read_single(source, entry)
+
+
+def read_record(store: PackStore, entry: RecordEntry, *, cache: FooterCache | None = None) -> torch.Tensor:
+    """One record with one range read; checksum verified before decoding."""
+    with store.open_input(entry.pack_id) as source:
+        if cache is not None:
+            _check_against_footer(store, [entry], cache, source)
+        return _read_single(source, entry)
+
+
+def read_records(
+    store: PackStore,
+    entries: Sequence[RecordEntry],
+    *,
+    max_gap: int = DEFAULT_MAX_GAP,
+    cache: FooterCache | None = None,
+) -> list[torch.Tensor]:
+    """Tensors for ``entries`` (same order), reading exactly ``plan_reads(entries, max_gap=)``."""
+    entries = list(entries)
+    out: list[torch.Tensor | None] = [None] * len(entries)
+    for i, e in enumerate(entries):
+        if e.payload.length == 0:
+            out[i] = _decode(e, torch.empty(0, dtype=torch.uint8))
+    by_pack: dict[str, list[PlannedRead]] = {}
+    for plan in plan_reads(entries, max_gap=max_gap):
+        by_pack.setdefault(plan.pack_id, []).append(plan)
+    for pack_id, plans in by_pack.items():
+        with store.open_input(pack_id) as source:
+            if cache is not None:
+                _check_against_footer(store, [entries[i] for p in plans for i in p.members], cache, source)
+            for plan in plans:
+                buffer = _read_range(source, plan.range, [entries[i] for i in plan.members])
+                for i in plan.members:
+                    rel = entries[i].payload.offset - plan.range.offset
+                    out[i] = _decode(entries[i], buffer[rel : rel + entries[i].payload.length])
+    return out  # type: ignore[return-value]
+
+
+def _read_single(source: PackInput, entry: RecordEntry) -> torch.Tensor:
+    if entry.payload.length == 0:
+        return _decode(entry, torch.empty(0, dtype=torch.uint8))
+    return _decode(entry, _read_range(source, entry.payload, [entry]))
+
+
+def _read_range(source: PackInput, rng, entries: list[RecordEntry]) -> torch.Tensor:
+    buffer = torch.empty(rng.length, dtype=torch.uint8)
+    try:
+        source.read_into(rng.offset, buffer.numpy())
+    except PackTruncatedError as exc:
+        names = ", ".join(_describe(e) for e in entries[:5]) + (" ..." if len(entries) > 5 else "")
+        raise PackTruncatedError(f"{exc}; records affected: {names}") from exc
+    return buffer
+
+
+def _decode(entry: RecordEntry, stored: torch.Tensor) -> torch.Tensor:
+    """Verify, then decode ``stored`` (uint8) into the record's tensor."""
+    meta = entry.meta
+    stored_np = stored.numpy()
+    if checksum(stored_np) != meta.checksum:
+        raise PackCorruptError(f"pack {entry.pack_id}: record {_describe(entry)} fails its checksum")
+    dtype = torch_dtype(meta.dtype)
+    if math.prod(meta.shape) * dtype.itemsize != meta.raw_size:
+        raise PackCorruptError(
+            f"pack {entry.pack_id}: record {_describe(entry)} claims shape {meta.shape} {meta.dtype} "
+            f"but {meta.raw_size} raw bytes"
+        )
+    if meta.codec == "raw" and stored.storage_offset() % max(dtype.itemsize, 1) == 0 and stored.numel() == meta.raw_size:
+        raw = stored
+    else:
+        raw = torch.empty(meta.raw_size, dtype=torch.uint8)
+        try:
+            decode(meta.codec, stored_np, raw.numpy(), dtype.itemsize)
+        except CodecError as exc:
+            raise PackCorruptError(f"pack {entry.pack_id}: record {_describe(entry)} cannot be decoded: {exc}") from exc
+    return raw.view(dtype).reshape(meta.shape)
+
+
+def _check_against_footer(store: PackStore, entries: list[RecordEntry], cache: FooterCache, source: PackInput) -> None:
+    footer = load_footer(store, source.pack_id, cache=cache, source=source)
+    for e in entries:
+        if e not in footer.by_key.get(e.meta.key, ()):
+            raise PackCorruptError(
+                f"pack {e.pack_id}: record {_describe(e)} at {e.payload} does not match the pack's "
+                f"own index; the catalog row is stale or wrong"
+            )
+
+
+def _describe_key(k: RecordKey) -> str:
+    return f"{k.model_id}/{k.run_id}/{k.request_id}/{k.hook}/layer {k.layer}/tokens {k.start_token}+{k.n_tokens}/rank {k.shard_rank}"
+
+
+def _describe(entry: RecordEntry) -> str:
+    return _describe_key(entry.meta.key)
