@@ -1,8 +1,17 @@
-"""Start and reach ClickHouse servers for the ``live`` tests.
+"""Find or start a ClickHouse server for the ``live`` tests.
 
-The fixture chain in ``conftest.py`` uses these: an address from the environment, or a
-local ``clickhouse-server`` binary started on free loopback ports with its data in a
-temporary directory, using the config kept in ``docker/clickhouse/``.
+The chain, in order (``conftest.py`` turns it into the ``clickhouse_server`` fixture):
+
+1. ``DMI_CLICKHOUSE_URL`` (``clickhouse://user:password@host:port``): a server someone runs;
+2. a container, when a Docker API answers (Docker, or ``podman system service``): image from
+   ``DMI_CLICKHOUSE_IMAGE``, default the pinned official image (see ``tests/_containers.py``);
+3. a local ``clickhouse-server`` binary, searched in ``DMI_CLICKHOUSE_SERVER_PATH`` (default:
+   ``$PATH`` then ``/usr/sbin:/usr/local/sbin``), started on free loopback ports with its data in
+   a temporary directory and the config kept in ``docker/clickhouse/``;
+4. otherwise :class:`LiveServerUnavailable`, whose message names what each step missed.
+
+``DMI_LIVE_SERVER=env|container|binary`` forces one step: if it cannot provide a server the
+chain says so instead of falling through to another (CI runs the live suite once per path).
 """
 
 from __future__ import annotations
@@ -14,11 +23,20 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote, unquote, urlsplit
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "docker" / "clickhouse"
-SERVER_BINARIES = ("/usr/sbin/clickhouse-server", "/usr/bin/clickhouse-server")
+
+MODE_VARIABLE = "DMI_LIVE_SERVER"
+MODES = ("auto", "env", "container", "binary")
+URL_VARIABLE = "DMI_CLICKHOUSE_URL"
+SEARCH_PATH_VARIABLE = "DMI_CLICKHOUSE_SERVER_PATH"
+# Debian installs the server in /usr/sbin, which is not on an ordinary user's PATH.
+EXTRA_SEARCH_DIRS = ("/usr/sbin", "/usr/local/sbin")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,20 +51,126 @@ class LiveServer:
     password: str = ""
 
     def uri(self, database: str = "default") -> str:
-        return f"clickhouse://{self.user}:{self.password}@{self.host}:{self.port}/{database}"
+        user, password = quote(self.user, safe=""), quote(self.password, safe="")
+        return f"clickhouse://{user}:{password}@{self.host}:{self.port}/{database}"
+
+
+class LiveServerUnavailable(Exception):
+    """No step of the chain can provide a server; the message names what each step missed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The step the chain picked, before anything is started."""
+
+    mode: str  # the DMI_LIVE_SERVER value in force ("auto" unless forced)
+    step: str  # "env", "container" or "binary"
+    target: str  # the URL, the image, or the binary
+    docker_host: str = ""  # the Docker API the container step talks to
+
+    def describe(self) -> str:
+        where = {
+            "env": f"{URL_VARIABLE} {urlsplit(self.target).hostname}:{urlsplit(self.target).port or 9000}",
+            "container": f"container from {self.target} via {self.docker_host}",
+            "binary": f"local binary {self.target}",
+        }[self.step]
+        return f"{where} ({MODE_VARIABLE}={self.mode})"
+
+
+def chain_mode() -> str:
+    mode = os.environ.get(MODE_VARIABLE) or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{MODE_VARIABLE}={mode!r} is not one of {', '.join(MODES)}")
+    return mode
+
+
+def default_search_path() -> str:
+    return os.pathsep.join([os.environ.get("PATH", os.defpath), *EXTRA_SEARCH_DIRS])
+
+
+def server_search_path() -> str:
+    explicit = os.environ.get(SEARCH_PATH_VARIABLE)
+    return default_search_path() if explicit is None else explicit
+
+
+def find_server_binary() -> str | None:
+    return shutil.which("clickhouse-server", path=server_search_path())
+
+
+def choose_live_server() -> Choice:
+    """Pick the chain's step from the environment; raise LiveServerUnavailable naming what is missing."""
+    mode = chain_mode()
+    missing: list[str] = []
+    if mode in ("auto", "env"):
+        url = os.environ.get(URL_VARIABLE)
+        if url:
+            return Choice(mode, "env", url)
+        missing.append(f"{URL_VARIABLE} is unset")
+    if mode in ("auto", "container"):
+        from tests._containers import clickhouse_image, docker_api
+
+        docker_host, problem = docker_api()
+        if problem is None:
+            return Choice(mode, "container", clickhouse_image(), docker_host)
+        missing.append(problem)
+    if mode in ("auto", "binary"):
+        binary = find_server_binary()
+        if binary is not None:
+            return Choice(mode, "binary", binary)
+        missing.append(
+            f"no clickhouse-server in {SEARCH_PATH_VARIABLE if SEARCH_PATH_VARIABLE in os.environ else 'PATH'}"
+            f"={server_search_path()!r} (Debian: apt-get install clickhouse-server)"
+        )
+    prefix = "no live ClickHouse server" if mode == "auto" else f"{MODE_VARIABLE}={mode} cannot provide a server"
+    raise LiveServerUnavailable(f"{prefix}: " + "; ".join(missing))
+
+
+@contextmanager
+def start_live_server(choice: Choice) -> Iterator[LiveServer]:
+    """Yield a server for ``choice``; stop whatever was started on exit, also on failure."""
+    if choice.step == "env":
+        yield server_from_url(choice.target)
+    elif choice.step == "container":
+        from tests._containers import ClickHouseContainer
+
+        with ClickHouseContainer(choice.target, choice.docker_host) as server:
+            yield server
+    else:
+        process = LocalServerProcess(choice.target)
+        server = process.start()
+        try:
+            yield server
+        finally:
+            process.stop()
+
+
+def server_from_url(url: str, timeout: float = 5.0) -> LiveServer:
+    """The server ``DMI_CLICKHOUSE_URL`` names, once its native port accepts a connection."""
+    parts = urlsplit(url)
+    if parts.scheme != "clickhouse" or not parts.hostname:
+        raise ValueError(f"{URL_VARIABLE}={url!r} is not clickhouse://user:password@host:port")
+    server = LiveServer(
+        host=parts.hostname,
+        port=parts.port or 9000,
+        http_port=None,
+        how=f"{URL_VARIABLE}={parts.hostname}:{parts.port or 9000}",
+        user=unquote(parts.username or "default"),
+        password=unquote(parts.password or ""),
+    )
+    try:
+        socket.create_connection((server.host, server.port), timeout=timeout).close()
+    except OSError as exc:
+        raise ConnectionError(
+            f"{URL_VARIABLE} names {server.host}:{server.port}, but nothing accepts connections there ({exc}); "
+            f"start that server or unset {URL_VARIABLE}"
+        ) from exc
+    return server
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def find_server_binary() -> str | None:
-    found = shutil.which("clickhouse-server")
-    if found:
-        return found
-    return next((path for path in SERVER_BINARIES if os.access(path, os.X_OK)), None)
 
 
 def render_config(directory: Path, *, tcp_port: int, http_port: int, listen_host: str) -> Path:

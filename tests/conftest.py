@@ -1,62 +1,78 @@
 """Shared fixtures: the live ClickHouse server chain and a fresh database per live test.
 
-The chain tries, in order, and reports the one it used in the test header:
-1. ``DMI_CLICKHOUSE_URL`` (``clickhouse://user:password@host:port``): a server someone runs;
-2. a local ``clickhouse-server`` binary started on free loopback ports in a temp directory;
-3. otherwise every ``live`` test is skipped with the reason naming what was missing.
+The chain (``tests/_clickhouse.py``) tries, in order: ``DMI_CLICKHOUSE_URL``; a container when
+a Docker API answers (image ``DMI_CLICKHOUSE_IMAGE``); a local ``clickhouse-server`` binary;
+otherwise every ``live`` test is skipped with the reason naming what was missing. The header
+says which step the chain will take, the summary which server was used.
+
+``DMI_LIVE_SERVER=env|container|binary`` forces one step and makes the live suite strict: the
+forced step not being available, or any ``live`` test skipping, is a failure (CI runs the live
+suite once per path this way). Tests marked ``container`` need a Docker API themselves; they may
+skip unless the forced step is ``container``.
 """
 
 from __future__ import annotations
 
-import os
 import uuid
-from urllib.parse import urlsplit
 
 import pytest
 
-from tests._clickhouse import LiveServer, LocalServerProcess, find_server_binary
+from tests._clickhouse import (
+    MODE_VARIABLE,
+    LiveServerUnavailable,
+    chain_mode,
+    choose_live_server,
+    start_live_server,
+)
 
-_chain_result: dict[str, object] = {}
+_chain_result: dict[str, str] = {}
 
 
-def _server_from_env() -> LiveServer | None:
-    url = os.environ.get("DMI_CLICKHOUSE_URL")
-    if not url:
-        return None
-    parts = urlsplit(url)
-    return LiveServer(
-        host=parts.hostname or "127.0.0.1",
-        port=parts.port or 9000,
-        http_port=None,
-        how=f"DMI_CLICKHOUSE_URL={parts.hostname}:{parts.port}",
-        user=parts.username or "default",
-        password=parts.password or "",
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        f"container: needs a container engine's Docker API (a skip fails only under {MODE_VARIABLE}=container)",
     )
 
 
 def pytest_report_header(config):
-    how = _chain_result.get("how")
-    return f"clickhouse live server: {how}" if how else "clickhouse live server: started on first live test"
+    try:
+        return f"clickhouse live server: {choose_live_server().describe()}"
+    except (LiveServerUnavailable, ValueError) as exc:
+        return f"clickhouse live server: none ({exc})"
+
+
+def pytest_terminal_summary(terminalreporter):
+    if "how" in _chain_result:
+        terminalreporter.write_line(f"clickhouse live server used: {_chain_result['how']}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if not report.skipped or hasattr(report, "wasxfail") or item.get_closest_marker("live") is None:
+        return
+    mode = chain_mode()
+    if mode == "auto" or (item.get_closest_marker("container") is not None and mode != "container"):
+        return
+    reason = report.longrepr[2].removeprefix("Skipped: ") if isinstance(report.longrepr, tuple) else report.longrepr
+    report.outcome = "failed"
+    report.longrepr = f"{MODE_VARIABLE}={mode} requires every live test to run, but this one skipped: {reason}"
 
 
 @pytest.fixture(scope="session")
 def clickhouse_server():
     """A live ClickHouse server for the whole session (see the module docstring)."""
-    server = _server_from_env()
-    if server is not None:
+    try:
+        choice = choose_live_server()
+    except LiveServerUnavailable as exc:
+        if chain_mode() == "auto":
+            pytest.skip(str(exc))
+        pytest.fail(str(exc), pytrace=False)
+    with start_live_server(choice) as server:
         _chain_result["how"] = server.how
         yield server
-        return
-    binary = find_server_binary()
-    if binary is None:
-        pytest.skip("no live ClickHouse: DMI_CLICKHOUSE_URL is unset and no clickhouse-server binary is installed")
-    process = LocalServerProcess(binary)
-    server = process.start()
-    _chain_result["how"] = server.how
-    try:
-        yield server
-    finally:
-        process.stop()
 
 
 @pytest.fixture
@@ -71,11 +87,13 @@ def clickhouse_database(clickhouse_server):
         user=clickhouse_server.user,
         password=clickhouse_server.password,
     )
-    client.execute(f"CREATE DATABASE {name}")
     try:
-        yield name
+        client.execute(f"CREATE DATABASE {name}")
+        try:
+            yield name
+        finally:
+            client.execute(f"DROP DATABASE IF EXISTS {name}")
     finally:
-        client.execute(f"DROP DATABASE IF EXISTS {name}")
         client.disconnect()
 
 
