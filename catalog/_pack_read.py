@@ -14,7 +14,7 @@ import pyarrow as pa
 from dmi.catalog._codecs import checksum
 from dmi.catalog._pack_format import FORMAT_VERSION, META_INDEX, check_schema, decode_index
 from dmi.catalog._store import PackInput, PackStore
-from dmi.catalog.errors import PackCorruptError, PackFormatError, PackTruncatedError
+from dmi.catalog.errors import PackCorruptError, PackFormatError
 from dmi.catalog.records import PackDescriptor, RecordEntry
 
 __all__ = ["read_pack_descriptor", "read_pack_index", "verify_pack"]
@@ -42,12 +42,6 @@ def read_pack_index(source: PackInput, location: str) -> PackDescriptor:
     if index_batch.num_rows != 0 or metadata is None or META_INDEX not in metadata:
         raise PackFormatError(f"pack {pack_id}: last batch is not a record index")
     entries, sealed_at = decode_index(metadata, pack_id)
-    for entry in entries:
-        if entry.payload.end > size:
-            raise PackTruncatedError(
-                f"pack {pack_id}: record {_describe(entry)} ends at byte {entry.payload.end}, "
-                f"the file has {size} bytes"
-            )
     return PackDescriptor(
         pack_id=pack_id,
         location=location,

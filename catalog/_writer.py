@@ -103,12 +103,12 @@ class PackWriter:
         with self._lock:
             self._check_open()
             pack = self._pack
-            if pack is not None and pack.records and pack.stored_bytes + encoded.length > self.max_bytes:
+            if pack is not None and pack.count and pack.stored_bytes + encoded.length > self.max_bytes:
                 self._seal_locked()
             if self._pack is None:
                 self._pack = _OpenPack(self.store, self.writer_id, self.batch_bytes)
             self._pack.add(encoded, self._forget_pack)
-            if len(self._pack.records) + len(self._pack.pending) >= self.max_records or self._pack.stored_bytes >= self.max_bytes:
+            if self._pack.count >= self.max_records or self._pack.stored_bytes >= self.max_bytes:
                 self._seal_locked()
 
     def seal(self) -> PackDescriptor | None:
@@ -180,6 +180,10 @@ def _as_bytes(data, dtype, shape):
     if isinstance(data, torch.Tensor):
         if dtype is not None or shape is not None:
             raise InvalidArgumentError("dtype=/shape= describe bytes payloads; a tensor describes itself")
+        if data.is_quantized:
+            raise UnsupportedDtypeError(
+                f"quantized dtype {data.dtype}: a pack stores no scale/zero-point; dequantize first"
+            )
         tensor = data.detach()
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
@@ -214,9 +218,12 @@ def _stats(tensor: torch.Tensor) -> RecordStats | None:
         return None
     acc = torch.float64 if tensor.dtype in _WIDE else torch.float32
     try:
-        x = tensor.abs() if tensor.is_complex() else tensor
-        if not x.is_floating_point() or x.element_size() == 1:
-            x = x.to(acc)
+        if tensor.is_complex():  # magnitudes; via the real view so no complex32 op runs
+            x = torch.linalg.vector_norm(torch.view_as_real(tensor).to(acc), dim=-1)
+        elif not tensor.is_floating_point() or tensor.element_size() == 1:
+            x = tensor.to(acc)
+        else:
+            x = tensor
         l2 = torch.linalg.vector_norm(x, dtype=acc).item()
         mean = (x.sum(dtype=acc) / x.numel()).item()
         lo, hi = torch.aminmax(x)
@@ -243,6 +250,10 @@ class _OpenPack:
         except OSError as exc:
             self.sink.abort()
             raise PackSealError(f"pack {self.pack_id}: cannot start the Arrow file: {exc}") from exc
+
+    @property
+    def count(self) -> int:
+        return len(self.records) + len(self.pending)
 
     def add(self, encoded: _Encoded, on_failure: Callable[[], None]) -> None:
         try:

@@ -1,0 +1,103 @@
+"""Codecs: bit-exact round trips, the ratio that chose the default, refusal of bad payloads."""
+
+import numpy as np
+import pytest
+import torch
+
+from dmi.catalog import _codecs
+from dmi.catalog._codecs import CODECS, DEFAULT_CODEC, CodecError, checksum, decode, encode
+
+
+def activation_like(tokens=512, hidden=2048, seed=0) -> torch.Tensor:
+    """Heavy-tailed values with a few outlier channels, like a residual stream, in bf16."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g) / torch.rand(tokens, hidden, generator=g).clamp_min(0.05).sqrt()
+    x[:, torch.randperm(hidden, generator=g)[:8]] *= 40
+    return (x * 0.5).to(torch.bfloat16)
+
+
+def raw_of(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def round_trip(codec, raw, itemsize):
+    stored = encode(codec, raw, itemsize)
+    out = np.empty_like(raw)
+    decode(codec, np.frombuffer(stored, np.uint8) if not isinstance(stored, np.ndarray) else stored, out, itemsize)
+    return out
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("n_items", [0, 1, 3, 1000, 70_000])
+def test_round_trip_bit_exact(codec, itemsize, n_items):
+    rng = np.random.default_rng(n_items + itemsize)
+    raw = rng.integers(0, 256, n_items * itemsize, dtype=np.uint8)
+    raw[: raw.size // 2] = 7  # a compressible half, so zstd planes are exercised too
+    assert np.array_equal(round_trip(codec, raw, itemsize), raw)
+
+
+def test_default_codec_ratio_on_bf16_activations():
+    raw = raw_of(activation_like())
+    ratio = raw.nbytes / len(encode(DEFAULT_CODEC, raw, 2))
+    plain = raw.nbytes / len(encode("zstd", raw, 2))
+    assert ratio >= 1.40, ratio
+    assert ratio > plain + 0.1, (ratio, plain)
+
+
+def test_split_keeps_random_planes_raw():
+    """The bf16 low byte (mantissa) is near random: stored raw, not zstd-framed."""
+    raw = raw_of(activation_like(tokens=64))
+    stored = memoryview(encode("split-zstd", raw, 2))
+    kinds = [stored[_codecs._HEADER.size + p * _codecs._PLANE_ENTRY.size] for p in range(2)]
+    assert kinds == [_codecs._PLANE_RAW, _codecs._PLANE_ZSTD]
+
+
+@pytest.mark.parametrize("codec", ["zstd", "split-zstd", "raw"])
+def test_wrong_size_refused(codec):
+    raw = raw_of(activation_like(tokens=8))
+    stored = np.frombuffer(encode(codec, raw, 2), np.uint8) if codec != "raw" else raw
+    with pytest.raises(CodecError):
+        decode(codec, stored, np.empty(raw.nbytes + 2, np.uint8), 2)
+
+
+@pytest.mark.parametrize("cut", [1, 5, 100])
+def test_truncated_split_payload_refused(cut):
+    raw = raw_of(activation_like(tokens=8))
+    stored = bytes(encode("split-zstd", raw, 2))
+    with pytest.raises(CodecError):
+        decode("split-zstd", stored[:-cut], np.empty_like(raw), 2)
+
+
+def test_trailing_bytes_refused():
+    raw = raw_of(activation_like(tokens=8))
+    stored = bytes(encode("split-zstd", raw, 2)) + b"\0"
+    with pytest.raises(CodecError, match="trailing"):
+        decode("split-zstd", stored, np.empty_like(raw), 2)
+
+
+def test_plane_count_must_fit_dtype():
+    raw = raw_of(activation_like(tokens=8))
+    stored = bytes(encode("split-zstd", raw, 2))
+    with pytest.raises(CodecError, match="planes"):
+        decode("split-zstd", stored, np.empty_like(raw), 4)
+
+
+def test_zstd_frame_with_wrong_content_size_refused():
+    a = np.zeros(1000, np.uint8)
+    stored = encode("zstd", a, 1)
+    with pytest.raises(CodecError, match="holds 1000"):
+        decode("zstd", stored, np.empty(999, np.uint8), 1)
+
+
+def test_unknown_codec():
+    with pytest.raises(ValueError):
+        encode("lz5", np.zeros(4, np.uint8), 1)
+    with pytest.raises(CodecError):
+        decode("lz5", b"", np.zeros(0, np.uint8), 1)
+
+
+def test_checksum_is_xxh3_64():
+    assert checksum(b"") == 0x2D06800538D394C2
+    assert checksum(b"a") != checksum(b"b")
+    assert 0 <= checksum(np.arange(100, dtype=np.uint8)) < 2**64

@@ -1,0 +1,227 @@
+"""PackWriter → sealed pack → read back: bit-exact for every dtype, limits, descriptors."""
+
+import math
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from dmi.catalog import (
+    CODECS,
+    InvalidArgumentError,
+    PackError,
+    PackStore,
+    PackWriter,
+    RecordKey,
+    ShardGeometry,
+    UnsupportedDtypeError,
+    read_pack_descriptor,
+    verify_pack,
+)
+from dmi.catalog._pack_format import _DTYPES
+from dmi.reader import read_record, read_records
+
+
+def key(layer=0, start=0, n=4, hook="resid_post", request="req-1", rank=0, tp=1):
+    return RecordKey("model", "run", request, hook, layer, start, n, shard_rank=rank, tp_size=tp)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    flat = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(flat(a), flat(b))
+
+
+def random_tensor(dtype: torch.dtype, shape, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    n = math.prod(shape) * dtype.itemsize
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
+
+
+STORABLE = sorted(n for n, d in _DTYPES.items() if not n.startswith(("qint", "quint")))
+
+
+@pytest.fixture
+def store(tmp_path):
+    return PackStore.local(tmp_path / "packs")
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_every_dtype_round_trips_bit_exact(store, codec):
+    tensors = {name: random_tensor(_DTYPES[name], (3, 5), seed=i) for i, name in enumerate(STORABLE)}
+    with PackWriter(store, codec=codec) as w:
+        for i, t in enumerate(tensors.values()):
+            w.append(key(layer=i), t)
+        desc = w.seal()
+    got = read_records(store, desc.records)
+    for name, e, g in zip(tensors, desc.records, got):
+        assert e.meta.dtype == name
+        assert same_bits(g, tensors[name]), name
+        assert same_bits(read_record(store, e), tensors[name]), name
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.tensor(3.5, dtype=torch.bfloat16),  # 0-dim
+        lambda: torch.empty(0, 7, dtype=torch.float16),  # empty
+        lambda: torch.arange(24, dtype=torch.float32).reshape(4, 6).t(),  # non-contiguous
+        lambda: torch.arange(40, dtype=torch.int64).reshape(4, 10)[:, ::3],  # strided slice
+        lambda: torch.randn(5, 3, dtype=torch.complex64).conj(),  # lazy conjugate bit
+        lambda: torch.randn(16, 8).to(torch.float8_e4m3fn),
+        lambda: torch.randn(4, 4, requires_grad=True) * 2,  # autograd graph attached
+    ],
+)
+def test_shapes_and_layouts_round_trip(store, codec, make):
+    t = make()
+    with PackWriter(store, codec=codec) as w:
+        w.append(key(), t)
+        desc = w.seal()
+    got = read_record(store, desc.records[0])
+    assert same_bits(got, t.detach().resolve_conj())
+    assert desc.records[0].meta.shape == tuple(t.shape)
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+def test_quantized_dtype_refused(store):
+    q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.quint8)
+    with PackWriter(store) as w, pytest.raises(UnsupportedDtypeError, match="dequantize"):
+        w.append(key(), q)
+
+
+@pytest.mark.parametrize("payload", [bytes(range(16)), bytearray(range(16)), memoryview(bytes(range(16))), np.arange(16, dtype=np.uint8)])
+def test_bytes_payloads(store, payload):
+    with PackWriter(store) as w:
+        w.append(key(), payload)
+        w.append(key(layer=1), payload, dtype="int16", shape=(2, 4))
+        w.append(key(layer=2), payload, dtype=torch.bfloat16, shape=(8,))
+        desc = w.seal()
+    a, b, c = read_records(store, desc.records)
+    assert a.dtype == torch.uint8 and a.tolist() == list(range(16))
+    assert same_bits(b, torch.frombuffer(bytearray(range(16)), dtype=torch.int16).reshape(2, 4))
+    assert c.dtype == torch.bfloat16 and c.shape == (8,)
+
+
+def test_bytes_payload_shape_must_fit(store):
+    with PackWriter(store) as w, pytest.raises(InvalidArgumentError, match="do not hold"):
+        w.append(key(), b"\0" * 10, dtype="float32", shape=(3,))
+
+
+def test_stats_match_float64_reference(store):
+    t = torch.randn(64, 32).to(torch.bfloat16)
+    with PackWriter(store) as w:
+        w.append(key(), t)
+        w.append(key(layer=1), torch.empty(0))
+        desc = w.seal()
+    s = desc.records[0].meta.stats
+    ref = t.double()
+    assert s.l2_norm == pytest.approx(ref.norm().item(), rel=1e-5)
+    assert s.mean == pytest.approx(ref.mean().item(), rel=1e-4, abs=1e-6)
+    assert s.absmax == ref.abs().max().item()
+    assert desc.records[1].meta.stats is None
+    with PackWriter(store, stats=False) as w:
+        w.append(key(), t)
+        assert w.seal().records[0].meta.stats is None
+
+
+def test_descriptor_matches_file_for_every_batching(store):
+    """Offsets predicted at write time equal those found by walking the file's buffers."""
+    sizes = [0, 1, 100, 4096, 70_000, 300_000, 3, 2_000_000, 17]
+    for batch_bytes in (1, 1000, 64 * 1024, 1 << 30):
+        with PackWriter(store, codec="raw", batch_bytes=batch_bytes) as w:
+            for i, n in enumerate(sizes):
+                w.append(key(layer=i, n=n), torch.arange(n, dtype=torch.uint8))
+            desc = w.seal()
+        assert verify_pack(store, desc.pack_id) == desc
+        assert read_pack_descriptor(store, desc.pack_id) == desc
+        for e, n in zip(desc.records, sizes):
+            assert e.payload.length == n
+            assert same_bits(read_record(store, e), torch.arange(n, dtype=torch.uint8))
+
+
+def test_descriptor_fields(store):
+    seen = []
+    geom = ShardGeometry(axis=1, offset=64, full_shape=(4, 128))
+    with PackWriter(store, writer_id="drain-7", on_seal=seen.append) as w:
+        w.append(key(rank=1, tp=2), torch.ones(4, 64), shard=geom)
+        desc = w.seal()
+    assert seen == [desc]
+    assert desc.writer_id == "drain-7" and desc.format_version == 1
+    assert desc.location == store.location(desc.pack_id)
+    assert desc.size == (store.root and __import__("os").path.getsize(desc.location))
+    assert desc.records[0].meta.shard == geom
+    assert store.list_packs() == [desc.pack_id]
+
+
+def test_seals_at_max_records(store):
+    seen = []
+    with PackWriter(store, max_records=3, on_seal=seen.append) as w:
+        for i in range(7):
+            w.append(key(layer=i), torch.full((2,), i))
+    assert [len(d.records) for d in seen] == [3, 3, 1]
+    assert sorted(store.list_packs()) == sorted(d.pack_id for d in seen)
+    layers = [e.meta.key.layer for d in seen for e in d.records]
+    assert layers == list(range(7))
+
+
+def test_seals_before_passing_max_bytes(store):
+    seen = []
+    with PackWriter(store, codec="raw", max_bytes=1000, on_seal=seen.append) as w:
+        for i in range(5):
+            w.append(key(layer=i), torch.zeros(400, dtype=torch.uint8))
+        w.append(key(layer=9), torch.zeros(3000, dtype=torch.uint8))  # bigger than the limit alone
+    assert [[e.payload.length for e in d.records] for d in seen] == [[400, 400], [400, 400], [400], [3000]]
+
+
+def test_empty_seal_and_close(store):
+    w = PackWriter(store)
+    assert w.seal() is None
+    assert w.close() is None
+    assert w.close() is None
+    with pytest.raises(PackError, match="closed"):
+        w.append(key(), torch.zeros(1))
+    assert store.list_packs() == []
+
+
+def test_abort_leaves_nothing(store):
+    w = PackWriter(store)
+    w.append(key(), torch.zeros(10))
+    w.abort()
+    assert store.list_packs() == [] and list(__import__("os").scandir(store.root)) == []
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"codec": "lz4"}, {"max_records": 0}, {"max_bytes": -1}, {"batch_bytes": 0}]
+)
+def test_bad_arguments(store, kwargs):
+    with pytest.raises(InvalidArgumentError):
+        PackWriter(store, **kwargs)
+
+
+def test_tensor_with_dtype_argument_refused(store):
+    with PackWriter(store) as w, pytest.raises(InvalidArgumentError):
+        w.append(key(), torch.zeros(2), dtype="float16")
+
+
+def test_concurrent_appends(store):
+    seen = []
+    tensors = {(t, i): torch.full((64,), t * 1000 + i, dtype=torch.int32) for t in range(4) for i in range(50)}
+    with PackWriter(store, max_records=37, on_seal=seen.append) as w:
+
+        def work(t):
+            for i in range(50):
+                w.append(key(layer=i, request=f"r{t}"), tensors[(t, i)])
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    entries = [e for d in seen for e in d.records]
+    assert len(entries) == 200
+    for e, got in zip(entries, read_records(store, entries)):
+        k = e.meta.key
+        assert torch.equal(got, tensors[(int(k.request_id[1:]), k.layer)])
