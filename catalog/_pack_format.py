@@ -44,7 +44,6 @@ META_VERSION = b"dmi.format_version"
 META_PACK_ID = b"dmi.pack_id"
 META_WRITER_ID = b"dmi.writer_id"
 META_INDEX = b"dmi.index"
-META_SEALED_AT = b"dmi.sealed_at"
 
 _PACK_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 
@@ -155,8 +154,12 @@ def check_schema(schema: pa.Schema, pack_id: str) -> str:
 _KEY_FIELDS = RecordKey.__slots__
 
 
-def encode_index(entries: list[RecordEntry], sealed_at: float) -> dict[bytes, bytes]:
-    """Custom metadata of the index batch for ``entries`` (all of one pack)."""
+def encode_index(entries: list[RecordEntry], sealed_at: float, writer_id: str) -> dict[bytes, bytes]:
+    """Custom metadata of the index batch for ``entries`` (all of one pack).
+
+    Everything lives inside the checksummed blob; the writer id is repeated there so
+    that damage to the unchecksummed schema metadata cannot go unnoticed.
+    """
     cols: dict[str, list] = {f: [] for f in _KEY_FIELDS}
     extra = ("dtype", "shape", "codec", "raw_size", "checksum", "shard", "stats", "offset", "length")
     cols.update({f: [] for f in extra})
@@ -173,22 +176,23 @@ def encode_index(entries: list[RecordEntry], sealed_at: float) -> dict[bytes, by
         cols["stats"].append(None if m.stats is None else [m.stats.l2_norm, m.stats.mean, m.stats.absmax])
         cols["offset"].append(e.payload.offset)
         cols["length"].append(e.payload.length)
-    blob = json.dumps({"n": len(entries), "columns": cols}, separators=(",", ":"), allow_nan=True)
+    blob = json.dumps({"n": len(entries), "writer_id": writer_id, "sealed_at": sealed_at, "columns": cols}, separators=(",", ":"), allow_nan=True)
     packed = base64.b64encode(zstandard.ZstdCompressor(level=3, write_checksum=True).compress(blob.encode()))
-    return {META_INDEX: packed, META_SEALED_AT: repr(sealed_at).encode()}
+    return {META_INDEX: packed}
 
 
-def decode_index(metadata, pack_id: str) -> tuple[list[RecordEntry], float]:
-    """Entries and seal time from the index batch's custom metadata."""
+def decode_index(metadata, pack_id: str) -> tuple[list[RecordEntry], float, str]:
+    """Entries, seal time and writer id from the index batch's custom metadata."""
     try:
         raw = zstandard.ZstdDecompressor().decompress(base64.b64decode(metadata[META_INDEX], validate=True))
         doc = json.loads(raw)
         cols, n = doc["columns"], doc["n"]
-        sealed_at = float(metadata[META_SEALED_AT])
+        sealed_at = float(doc["sealed_at"])
         entries = [_entry_from_columns(cols, i, pack_id) for i in range(n)]
+        writer_id = doc["writer_id"]
     except (KeyError, ValueError, TypeError, IndexError, zstandard.ZstdError) as exc:
         raise PackCorruptError(f"pack {pack_id}: unreadable record index ({exc})") from exc
-    return entries, sealed_at
+    return entries, sealed_at, writer_id
 
 
 def _entry_from_columns(cols: dict, i: int, pack_id: str) -> RecordEntry:

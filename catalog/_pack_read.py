@@ -37,11 +37,13 @@ def read_pack_index(source: PackInput, location: str) -> PackDescriptor:
         raise PackFormatError(f"pack {pack_id}: no index batch (not sealed by a DMI writer)")
     try:
         index_batch, metadata = reader.get_batch_with_custom_metadata(n - 1)
-    except (pa.ArrowInvalid, OSError) as exc:
+    except (pa.ArrowException, OSError) as exc:
         raise PackCorruptError(f"pack {pack_id}: index batch unreadable: {exc}") from exc
     if index_batch.num_rows != 0 or metadata is None or META_INDEX not in metadata:
         raise PackFormatError(f"pack {pack_id}: last batch is not a record index")
-    entries, sealed_at = decode_index(metadata, pack_id)
+    entries, sealed_at, indexed_writer = decode_index(metadata, pack_id)
+    if indexed_writer != writer_id:
+        raise PackCorruptError(f"pack {pack_id}: schema says writer {writer_id!r}, index says {indexed_writer!r}")
     return PackDescriptor(
         pack_id=pack_id,
         location=location,
@@ -60,8 +62,19 @@ def verify_pack(store: PackStore, pack_id: str) -> PackDescriptor:
         whole = bytearray(source.size)
         source.read_into(0, whole)
     buffer = pa.py_buffer(whole)
-    reader = pa.ipc.open_file(pa.BufferReader(buffer))
     entries = iter(descriptor.records)
+    try:
+        _scan_rows(pack_id, buffer, whole, entries)
+    except (pa.ArrowException, OSError) as exc:
+        raise PackCorruptError(f"pack {pack_id}: record batches unreadable: {exc}") from exc
+    if next(entries, None) is not None:
+        raise PackCorruptError(f"pack {pack_id}: index lists more records than the file holds")
+    return descriptor
+
+
+def _scan_rows(pack_id: str, buffer: pa.Buffer, whole: bytearray, entries) -> None:
+    """Walk every data batch; payload offsets come from buffer addresses, not the index."""
+    reader = pa.ipc.open_file(pa.BufferReader(buffer))
     for i in range(reader.num_record_batches - 1):
         batch = reader.get_batch(i)
         payload = batch.column(batch.num_columns - 1)
@@ -78,9 +91,6 @@ def verify_pack(store: PackStore, pack_id: str) -> PackDescriptor:
             stored = memoryview(whole)[offset : offset + (end - start)]
             if checksum(stored) != entry.meta.checksum:
                 raise PackCorruptError(f"pack {pack_id}: record {_describe(entry)} fails its checksum")
-    if next(entries, None) is not None:
-        raise PackCorruptError(f"pack {pack_id}: index lists more records than the file holds")
-    return descriptor
 
 
 def _check_row(pack_id: str, entry: RecordEntry, batch: pa.RecordBatch, row: int, offset: int, length: int) -> None:
@@ -105,7 +115,7 @@ def _check_row(pack_id: str, entry: RecordEntry, batch: pa.RecordBatch, row: int
 def _open_ipc(source: PackInput) -> pa.ipc.RecordBatchFileReader:
     try:
         return pa.ipc.open_file(source.arrow_file())
-    except (pa.ArrowInvalid, OSError) as exc:
+    except (pa.ArrowException, OSError) as exc:
         raise PackCorruptError(
             f"pack {source.pack_id}: not a readable Arrow IPC file (truncated or corrupt): {exc}"
         ) from exc

@@ -281,7 +281,7 @@ class _OpenPack:
         try:
             self._flush()
             index = pa.RecordBatch.from_pylist([], schema=PACK_SCHEMA)
-            self.ipc.write_batch(index, custom_metadata=encode_index(self.records, sealed_at))
+            self.ipc.write_batch(index, custom_metadata=encode_index(self.records, sealed_at, self.writer_id))
             self.ipc.close()
         except OSError as exc:
             self.abort()

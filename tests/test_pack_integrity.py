@@ -1,0 +1,227 @@
+"""Damaged packs: every damaged record raises, no read ever returns a wrong tensor."""
+
+import dataclasses
+import os
+import shutil
+
+import pyarrow as pa
+import pytest
+import torch
+
+from dmi.catalog import (
+    PackCorruptError,
+    PackError,
+    PackFormatError,
+    PackStore,
+    PackTruncatedError,
+    PackWriter,
+    RecordKey,
+    read_pack_descriptor,
+    verify_pack,
+)
+from dmi.catalog._pack_format import PACK_SCHEMA, schema_with_metadata
+from dmi.reader import FooterCache, read_record, read_records
+
+
+def same_bits(a, b):
+    flat = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(flat(a), flat(b))
+
+
+def key(layer, hook="resid_post"):
+    return RecordKey("model", "run", "req", hook, layer, 0, 8)
+
+
+@pytest.fixture(scope="module")
+def sealed(tmp_path_factory):
+    """A small pack mixing codecs and dtypes; returns (store dir, descriptor, tensors)."""
+    root = tmp_path_factory.mktemp("sealed")
+    store = PackStore.local(root)
+    g = torch.Generator().manual_seed(1)
+    tensors = [
+        (torch.randn(8, 32, generator=g) * 3).to(torch.bfloat16),
+        torch.randn(8, 16, generator=g),
+        torch.arange(8, dtype=torch.int64),
+        torch.empty(0, 4, dtype=torch.float16),
+        torch.randn(8, 3, generator=g, dtype=torch.complex64),
+    ]
+    entries = []
+    for codec in ("raw", "split-zstd", "zstd"):
+        with PackWriter(store, codec=codec) as w:
+            for i, t in enumerate(tensors):
+                w.append(key(i, hook=codec), t)
+            desc = w.seal()
+        entries.extend(desc.records)
+    return root, entries, tensors * 3
+
+
+def damaged_copy(root, tmp_path, pack_id, mutate):
+    shutil.copytree(root, tmp_path / "copy")
+    path = tmp_path / "copy" / f"{pack_id}.arrow"
+    data = bytearray(path.read_bytes())
+    path.write_bytes(mutate(data))
+    return PackStore.local(tmp_path / "copy")
+
+
+def test_byte_flips_everywhere(sealed, tmp_path):
+    root, entries, tensors = sealed
+    store = PackStore.local(root)
+    packs = sorted({e.pack_id for e in entries})
+    originals = {p: read_pack_descriptor(store, p) for p in packs}
+    checked = affected_seen = 0
+    for pack_id in packs:
+        path = root / f"{pack_id}.arrow"
+        clean = path.read_bytes()
+        mine = [(e, t) for e, t in zip(entries, tensors) if e.pack_id == pack_id]
+        in_payload = {pos for e, _ in mine for pos in range(e.payload.offset, e.payload.end)}
+        positions = sorted(in_payload | set(range(0, len(clean), 13)) | set(range(len(clean) - 64, len(clean))))
+        try:
+            for pos in positions:
+                flipped = bytearray(clean)
+                flipped[pos] ^= 1 << (pos % 8)
+                path.write_bytes(flipped)
+                for e, t in mine:
+                    hit = e.payload.offset <= pos < e.payload.end
+                    if hit:
+                        affected_seen += 1
+                        with pytest.raises(PackCorruptError, match=pack_id):
+                            read_record(store, e)
+                    else:
+                        assert same_bits(read_record(store, e), t), (pos, e.meta.key)
+                try:
+                    assert read_pack_descriptor(store, pack_id) == originals[pack_id], pos
+                except PackError:
+                    pass
+                if pos % 13 == 0 or pos in in_payload:
+                    try:
+                        assert verify_pack(store, pack_id) == originals[pack_id], pos
+                        assert pos not in in_payload, pos
+                    except PackError:
+                        pass
+                checked += 1
+        finally:
+            path.write_bytes(clean)
+    assert checked > 1000 and affected_seen > 500
+
+
+def test_coalesced_read_refuses_only_the_damaged_record(sealed, tmp_path):
+    root, entries, tensors = sealed
+    victim = entries[1]
+    store = damaged_copy(root, tmp_path, victim.pack_id, lambda d: (d.__setitem__(victim.payload.offset + 3, d[victim.payload.offset + 3] ^ 0x80), d)[1])
+    with pytest.raises(PackCorruptError, match="resid_post|raw") as info:
+        read_records(store, entries)
+    assert victim.pack_id in str(info.value) and "layer 1" in str(info.value)
+    others = [i for i, e in enumerate(entries) if e is not victim]
+    for i, got in zip(others, read_records(store, [entries[i] for i in others])):
+        assert same_bits(got, tensors[i])
+
+
+@pytest.mark.parametrize("keep", [0, 1, 7, 100, 0.25, 0.5, 0.75, -9, -1])
+def test_truncated_pack(sealed, tmp_path, keep):
+    root, entries, tensors = sealed
+    pack_id = entries[0].pack_id
+    size = os.path.getsize(root / f"{pack_id}.arrow")
+    cut = int(size * keep) if isinstance(keep, float) else (keep if keep >= 0 else size + keep)
+    store = damaged_copy(root, tmp_path, pack_id, lambda d: d[:cut])
+    with pytest.raises(PackCorruptError):
+        read_pack_descriptor(store, pack_id)
+    for e, t in zip(entries, tensors):
+        if e.pack_id != pack_id or e.payload.length == 0:
+            continue
+        if e.payload.end <= cut:
+            assert same_bits(read_record(store, e), t)
+        else:
+            with pytest.raises(PackTruncatedError, match="truncated"):
+                read_record(store, e)
+            with pytest.raises(PackTruncatedError, match="layer"):
+                read_records(store, [e])
+
+
+def test_stale_catalog_row_caught_by_footer_check(sealed):
+    """A row whose key says one record but whose range/checksum are another's."""
+    root, entries, tensors = sealed
+    store = PackStore.local(root)
+    wrong = dataclasses.replace(entries[1], meta=dataclasses.replace(entries[1].meta, key=entries[0].meta.key))
+    assert same_bits(read_record(store, wrong), tensors[1])  # without the footer: undetectable
+    with pytest.raises(PackCorruptError, match="stale"):
+        read_record(store, wrong, cache=FooterCache())
+    with pytest.raises(PackCorruptError, match="stale"):
+        read_records(store, [entries[0], wrong], cache=FooterCache())
+
+
+def test_wrong_checksum_in_entry(sealed):
+    root, entries, _ = sealed
+    bad = dataclasses.replace(entries[0], meta=dataclasses.replace(entries[0].meta, checksum=entries[0].meta.checksum ^ 1))
+    with pytest.raises(PackCorruptError, match="checksum"):
+        read_record(PackStore.local(root), bad)
+
+
+def test_shape_disagreeing_with_size_refused(sealed):
+    root, entries, _ = sealed
+    bad = dataclasses.replace(entries[0], meta=dataclasses.replace(entries[0].meta, shape=(8, 33)))
+    with pytest.raises(PackCorruptError, match="claims shape"):
+        read_record(PackStore.local(root), bad)
+
+
+def write_arrow(path, schema, batches, metadata_last=None):
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
+        for b in batches:
+            w.write_batch(b)
+        if metadata_last is not None:
+            w.write_batch(pa.RecordBatch.from_pylist([], schema=schema), custom_metadata=metadata_last)
+
+
+def test_not_a_dmi_pack(tmp_path):
+    pack_id = "ab" * 16
+    write_arrow(tmp_path / f"{pack_id}.arrow", pa.schema([("x", pa.int32())]), [])
+    with pytest.raises(PackFormatError, match="not a DMI pack"):
+        read_pack_descriptor(PackStore.local(tmp_path), pack_id)
+
+
+def test_future_version_refused(tmp_path):
+    pack_id = "cd" * 16
+    schema = schema_with_metadata(pack_id, "w")
+    meta = dict(schema.metadata)
+    meta[b"dmi.format_version"] = b"2"
+    write_arrow(tmp_path / f"{pack_id}.arrow", schema.with_metadata(meta), [])
+    with pytest.raises(PackFormatError, match="version 2"):
+        read_pack_descriptor(PackStore.local(tmp_path), pack_id)
+
+
+def test_missing_index_batch(tmp_path):
+    pack_id = "ef" * 16
+    write_arrow(tmp_path / f"{pack_id}.arrow", schema_with_metadata(pack_id, "w"), [])
+    with pytest.raises(PackFormatError, match="index"):
+        read_pack_descriptor(PackStore.local(tmp_path), pack_id)
+
+
+def test_pack_renamed_to_another_id(sealed, tmp_path):
+    root, entries, _ = sealed
+    other = "0" * 32
+    shutil.copy(root / f"{entries[0].pack_id}.arrow", tmp_path / f"{other}.arrow")
+    with pytest.raises(PackFormatError, match="says it is pack"):
+        read_pack_descriptor(PackStore.local(tmp_path), other)
+
+
+def test_garbage_file(tmp_path):
+    pack_id = "12" * 16
+    (tmp_path / f"{pack_id}.arrow").write_bytes(os.urandom(5000))
+    with pytest.raises(PackCorruptError, match="not a readable Arrow"):
+        read_pack_descriptor(PackStore.local(tmp_path), pack_id)
+
+
+def test_schema_columns_checked(tmp_path):
+    pack_id = "34" * 16
+    schema = pa.schema([f for f in PACK_SCHEMA if f.name != "stat_mean"]).with_metadata(schema_with_metadata(pack_id, "w").metadata)
+    write_arrow(tmp_path / f"{pack_id}.arrow", schema, [])
+    with pytest.raises(PackFormatError, match="columns"):
+        read_pack_descriptor(PackStore.local(tmp_path), pack_id)
+
+
+def test_verify_pack_detects_row_and_payload_damage(sealed, tmp_path):
+    root, entries, _ = sealed
+    e = entries[5]  # split-zstd pack, first record
+    store = damaged_copy(root, tmp_path, e.pack_id, lambda d: (d.__setitem__(e.payload.offset, d[e.payload.offset] ^ 4), d)[1])
+    read_pack_descriptor(store, e.pack_id)  # the index itself is intact
+    with pytest.raises(PackCorruptError, match="checksum"):
+        verify_pack(store, e.pack_id)

@@ -1,0 +1,161 @@
+"""PackStore: listing, lookup errors, sealing that never exposes a half pack."""
+
+import errno
+import os
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+from dmi.catalog import (
+    InvalidArgumentError,
+    LocalPackStore,
+    PackNotFoundError,
+    PackSealError,
+    PackStore,
+    PackWriter,
+    RecordKey,
+    read_pack_descriptor,
+    verify_pack,
+)
+from dmi.catalog._store import _LocalPackSink
+from dmi.reader import read_record, read_records
+
+KEY = RecordKey("model", "run", "req", "resid_post", 0, 0, 4)
+
+
+def write_one(store, tensor=None, **kw):
+    with PackWriter(store, **kw) as w:
+        w.append(KEY, torch.arange(64, dtype=torch.float32) if tensor is None else tensor)
+        return w.seal()
+
+
+def test_list_packs_only_sealed(tmp_path):
+    store = PackStore.local(tmp_path)
+    a, b = write_one(store), write_one(store)
+    (tmp_path / f".{a.pack_id[::-1]}.abcd.tmp").write_bytes(b"partial")
+    (tmp_path / "notes.arrow").write_bytes(b"x")
+    (tmp_path / ("A" * 32 + ".arrow")).write_bytes(b"x")  # not lowercase hex
+    assert store.list_packs() == sorted([a.pack_id, b.pack_id])
+
+
+def test_missing_pack_is_file_not_found(tmp_path):
+    store = PackStore.local(tmp_path)
+    desc = write_one(store)
+    os.unlink(desc.location)
+    with pytest.raises(PackNotFoundError, match=desc.pack_id) as info:
+        read_record(store, desc.records[0])
+    assert isinstance(info.value, FileNotFoundError)
+    with pytest.raises(PackNotFoundError):
+        read_pack_descriptor(store, desc.pack_id)
+
+
+@pytest.mark.parametrize("bad", ["../etc/passwd", "x" * 32, "0" * 31, "", "0" * 32 + "/"])
+def test_pack_id_validated(tmp_path, bad):
+    with pytest.raises(InvalidArgumentError):
+        PackStore.local(tmp_path).open_input(bad)
+
+
+def test_from_uri(tmp_path):
+    assert isinstance(PackStore.from_uri(str(tmp_path)), LocalPackStore)
+    store = PackStore.from_uri(f"file://{tmp_path}/sub")
+    assert isinstance(store, LocalPackStore) and store.root == f"{tmp_path}/sub"
+    with pytest.raises(InvalidArgumentError):
+        PackStore.from_uri("nosuchscheme://bucket/x")
+
+
+def test_generic_filesystem_path(tmp_path):
+    """The object-storage code path (direct write, pyarrow range reads) on a local filesystem."""
+    store = PackStore(pafs.LocalFileSystem(), str(tmp_path / "obj"))
+    t = torch.randn(300, 7).to(torch.bfloat16)
+    desc = write_one(store, t)
+    assert store.list_packs() == [desc.pack_id]
+    assert desc.location.endswith(f"/{desc.pack_id}.arrow")
+    assert verify_pack(store, desc.pack_id) == desc
+    assert torch.equal(read_record(store, desc.records[0]).view(torch.int16), t.view(torch.int16))
+    assert torch.equal(read_records(store, desc.records)[0].view(torch.int16), t.view(torch.int16))
+    with pytest.raises(PackNotFoundError):
+        store.open_input("0" * 32)
+
+
+class Crash(BaseException):
+    """A process death: no cleanup handler (they catch OSError/Exception) runs."""
+
+
+SEAL_STEPS = ["_close_stream", "_fsync_file", "_rename", "_fsync_dir"]
+
+
+@pytest.mark.parametrize("step", SEAL_STEPS)
+def test_crash_at_each_sealing_step_leaves_no_half_pack(tmp_path, monkeypatch, step):
+    store = PackStore.local(tmp_path)
+    t = torch.arange(100_000, dtype=torch.float32)
+    done = []
+
+    def crash(self):
+        raise Crash(step)
+
+    monkeypatch.setattr(_LocalPackSink, step, crash)
+    w = PackWriter(store, max_records=2, on_seal=done.append)
+    w.append(KEY, t)
+    with pytest.raises(Crash):
+        w.append(RecordKey("model", "run", "req", "resid_post", 1, 0, 4), t)
+    monkeypatch.undo()
+    listed = store.list_packs()
+    assert done == []
+    if SEAL_STEPS.index(step) <= SEAL_STEPS.index("_rename"):
+        assert listed == []  # only a temporary file is there
+        assert [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+    else:
+        # renamed but the directory fsync "crashed": the pack is whole and readable
+        (pack_id,) = listed
+        desc = verify_pack(store, pack_id)
+        assert all(torch.equal(read_record(store, e), t) for e in desc.records)
+    # a fresh writer and store work as usual next to the leftovers
+    again = write_one(PackStore.local(tmp_path))
+    assert again.pack_id in store.list_packs()
+
+
+def test_full_disk_on_fsync(tmp_path, monkeypatch):
+    store = PackStore.local(tmp_path)
+
+    def enospc(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", enospc)
+    with pytest.raises(PackSealError, match="No space") as info:
+        write_one(store)
+    assert isinstance(info.value, OSError)
+    monkeypatch.undo()
+    assert store.list_packs() == [] and os.listdir(tmp_path) == []
+
+
+class DevFullStore(LocalPackStore):
+    """Every pack body goes to /dev/full: a real ENOSPC from write(2)."""
+
+    def create(self, pack_id):
+        sink = super().create(pack_id)
+        sink.stream.close()
+        sink.stream = pa.OSFile("/dev/full", "wb")
+        return sink
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_full_disk_on_write(tmp_path):
+    store = DevFullStore(tmp_path)
+    w = PackWriter(store, codec="raw", batch_bytes=1024)
+    with pytest.raises(PackSealError, match="discarded") as info:
+        w.append(KEY, torch.zeros(10_000))
+    assert isinstance(info.value.__cause__, OSError)
+    assert store.list_packs() == [] and os.listdir(tmp_path) == []
+    w.close()
+
+
+def test_existing_pack_never_overwritten(tmp_path, monkeypatch):
+    store = PackStore.local(tmp_path)
+    first = write_one(store)
+    monkeypatch.setattr("secrets.token_hex", lambda n=16: first.pack_id[: 2 * n])
+    with pytest.raises(PackSealError, match="already exists"):
+        write_one(store)
+    monkeypatch.undo()
+    assert verify_pack(store, first.pack_id) == first
