@@ -58,7 +58,9 @@ EOF
     runtime=$(engine info --format '{{.Host.OCIRuntime.Name}}') || fail "podman info failed"
     [ "$runtime" = runc ] || fail "podman picked OCI runtime '$runtime', not runc, despite $CONTAINERS_CONF"
     socket="$state/podman.sock"
-    engine system service --time=0 "unix://$socket" >"$state/service.log" 2>&1 &
+    # Not through engine(): $! must be podman itself, not a subshell, for stop to end it.
+    podman --root "$state/root" --runroot "$state/runroot" system service --time=0 "unix://$socket" \
+        >"$state/service.log" 2>&1 &
     echo $! >"$state/service.pid"
     for _ in $(seq 100); do [ -S "$socket" ] && break; sleep 0.1; done
     [ -S "$socket" ] || fail "podman system service did not create $socket within 10 s: $(cat "$state/service.log")"
@@ -115,6 +117,7 @@ stop)
         pid=$(cat "$state/service.pid")
         kill "$pid" 2>/dev/null || true
         for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        ! kill -0 "$pid" 2>/dev/null || fail "podman system service (pid $pid) did not stop"
     fi
     # containers/storage leaves its overlay directory mounted; nothing under STATE may stay mounted.
     { grep -o " $state/[^ ]*" /proc/mounts || true; } | sort -r | while read -r mnt; do umount "$mnt" || true; done
