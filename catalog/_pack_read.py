@@ -77,6 +77,7 @@ def _scan_rows(pack_id: str, buffer: pa.Buffer, whole: bytearray, entries) -> No
     reader = pa.ipc.open_file(pa.BufferReader(buffer))
     for i in range(reader.num_record_batches - 1):
         batch = reader.get_batch(i)
+        batch.validate(full=True)  # IPC reads trust offsets; damaged ones must not be followed
         payload = batch.column(batch.num_columns - 1)
         _, offsets_buf, data = payload.buffers()
         offsets = np.frombuffer(offsets_buf, dtype=np.int64)[payload.offset : payload.offset + batch.num_rows + 1]
