@@ -1,11 +1,13 @@
 """``dmi demo``: the README quickstart, end to end, in seconds on a laptop CPU.
 
-1. builds the built-in ``tiny-llama`` (4 layers, hidden 64, random weights from seed 0,
-   an in-memory byte tokenizer: nothing is downloaded);
+1. builds the built-in ``tiny-llama`` (4 layers, hidden 64, bfloat16, random weights from
+   seed 0, an in-memory byte tokenizer: nothing is downloaded);
 2. captures a batch of prompts of different lengths (left padded) through greedy
    ``generate`` — prefill and decode — with several hook groups, into the store;
 3. prints what was stored: the requests, the hooks and layers of one request, records,
-   bytes on disk against raw bytes, the compression ratio;
+   raw payload bytes against compressed payload bytes and against bytes on disk (the
+   pack files, index included: with a model this small, where a decode record is one
+   64-wide token, the per-record index is a large share);
 4. reads hidden states back and checks them **bit for bit** against the model's own
    ``output_hidden_states`` from the same ``generate`` call: ``embed`` is
    ``hidden_states[0]``, ``resid_post`` of layer ``i`` is ``hidden_states[i + 1]`` for all
@@ -36,6 +38,15 @@ DEMO_PROMPTS = (
     "What happens inside a language model while it writes?",
 )
 DEMO_NEW_TOKENS = 8
+NORMS_QUERY = (
+    "SELECT layer, count() AS records, avg(l2_norm) AS mean_record_l2,\n"
+    "       sqrt(sum(l2_norm * l2_norm) / sum(n_tokens)) AS rms_token_l2\n"
+    f"FROM {{records}} WHERE model_id = '{DEMO_MODEL_ID}' AND hook = 'resid_post'\n"
+    "GROUP BY layer ORDER BY layer"
+)
+"""Step 5: "mean L2 norm of resid_post per layer" from the index alone. A record's L2 norm
+squared is the sum of its tokens' squared norms, so the second column is exactly the RMS of
+the per-token norms, whatever the record sizes (prefill chunks, single decode tokens)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +102,7 @@ def run_demo(
     _quiet_transformers()
     spec = BUILTIN_MODELS[DEMO_MODEL_ID]
     say(f"1. building {spec.name}: Llama-style, {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, "
-        f"random weights (seed {spec.seed}), byte-level tokenizer; nothing downloaded")
+        f"{spec.dtype}, random weights (seed {spec.seed}), byte-level tokenizer; nothing downloaded")
     loaded = load_model(DEMO_MODEL_ID)
     model, tokenizer = loaded.model, loaded.tokenizer
 
@@ -121,9 +132,10 @@ def run_demo(
         layers = next((h.layers for h in contents.hooks if h.hook == "resid_post"), ())
         say(f"   request {request_ids[0]} holds {len(contents.hooks)} hooks: "
             f"{', '.join(h.hook for h in contents.hooks)}; layers {layers[0]}-{layers[-1]}")
-        ratio = totals["raw_bytes"] / totals["pack_bytes"] if totals["pack_bytes"] else 1.0
-        say(f"   {totals['records']} records in {totals['packs']} packs: {human_bytes(totals['raw_bytes'])} raw, "
-            f"{human_bytes(totals['pack_bytes'])} on disk ({ratio:.2f}x)")
+        raw, stored, on_disk = totals["raw_bytes"], totals["stored_bytes"], totals["pack_bytes"]
+        say(f"   {totals['records']} records in {totals['packs']} pack(s): payloads {human_bytes(raw)} raw -> "
+            f"{human_bytes(stored)} compressed ({raw / max(stored, 1):.2f}x); {human_bytes(on_disk)} on disk "
+            f"with the index ({raw / max(on_disk, 1):.2f}x)")
 
         say("4. reading back and checking against the model's own output_hidden_states")
         checked, tokens, exact = _check_hidden_states(store, run_id, request_ids, enc["attention_mask"],
@@ -131,7 +143,7 @@ def run_demo(
         say(f"   {checked} tensors, {tokens} tokens: " + ("bit-exact" if exact else "MISMATCH"))
 
         say("5. one question from per-record statistics, no payload read:")
-        query = store.example_query(DEMO_MODEL_ID, "resid_post", run_id=run_id)
+        query = NORMS_QUERY
         say(_indent(query))
         table = store.sql(query)
         say(_indent(render_table(table.column_names, [[_fmt(v) for v in row.values()] for row in table.to_pylist()])))

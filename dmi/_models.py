@@ -19,7 +19,11 @@ __all__ = ["BUILTIN_MODELS", "BuiltinModel", "LoadedModel", "load_model", "byte_
 
 @dataclass(frozen=True, slots=True)
 class BuiltinModel:
-    """A small Llama-style geometry that runs in milliseconds on a CPU."""
+    """A small Llama-style geometry that runs in milliseconds on a CPU.
+
+    Weights are ``dtype`` (bfloat16 by default, as models are usually served), so what is
+    captured compresses like real activations do, not like float32 noise.
+    """
 
     name: str
     hidden_size: int
@@ -28,6 +32,7 @@ class BuiltinModel:
     num_attention_heads: int
     num_key_value_heads: int
     seed: int = 0
+    dtype: str = "bfloat16"
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -89,6 +94,7 @@ def _build_builtin(spec: BuiltinModel) -> LoadedModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         model = LlamaForCausalLM(config)
+    model = model.to(getattr(torch, spec.dtype))
     model.config.name_or_path = spec.name
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return LoadedModel(model.eval(), tokenizer, spec.name)

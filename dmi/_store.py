@@ -1,0 +1,462 @@
+"""``dmi.open()`` and the ``Store``: one catalog plus one pack location, read as tensors.
+
+A store pairs the ClickHouse catalog (what exists, where its bytes are) with the pack
+store (the bytes). Reads go catalog query → coalesced byte ranges → checksum → decode →
+reassembly, and never scan a pack. Summaries (``models``, ``requests``, ``contents``) and
+``sql`` read only the index: per-record statistics (L2 norm, mean, absmax) were computed
+at write time, so questions about norms need no payload.
+
+Where things live, by precedence (explicit arguments first, then the environment)::
+
+    catalog: catalog=URI  >  home=DIR → DIR/catalog  >  $DMI_CATALOG  >  $DMI_HOME/catalog  >  ~/.local/share/dmi/catalog
+    packs:   packs=LOC    >  home=DIR → DIR/packs    >  $DMI_PACKS    >  $DMI_HOME/packs    >  ~/.local/share/dmi/packs
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from dmi._lazy import LazyInternal
+from dmi._values import (
+    HookSummary,
+    ModelSummary,
+    Problem,
+    RecoveredPack,
+    RequestContents,
+    RequestSummary,
+    VerifyReport,
+)
+from dmi.catalog import PackStore, default_catalog_uri, open_catalog
+from dmi.catalog.errors import (
+    DuplicateChunkError,
+    HookSelectionError,
+    InvalidArgumentError,
+    PackError,
+    PackNotFoundError,
+    RecordNotFoundError,
+)
+from dmi.catalog.records import RecordEntry
+from dmi.reader import FooterCache, assemble, load_footer, read_record, read_records
+
+__all__ = ["Store", "open", "capture", "default_home", "PACKS_ENV", "HOME_ENV", "CATALOG_ENV"]
+
+HOME_ENV = "DMI_HOME"
+CATALOG_ENV = "DMI_CATALOG"
+PACKS_ENV = "DMI_PACKS"
+_DEFAULT_HOME = Path("~/.local/share/dmi")
+
+
+def default_home() -> str:
+    """``$DMI_HOME``, else ``~/.local/share/dmi`` (absolute, user expanded)."""
+    return str(Path(os.environ.get(HOME_ENV) or _DEFAULT_HOME).expanduser().resolve())
+
+
+def open(catalog: str | None = None, packs: str | None = None, *, home: str | os.PathLike[str] | None = None) -> Store:
+    """Open a store: the embedded chDB catalog and a local packs directory by default.
+
+    ``catalog``: ``chdb:///path`` (embedded, one process per directory) or
+    ``clickhouse://user:password@host:port/database`` (a server). ``packs``: a directory
+    or a ``pyarrow.fs`` URI (``s3://bucket/prefix``, ``file:///dir``). ``home``: a
+    directory holding both (``home/catalog``, ``home/packs``). See the module docstring
+    for the precedence of arguments and environment variables.
+
+    Returns an open :class:`Store`; use it as a context manager or call ``close()``.
+    Raises ``CatalogLockedError`` (the chDB directory is held by another process),
+    ``CatalogUnavailableError`` (server unreachable), ``BackendNotInstalledError``,
+    ``SchemaVersionError``, ``InvalidArgumentError`` (malformed URI).
+    """
+    home_dir = str(Path(home).expanduser().resolve()) if home is not None else default_home()
+    if catalog is None:
+        catalog = "chdb://" + str(Path(home_dir) / "catalog") if home is not None else default_catalog_uri()
+    if packs is None:
+        packs = str(Path(home_dir) / "packs") if home is not None else os.environ.get(PACKS_ENV) or str(Path(home_dir) / "packs")
+    pack_store = PackStore.from_uri(packs)
+    return Store(open_catalog(catalog), pack_store, home=home_dir)
+
+
+@contextmanager
+def capture(model: Any, *, hooks: Any = "resid_post", layers: Any = None, store: Store | None = None,
+            **options: Any) -> Iterator[Any]:
+    """Capture ``model``'s internals into ``store`` (default: ``dmi.open()``) while the block runs.
+
+    Yields the capture session (``dmi.capture.CaptureSession``): call
+    ``session.generate(input_ids, attention_mask, **generate_kwargs)`` or
+    ``session.forward(...)``; each returns the request ids and the model's own output.
+    ``hooks`` are hook names or group tokens (``"resid"``, ``"attn"``, ``"mlp"``,
+    ``"logits"``, ``"all"``, ...), ``layers`` a range, list, int or ``None`` (all).
+    ``options`` go to ``dmi.capture.attach`` (``model_id``, ``run_id``, ``schedule``,
+    ``ring_slots``, ``drop_policy``, ...). On exit every hook is removed and every record is
+    sealed and published.
+
+    Raises ``HookSelectionError`` (unknown hook or group, empty layer range),
+    ``AttachError`` (the model is already attached), ``AttentionImplementationError``,
+    ``InvalidIdentifierError``, and on exit ``DrainError`` if writing failed.
+    """
+    from dmi.capture import attach
+
+    own = store is None
+    target = open() if own else store
+    try:
+        with attach(model, hooks=hooks, layers=layers, store=target.packs, catalog=target.catalog,
+                    **options) as session:
+            yield session
+    finally:
+        if own:
+            target.close()
+
+
+class Store:
+    """A catalog and a pack store, read together. Made by :func:`dmi.open`.
+
+    Attributes: ``catalog`` (the ``dmi.catalog.Catalog``), ``packs`` (the
+    ``dmi.catalog.PackStore``), ``home``. Thread-safe for reads. Closing closes the catalog.
+    """
+
+    def __init__(self, catalog: Any, packs: PackStore, *, home: str | None = None,
+                 footer_cache: FooterCache | None = None):
+        self.catalog = catalog
+        self.packs = packs
+        self.home = home if home is not None else default_home()
+        self._footers = footer_cache if footer_cache is not None else FooterCache()
+
+    # -------------------------------------------------------------------------------- lifecycle
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the catalog (idempotent). Pack files need no closing."""
+        self.catalog.close()
+
+    def __repr__(self) -> str:
+        return f"<dmi.Store catalog={self.catalog_uri} packs={self.packs_uri}>"
+
+    @property
+    def catalog_uri(self) -> str:
+        """Where the catalog is (``chdb:///...`` or ``clickhouse://host:port/db``)."""
+        return self.catalog.where
+
+    @property
+    def packs_uri(self) -> str:
+        """Where the pack files are."""
+        return self.packs.uri
+
+    @property
+    def tables(self) -> dict[str, str]:
+        """Placeholders ``sql`` expands, and the qualified table each stands for."""
+        tables = self.catalog.tables
+        names = {name: qualified for name, qualified in tables.items() if name != "records_published"}
+        names["records_all"] = names.pop("records")
+        names["records"] = tables["records_published"]
+        return names
+
+    def capture(self, model: Any, **options: Any) -> AbstractContextManager[Any]:
+        """Same as ``dmi.capture(model, store=self, **options)``."""
+        return capture(model, store=self, **options)
+
+    # -------------------------------------------------------------------------------- the index
+    def sql(self, query: str) -> pa.Table:
+        """Run SQL over the index; returns an Arrow table. Reads no payload.
+
+        ``{records}`` expands to the published records (one row per record: key, dtype,
+        shape, codec, sizes, pack and byte range, ``l2_norm``/``mean``/``absmax``);
+        ``{packs}``, ``{losses}``, ``{watermarks}``, ``{records_all}`` (unpublished rows too)
+        to the other tables (see ``tables``). Other braces are left alone. Raises
+        ``ServerError`` (with ClickHouse's code and name) on a bad query,
+        ``InvalidArgumentError`` if ``query`` is not a string.
+        """
+        if not isinstance(query, str):
+            raise InvalidArgumentError(f"sql() takes a str, not {type(query).__name__}")
+        for name, qualified in self.tables.items():
+            query = query.replace("{" + name + "}", qualified)
+        return self.catalog.sql(query)
+
+    def _query(self, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+        """A parameterised query. ``Catalog.sql`` takes no parameters, and values must never
+        enter SQL text, so this goes through the backend's own parameter rendering."""
+        for name, qualified in self.tables.items():
+            sql = sql.replace("{" + name + "}", qualified)
+        return self.catalog._backend.query(sql, params).to_pylist()
+
+    def models(self) -> list[ModelSummary]:
+        """Every model id with published records, with run, request, record and byte totals."""
+        rows = self._query(
+            "SELECT model_id, uniqExact(run_id) AS runs, uniqExact(request_id) AS requests, count() AS records, "
+            "sum(payload_length) AS stored, sum(raw_size) AS raw FROM {records} GROUP BY model_id ORDER BY model_id",
+            {},
+        )
+        return [ModelSummary(r["model_id"], int(r["runs"]), int(r["requests"]), int(r["records"]),
+                             int(r["stored"]), int(r["raw"])) for r in rows]
+
+    def requests(self, model_id: str, *, run_id: str | None = None) -> list[RequestSummary]:
+        """The requests of ``model_id`` (of one run if ``run_id``), oldest run first.
+
+        ``n_tokens`` is the request's stored token count (prompt without padding, plus the
+        captured decode steps). Raises ``RecordNotFoundError`` for an unknown model id or run.
+        """
+        params: dict[str, Any] = {"model_id": model_id}
+        where = "model_id = %(model_id)s"
+        if run_id is not None:
+            params["run_id"] = run_id
+            where += " AND run_id = %(run_id)s"
+        rows = self._query(
+            "SELECT request_id, run_id, max(tokens) AS n_tokens, groupUniqArray(hook) AS hooks, sum(n) AS records, "
+            "sum(stored) AS stored, sum(raw) AS raw FROM ("
+            "SELECT request_id, run_id, hook, layer, shard_rank, sum(n_tokens) AS tokens, count() AS n, "
+            f"sum(payload_length) AS stored, sum(raw_size) AS raw FROM {{records}} WHERE {where} "
+            "GROUP BY request_id, run_id, hook, layer, shard_rank) "
+            "GROUP BY request_id, run_id ORDER BY run_id, request_id",
+            params,
+        )
+        if not rows:
+            self._diagnose(model_id, None, None, run_id=run_id)
+        return [RequestSummary(model_id, r["run_id"], r["request_id"], int(r["n_tokens"]), _hook_order(r["hooks"]),
+                               int(r["records"]), int(r["stored"]), int(r["raw"])) for r in rows]
+
+    def contents(self, model_id: str, request_id: str, *, run_id: str | None = None) -> RequestContents:
+        """What one request holds: per hook its layers, shard ranks, tokens, dtype, bytes.
+
+        Raises ``RecordNotFoundError`` (unknown model, request or run) and
+        ``DuplicateChunkError`` when the request id exists in several runs and ``run_id`` is
+        not given.
+        """
+        run = self._resolve_run(model_id, request_id, run_id)
+        rows = self._query(
+            "SELECT hook, groupUniqArray(layer) AS layers, groupUniqArray(shard_rank) AS ranks, max(tokens) AS n_tokens, "
+            "any(dtype) AS dtype, any(feature) AS feature, sum(n) AS records, sum(stored) AS stored, sum(raw) AS raw "
+            "FROM (SELECT hook, layer, shard_rank, sum(n_tokens) AS tokens, any(dtype) AS dtype, "
+            "any(arraySlice(if(length(full_shape) > 0, full_shape, shape), 2)) AS feature, count() AS n, "
+            "sum(payload_length) AS stored, sum(raw_size) AS raw FROM {records} "
+            "WHERE model_id = %(model_id)s AND request_id = %(request_id)s AND run_id = %(run_id)s "
+            "GROUP BY hook, layer, shard_rank) GROUP BY hook",
+            {"model_id": model_id, "request_id": request_id, "run_id": run},
+        )
+        hooks = {
+            r["hook"]: HookSummary(r["hook"], tuple(sorted(r["layers"])), tuple(sorted(r["ranks"])), int(r["n_tokens"]),
+                                   r["dtype"], tuple(int(d) for d in r["feature"]), int(r["records"]),
+                                   int(r["stored"]), int(r["raw"]))
+            for r in rows
+        }
+        return RequestContents(model_id, run, request_id, tuple(hooks[h] for h in _hook_order(hooks)))
+
+    # -------------------------------------------------------------------------------- tensors
+    def get_internal(self, model_id: str, request_id: str, hook: str, *, layers: Any = None,
+                     shard_rank: int | None = None, merge_shards: bool = False,
+                     run_id: str | None = None) -> torch.Tensor:
+        """One hook of one request as a tensor: ``[layers, tokens, ...]`` for per-layer hooks
+        (stored layers in ascending order), ``[tokens, ...]`` for global ones (``token_ids``,
+        ``embed``, ``final_norm``, ``logits``). Tokens are in order: the prompt's real tokens
+        (padding was never stored), then one per captured decode step.
+
+        ``layers``: an int, an iterable of ints, a ``range`` or a ``slice`` of layer numbers
+        (``None``: every stored layer). ``shard_rank`` selects one tensor-parallel rank;
+        ``merge_shards=True`` joins the ranks by their recorded geometry.
+
+        Raises ``HookSelectionError`` (not a hook name), ``RecordNotFoundError`` (unknown
+        model, request, run, a hook or layers the request does not hold),
+        ``DuplicateChunkError`` (several runs or ranks hold the same tokens: pass ``run_id``
+        or ``shard_rank``), ``ShardMergeError``, ``PackCorruptError``/``PackNotFoundError``.
+        """
+        entries = self._entries(model_id, request_id, hook, layers, shard_rank, run_id)
+        return self._assemble(entries, shard_rank=shard_rank, merge_shards=merge_shards)
+
+    def lazy(self, model_id: str, request_id: str, hook: str, *, layers: Any = None,
+             shard_rank: int | None = None, merge_shards: bool = False,
+             run_id: str | None = None) -> LazyInternal:
+        """A :class:`LazyInternal` over the same selection as ``get_internal``: the catalog is
+        queried now, payloads are read only when the view is indexed (and only the records
+        the index touches). Raises what ``get_internal`` raises, except read errors, which
+        surface on indexing."""
+        entries = self._entries(model_id, request_id, hook, layers, shard_rank, run_id)
+
+        def read(selected: list[RecordEntry]) -> torch.Tensor:
+            return self._assemble(selected, shard_rank=shard_rank, merge_shards=merge_shards)
+
+        return LazyInternal(model_id, request_id, hook, entries, read)
+
+    def _assemble(self, entries: list[RecordEntry], *, shard_rank: int | None, merge_shards: bool) -> torch.Tensor:
+        tensors = read_records(self.packs, entries, cache=self._footers)
+        return assemble(entries, tensors, shard_rank=shard_rank, merge_shards=merge_shards)
+
+    def _entries(self, model_id: str, request_id: str, hook: str, layers: Any, shard_rank: int | None,
+                 run_id: str | None) -> list[RecordEntry]:
+        _check_hook(hook)
+        run = self._resolve_run(model_id, request_id, run_id)
+        wanted = _layer_numbers(layers)
+        entries = self.catalog.find_records(model_id, request_id=request_id, hook=hook, shard_rank=shard_rank,
+                                            run_id=run, layers=None if isinstance(wanted, slice) else wanted)
+        if isinstance(wanted, slice):
+            entries = [e for e in entries if _in_slice(e.meta.key.layer, wanted)]
+        if not entries:
+            self._diagnose(model_id, request_id, hook, run_id=run, layers=layers, shard_rank=shard_rank)
+        return entries
+
+    def _resolve_run(self, model_id: str, request_id: str, run_id: str | None) -> str:
+        """The one run holding ``request_id``; refuses to guess between several."""
+        params = {"model_id": model_id, "request_id": request_id}
+        runs = [r["run_id"] for r in self._query(
+            "SELECT DISTINCT run_id FROM {records} WHERE model_id = %(model_id)s AND request_id = %(request_id)s "
+            "ORDER BY run_id", params)]
+        if run_id is not None:
+            if run_id not in runs:
+                self._diagnose(model_id, request_id, None, run_id=run_id)
+            return run_id
+        if not runs:
+            self._diagnose(model_id, request_id, None)
+        if len(runs) > 1:
+            raise DuplicateChunkError(
+                f"request {request_id} of model {model_id} was captured in {len(runs)} runs ({', '.join(runs)}); "
+                "choose one with run_id= (dmi: --run)"
+            )
+        return runs[0]
+
+    def _diagnose(self, model_id: str, request_id: str | None, hook: str | None, *, run_id: str | None = None,
+                  layers: Any = None, shard_rank: int | None = None) -> None:
+        """Raise ``RecordNotFoundError`` naming the first part of the selection that matches nothing."""
+        models = self.catalog.models()
+        if model_id not in models:
+            known = ", ".join(models[:10]) + (" ..." if len(models) > 10 else "") if models else "none yet"
+            raise RecordNotFoundError(f"no model {model_id!r} in the catalog at {self.catalog_uri} (models: {known})")
+        if run_id is not None and run_id not in self.catalog.runs(model_id):
+            raise RecordNotFoundError(f"model {model_id!r} has no run {run_id!r} (list runs with `dmi requests {model_id}`)")
+        if request_id is None:
+            raise RecordNotFoundError(f"model {model_id!r} has no published requests")
+        requests = self.catalog.requests(model_id, run_id=run_id)
+        if request_id not in requests:
+            raise RecordNotFoundError(
+                f"model {model_id!r} has no request {request_id!r}{'' if run_id is None else f' in run {run_id}'} "
+                f"({len(requests)} requests; list them with `dmi requests {model_id}`)"
+            )
+        held = self.catalog.request_contents(model_id, request_id, run_id=run_id)
+        if hook not in held:
+            raise RecordNotFoundError(
+                f"request {request_id!r} holds no {hook!r} records; it holds: {', '.join(_hook_order(held)) or 'nothing'}"
+            )
+        raise RecordNotFoundError(
+            f"request {request_id!r} hook {hook!r} has layers {list(held[hook].layers)} and shard ranks "
+            f"{list(held[hook].shard_ranks)}; nothing matches layers={layers!r} shard_rank={shard_rank!r}"
+        )
+
+    # -------------------------------------------------------------------------------- upkeep
+    def verify(self, *, model_id: str | None = None,
+               progress: Callable[[int], AbstractContextManager[Any]] | None = None) -> VerifyReport:
+        """Read back every published record (of ``model_id``, or all) and check it.
+
+        Each record's stored bytes are checked against its checksum and decoded, and the
+        catalog's row is checked against the pack's own index. Returns a report listing
+        every bad record by pack and key (``kind`` ``"corrupt"``), every missing pack
+        (``"missing"``), and sealed packs no snapshot has published (run ``recover``).
+        Raises only for catalog errors; bad packs are reported, not raised.
+        ``progress(total_records)`` may return a context manager with ``update(n)``.
+        """
+        models = [model_id] if model_id is not None else self.catalog.models()
+        if model_id is not None and model_id not in self.catalog.models():
+            self._diagnose(model_id, None, None)
+        by_pack: dict[str, list[RecordEntry]] = defaultdict(list)
+        for model in models:
+            for entry in self.catalog.find_records(model):
+                by_pack[entry.pack_id].append(entry)
+        total = sum(len(v) for v in by_pack.values())
+        problems: list[Problem] = []
+        checked_bytes = 0
+        bar = progress(total) if progress is not None else nullcontext()
+        with bar as tick:
+            for pack_id in sorted(by_pack):
+                entries = by_pack[pack_id]
+                problems.extend(self._verify_pack(pack_id, entries))
+                checked_bytes += sum(e.payload.length for e in entries)
+                if tick is not None:
+                    tick.update(len(entries))
+        published = self.catalog.published_pack_ids()
+        unpublished = tuple(sorted(p for p in self.packs.list_packs() if p not in published))
+        return VerifyReport(total, len(by_pack), checked_bytes, tuple(problems), unpublished)
+
+    def _verify_pack(self, pack_id: str, entries: list[RecordEntry]) -> list[Problem]:
+        """Problems of one pack: one for a missing file or an unreadable index (with how many
+        records it holds), then one per record whose bytes fail their checksum or decoding."""
+        fresh = FooterCache()  # a fresh footer each time: verify must not trust an earlier read
+        try:
+            read_records(self.packs, entries, cache=fresh)
+            return []
+        except PackNotFoundError as exc:
+            return [Problem("missing", pack_id, None, f"{len(entries)} records lost: {exc}")]
+        except PackError:
+            pass
+        problems = []
+        try:
+            load_footer(self.packs, pack_id, cache=fresh)
+        except PackError as exc:
+            problems.append(Problem("corrupt", pack_id, None, f"pack index unreadable ({len(entries)} records): {exc}"))
+            fresh = None  # still check each record's own bytes against the catalog's checksum
+        for entry in entries:  # find every bad record, not just the first
+            try:
+                read_record(self.packs, entry, cache=fresh)
+            except PackError as exc:
+                problems.append(Problem("corrupt", pack_id, entry.meta.key, str(exc)))
+        return problems
+
+    def recover(self) -> list[RecoveredPack]:
+        """Publish sealed packs that were never published (a crash between seal and publish).
+
+        Returns the packs published now (empty when there is nothing to do; running it
+        twice publishes nothing the second time). Raises ``LeaseHeldError`` while another
+        recovery holds the lease, ``PackCorruptError`` for a pack whose index is unreadable.
+        """
+        ids = self.catalog.recover(self.packs)
+        if not ids:
+            return []
+        rows = self._query("SELECT pack_id, count() AS n FROM {records} WHERE pack_id IN %(ids)s GROUP BY pack_id",
+                           {"ids": tuple(ids)})
+        counts = {r["pack_id"]: int(r["n"]) for r in rows}
+        return [RecoveredPack(pack_id, counts.get(pack_id, 0)) for pack_id in ids]
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _check_hook(hook: str) -> None:
+    from dmi.capture import GROUPS, HOOKS
+
+    if hook not in HOOKS:
+        hint = f" ({hook!r} is a group: read its hooks one by one)" if hook in GROUPS else ""
+        raise HookSelectionError(f"unknown hook {hook!r}{hint}; hooks: {', '.join(HOOKS)}")
+
+
+def _hook_order(hooks: Iterable[str]) -> tuple[str, ...]:
+    """Catalogue order (the order of the model's computation), unknown names last."""
+    from dmi.capture import HOOKS
+
+    order = {name: i for i, name in enumerate(HOOKS)}
+    return tuple(sorted(hooks, key=lambda h: (order.get(h, len(order)), h)))
+
+
+def _layer_numbers(layers: Any) -> list[int] | slice | None:
+    if layers is None or isinstance(layers, slice):
+        return layers
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        return [layers]
+    try:
+        numbers = list(layers)
+    except TypeError:
+        raise InvalidArgumentError(f"layers must be an int, an iterable of ints, a range or a slice, not {layers!r}") from None
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers):
+        raise InvalidArgumentError(f"layers must be ints, not {layers!r}")
+    return numbers
+
+
+def _in_slice(layer: int, s: slice) -> bool:
+    step = s.step or 1
+    if step < 1:
+        raise InvalidArgumentError(f"a layer slice needs a positive step, not {s!r}")
+    start = s.start or 0
+    return layer >= start and (s.stop is None or layer < s.stop) and (layer - start) % step == 0
