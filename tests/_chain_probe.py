@@ -27,3 +27,8 @@ def test_fails_inside_its_database(clickhouse_server, clickhouse_database):
 
 def test_skips_itself():
     pytest.skip("skipping on purpose")
+
+
+@pytest.mark.container
+def test_needs_an_engine_and_skips():
+    pytest.skip("no engine, on purpose")

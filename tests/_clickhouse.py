@@ -131,9 +131,9 @@ def start_live_server(choice: Choice) -> Iterator[LiveServer]:
     if choice.step == "env":
         yield server_from_url(choice.target)
     elif choice.step == "container":
-        from tests._containers import ClickHouseContainer
+        from tests._containers import clickhouse_container
 
-        with ClickHouseContainer(choice.target, choice.docker_host) as server:
+        with clickhouse_container(choice.target, choice.docker_host) as server:
             yield server
     else:
         process = LocalServerProcess(choice.target)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 
 from tests._clickhouse import LiveServer
 
@@ -50,46 +52,30 @@ def docker_api() -> tuple[str, str | None]:
     return host, None
 
 
-class ClickHouseContainer:
-    """One ClickHouse container, published on random host ports, removed on exit."""
+@contextmanager
+def clickhouse_container(image: str, docker_host: str) -> Iterator[LiveServer]:
+    """One ClickHouse container on random host ports, ready on /ping; removed on exit, also on failure."""
+    from testcontainers.core.container import DockerContainer
+    from testcontainers.core.wait_strategies import HttpWaitStrategy
 
-    def __init__(self, image: str, docker_host: str):
-        self.image = image
-        self.docker_host = docker_host
-        # Both the official image and build-local-image.sh's give the default user this password.
-        self.password = secrets.token_hex(16)
-        self.container = None
-
-    def __enter__(self) -> LiveServer:
-        from testcontainers.core.container import DockerContainer
-        from testcontainers.core.wait_strategies import HttpWaitStrategy
-
-        ping = HttpWaitStrategy(HTTP_PORT, "/ping").with_startup_timeout(STARTUP_TIMEOUT_S).with_poll_interval(0.1)
+    # Both the official image and build-local-image.sh's give the default user this password.
+    password = secrets.token_hex(16)
+    ping = HttpWaitStrategy(HTTP_PORT, "/ping").with_startup_timeout(STARTUP_TIMEOUT_S).with_poll_interval(0.1)
+    with ExitStack() as stack:
         try:
-            container = (
-                DockerContainer(self.image)
-                .with_exposed_ports(NATIVE_PORT, HTTP_PORT)
-                .with_env("CLICKHOUSE_PASSWORD", self.password)
-                .waiting_for(ping)
-            )
-            self.container = container.__enter__()
+            container = DockerContainer(image).with_exposed_ports(NATIVE_PORT, HTTP_PORT)
+            # Entering removes the container again if it does not become ready.
+            stack.enter_context(container.with_env("CLICKHOUSE_PASSWORD", password).waiting_for(ping))
         except Exception as exc:
             raise RuntimeError(
-                f"could not start a ClickHouse container from {self.image} via {self.docker_host}: {exc}. "
+                f"could not start a ClickHouse container from {image} via {docker_host}: {exc}. "
                 f"Without a registry, build an image from the installed server (docker/build-local-image.sh) "
                 f"and set {IMAGE_VARIABLE} to it, or run the local binary with DMI_LIVE_SERVER=binary"
             ) from exc
-        try:
-            return LiveServer(
-                host=self.container.get_container_host_ip(),
-                port=int(self.container.get_exposed_port(NATIVE_PORT)),
-                http_port=int(self.container.get_exposed_port(HTTP_PORT)),
-                how=f"container {self.container.get_container_id()[:12]} from {self.image} via {self.docker_host}",
-                password=self.password,
-            )
-        except BaseException:
-            self.container.stop()
-            raise
-
-    def __exit__(self, *exc_info) -> None:
-        self.container.stop()
+        yield LiveServer(
+            host=container.get_container_host_ip(),
+            port=int(container.get_exposed_port(NATIVE_PORT)),
+            http_port=int(container.get_exposed_port(HTTP_PORT)),
+            how=f"container {container.get_container_id()[:12]} from {image} via {docker_host}",
+            password=password,
+        )

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests._clickhouse import (
+    EXTRA_SEARCH_DIRS,
     MODE_VARIABLE,
     SEARCH_PATH_VARIABLE,
     URL_VARIABLE,
@@ -135,6 +136,14 @@ def test_the_address_is_parsed_and_must_answer():
     assert server.uri("d") == f"clickhouse://us%40er:p%3Ass@127.0.0.1:{port}/d"
 
 
+def test_debian_sbin_is_searched_beyond_path(monkeypatch, real_binary_dir):
+    if real_binary_dir not in EXTRA_SEARCH_DIRS:
+        pytest.skip(f"clickhouse-server is in {real_binary_dir}, not in {EXTRA_SEARCH_DIRS}")
+    monkeypatch.delenv(SEARCH_PATH_VARIABLE, raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")  # an ordinary user's PATH has no sbin
+    assert find_server_binary() == os.path.join(real_binary_dir, "clickhouse-server")
+
+
 @pytest.mark.live
 def test_without_an_engine_the_local_binary_is_started_and_stopped(nothing_available, monkeypatch, real_binary_dir):
     monkeypatch.setenv(SEARCH_PATH_VARIABLE, real_binary_dir)
@@ -174,6 +183,21 @@ def test_with_an_engine_a_container_is_started_and_removed(monkeypatch, tmp_path
 
 
 @pytest.mark.live
+@pytest.mark.container
+def test_an_image_that_cannot_be_had_is_a_named_failure():
+    from tests._containers import clickhouse_container, docker_api
+
+    docker_host, problem = docker_api()
+    if problem is not None:
+        pytest.skip(problem)
+    with pytest.raises(RuntimeError) as caught:
+        with clickhouse_container("dmi-no-such-image:0", docker_host):
+            pass
+    assert str(caught.value).startswith(f"could not start a ClickHouse container from dmi-no-such-image:0 via {docker_host}: ")
+    assert "docker/build-local-image.sh" in str(caught.value) and "DMI_LIVE_SERVER=binary" in str(caught.value)
+
+
+@pytest.mark.live
 def test_the_session_server_answers_in_a_fresh_database(clickhouse_server, clickhouse_database):
     assert query(clickhouse_server, "SELECT currentDatabase()", clickhouse_database) == [(clickhouse_database,)]
     assert query(clickhouse_server, "SHOW TABLES", clickhouse_database) == []
@@ -202,7 +226,7 @@ def test_in_auto_mode_an_unavailable_chain_skips_the_live_tests_with_the_reason(
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"SKIPPED \[1\] .*no live ClickHouse server: DMI_CLICKHOUSE_URL is unset; ", result.stdout)
     assert re.search(r"SKIPPED \[1\] tests/_chain_probe.py:\d+: skipping on purpose", result.stdout)
-    assert "2 skipped" in result.stdout
+    assert "3 skipped" in result.stdout
 
 
 def test_a_forced_step_that_is_unavailable_fails_and_so_does_any_live_skip(nothing_available):
@@ -212,7 +236,19 @@ def test_a_forced_step_that_is_unavailable_fails_and_so_does_any_live_skip(nothi
                      r"DMI_LIVE_SERVER=binary cannot provide a server: no clickhouse-server in", result.stdout)
     assert ("FAILED tests/_chain_probe.py::test_skips_itself - DMI_LIVE_SERVER=binary requires every live test "
             "to run, but this one skipped: skipping on purpose") in result.stdout
-    assert "1 failed, 1 error" in result.stdout
+    # A test that needs a container engine may skip unless the container step is the forced one.
+    assert re.search(r"SKIPPED \[1\] tests/_chain_probe.py:\d+: no engine, on purpose", result.stdout)
+    assert "1 failed, 1 skipped, 1 error" in result.stdout
+
+
+def test_when_the_container_step_is_forced_an_engine_test_may_not_skip(nothing_available):
+    result = run_probe({MODE_VARIABLE: "container"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert re.search(r"ERROR tests/_chain_probe.py::test_fails_inside_its_database - .*"
+                     r"DMI_LIVE_SERVER=container cannot provide a server: no Docker API answered at ", result.stdout)
+    assert ("FAILED tests/_chain_probe.py::test_needs_an_engine_and_skips - DMI_LIVE_SERVER=container requires "
+            "every live test to run, but this one skipped: no engine, on purpose") in result.stdout
+    assert "2 failed, 1 error" in result.stdout
 
 
 @pytest.mark.live
@@ -225,4 +261,4 @@ def test_an_address_in_the_environment_is_used_and_a_failed_tests_database_is_dr
     database = re.search(r"failing on purpose in database (dmi_test_[0-9a-f]{12})", result.stdout).group(1)
     databases = {name for (name,) in query(clickhouse_server, "SHOW DATABASES")}
     assert database not in databases
-    assert "2 failed" in result.stdout and "error" not in result.stdout.splitlines()[-1]
+    assert "2 failed, 1 skipped" in result.stdout and "error" not in result.stdout.splitlines()[-1]
