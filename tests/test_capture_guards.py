@@ -1,0 +1,320 @@
+"""Selection, schedule, attach ownership, ring and drain guards — each fails without its guard."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from _models import MemoryWriter, left_padded_batch, tiny
+from dmi.capture import HOOKS, GROUPS, Schedule, attach, resolve_hooks, resolve_layers
+from dmi.catalog.errors import (
+    AttachError,
+    AttentionImplementationError,
+    DrainError,
+    HookSelectionError,
+    InvalidArgumentError,
+    InvalidIdentifierError,
+    RingFullError,
+)
+
+
+def n_hooks(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+# -- selection ------------------------------------------------------------------------------------
+def test_unknown_hook_lists_valid_names_never_all():
+    with pytest.raises(HookSelectionError) as e:
+        resolve_hooks("resid_post residd")
+    msg = str(e.value)
+    assert "'residd'" in msg and "resid_post" in msg and "attn_pattern" in msg and "all" in msg
+    with pytest.raises(HookSelectionError):
+        resolve_hooks("")
+    with pytest.raises(HookSelectionError):
+        resolve_hooks(["resid", 3])
+
+
+def test_groups_expand_in_catalogue_order():
+    assert resolve_hooks("resid_post, logits") == ("resid_post", "logits")
+    assert set(resolve_hooks("all")) == set(HOOKS)
+    assert "attn_pattern" not in resolve_hooks("all_but_patterns")
+    assert set(resolve_hooks("router")) == {"router_logits", "router_topk"}
+    assert set(GROUPS["attn"]) >= {"attn_q", "attn_k", "attn_v", "attn_z", "attn_out"}
+
+
+def test_layer_ranges_refused_past_the_model_or_empty():
+    assert resolve_layers(None, 4) == (0, 1, 2, 3)
+    assert resolve_layers(range(1, 3), 4) == (1, 2)
+    assert resolve_layers(-1, 4) == (3,)
+    assert resolve_layers(slice(2, None), 4) == (2, 3)
+    assert resolve_layers((0, 2), 4) == (0, 1)
+    for bad in (range(2, 6), 4, [0, 9], range(3, 3), [], slice(0, 9), True, "0"):
+        with pytest.raises(HookSelectionError, match="4 layers"):
+            resolve_layers(bad, 4)
+
+
+def test_attach_refuses_bad_selection_before_touching_the_model():
+    model = tiny("llama")
+    before = n_hooks(model)
+    with pytest.raises(HookSelectionError, match="3 layers"):
+        with attach(model, hooks="resid_post", layers=range(0, 5), writer=MemoryWriter()):
+            pass
+    with pytest.raises(HookSelectionError, match="router_logits"):
+        with attach(model, hooks="router_logits", writer=MemoryWriter()):  # dense model: no router
+            pass
+    with pytest.raises(AttentionImplementationError, match="set_attn_implementation"):
+        with attach(model, hooks="attn_pattern", writer=MemoryWriter()):
+            pass
+    with pytest.raises(InvalidIdentifierError):
+        with attach(model, hooks="resid_post", model_id="bad`id", writer=MemoryWriter()):
+            pass
+    assert n_hooks(model) == before
+    with attach(model, hooks="resid", writer=MemoryWriter()) as cap:  # groups skip what is absent
+        assert "router_logits" not in cap.hooks
+
+
+# -- attach / detach ------------------------------------------------------------------------------
+def test_second_attach_refused_before_anything_is_mutated():
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    w1 = MemoryWriter()
+    with attach(model, hooks="resid_post", writer=w1) as cap:
+        installed = n_hooks(model)
+        for target in (model, model.model):  # the inner base model shares the layers
+            with pytest.raises(AttachError, match="already attached"):
+                with attach(target, hooks="all_but_patterns", writer=MemoryWriter()):
+                    pass
+            assert n_hooks(model) == installed
+        cap.forward(ids, attention_mask=mask)
+    assert {k.hook for k, _, _ in w1.records} == {"resid_post"}
+    with attach(model, hooks="resid_post", writer=MemoryWriter()):  # free again after detach
+        pass
+
+
+def test_detach_removes_every_hook_and_a_forward_afterwards_copies_nothing():
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    before = n_hooks(model)
+    w = MemoryWriter()
+    with attach(model, hooks="all_but_patterns", writer=w) as cap:
+        assert n_hooks(model) > before
+        cap.forward(ids, attention_mask=mask)
+    copies = cap.ring.stats.copies
+    n = len(w.records)
+    assert n_hooks(model) == before
+    model(ids, attention_mask=mask)
+    model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    assert cap.ring.stats.copies == copies and cap.ring.stats.reservations == copies
+    assert len(w.records) == n
+
+
+def test_hooks_removed_when_the_block_raises():
+    model = tiny("gpt2")
+    before = n_hooks(model)
+    with pytest.raises(KeyError):
+        with attach(model, hooks="all_but_patterns", writer=MemoryWriter()):
+            raise KeyError("user error")
+    assert n_hooks(model) == before
+    with attach(model, hooks="resid_post", writer=MemoryWriter()):
+        pass
+
+
+def test_direct_model_generate_inside_the_block_is_captured_as_prefill_then_decode():
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    w = MemoryWriter()
+    with attach(model, hooks="resid_post", layers=0, writer=w):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    phases = sorted({(k.step, k.phase) for k, _, _ in w.records})
+    assert phases == [(0, "prefill"), (1, "decode"), (2, "decode")]
+    assert len({k.request_id for k, _, _ in w.records}) == 3
+
+
+def test_right_padding_refused():
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    with attach(model, hooks="resid_post", writer=MemoryWriter()) as cap:
+        with pytest.raises(InvalidArgumentError, match="left-padded"):
+            cap.generate(ids, attention_mask=mask.flip(1), max_new_tokens=2)
+
+
+def test_prompts_as_lists_are_left_padded_and_positions_are_real():
+    model = tiny("llama")
+    w = MemoryWriter()
+    with attach(model, hooks="token_ids resid_post", layers=0, writer=w) as cap:
+        rids, out = cap.generate([[5, 6, 7, 8], [9, 10]], max_new_tokens=2, do_sample=False)
+    toks = {k.request_id: (k.start_token, d.tolist()) for k, d, _ in w.records
+            if k.hook == "token_ids" and k.step == 0}
+    assert toks[rids[0]] == (0, [5, 6, 7, 8]) and toks[rids[1]] == (0, [9, 10])
+    dec = {k.request_id: k.start_token for k, _, _ in w.records if k.phase == "decode"}
+    assert dec == {rids[0]: 4, rids[1]: 2}
+
+
+# -- schedule -------------------------------------------------------------------------------------
+def test_refused_steps_dispatch_nothing():
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    w = MemoryWriter()
+    with attach(model, hooks="all_but_patterns", writer=w, schedule=Schedule(phases=("decode",))) as cap:
+        cap.forward(ids, attention_mask=mask)  # a scoring pass: refused
+        assert cap.ring.stats.reservations == 0 and cap.ring.stats.copies == 0
+        cap.generate(ids, attention_mask=mask, max_new_tokens=1)  # prefill only: refused
+        assert cap.ring.stats.reservations == 0 and cap.ring.stats.copies == 0
+        cap.generate(ids, attention_mask=mask, max_new_tokens=2)
+        assert cap.ring.stats.copies > 0
+    assert {k.phase for k, _, _ in w.records} == {"decode"}
+
+
+def test_step_stride_request_stride_and_warmup():
+    model = tiny("llama")
+    ids, mask = left_padded_batch(lengths=(5, 3, 4, 2))
+    w = MemoryWriter()
+    sched = Schedule(phases=("prefill", "decode"), step_stride=2, request_stride=2, warmup=1)
+    with attach(model, hooks="resid_post", layers=0, writer=w, schedule=sched) as cap:
+        cap.generate(ids, attention_mask=mask, max_new_tokens=1)  # warmup: refused
+        assert cap.ring.stats.copies == 0
+        rids, _ = cap.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    steps = sorted({k.step for k, _, _ in w.records})
+    assert steps == [0, 1, 3, 5]
+    # requests are numbered over the session: the first call had 4, so rows 0 and 2 are even
+    assert {k.request_id for k, _, _ in w.records} == {rids[0], rids[2]}
+    with pytest.raises(InvalidArgumentError):
+        Schedule(step_stride=0)
+    with pytest.raises(InvalidArgumentError):
+        Schedule(phases=("prefil",))
+
+
+def test_step_plan_bytes_rounded_per_hook_match_reservations():
+    model = tiny("llama")
+    ids, mask = left_padded_batch(lengths=(7, 4, 6))
+    w = MemoryWriter()
+    with attach(model, hooks="resid_post attn_k token_ids", writer=w) as cap:
+        plans = []
+        orig = cap._on_model_pre
+
+        def spy(*a, **k):
+            orig(*a, **k)
+            plans.append(cap._plan)
+
+        cap._handles[0].remove()
+        cap._handles[0] = model.register_forward_pre_hook(spy, with_kwargs=True)
+        cap.forward(ids, attention_mask=mask)
+        plan = plans[0]
+        assert plan.n_rows == 17
+        assert [(s.row, s.first_col, s.start, s.n) for s in plan.spans] == [(0, 0, 0, 7), (1, 3, 0, 4), (2, 1, 0, 6)]
+        assert plan.hook_bytes("resid_post") == 17 * 32 * 4
+        assert plan.hook_bytes("attn_k") == 17 * 2 * 8 * 4
+        assert plan.hook_bytes("token_ids") == 17 * 8 + 8  # 136 rounded up to 144
+        assert cap.ring.stats.reserved_bytes == plan.total_bytes()
+
+
+# -- ring and drain -------------------------------------------------------------------------------
+class BlockingWriter(MemoryWriter):
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def append(self, key, data, *, shard=None):
+        self.gate.wait(30)
+        super().append(key, data, shard=shard)
+
+
+def test_full_ring_waits_then_raises_ring_full():
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    w = BlockingWriter()
+    timer = threading.Timer(1.0, w.gate.set)  # lets the drain finish after the error
+    timer.start()
+    try:
+        with pytest.raises(RingFullError, match="ring"):
+            with attach(model, hooks="resid_post", writer=w, ring_slots=2, slot_bytes=1024,
+                        ring_timeout=0.3) as cap:
+                cap.generate(ids, attention_mask=mask, max_new_tokens=4)
+        assert cap.ring.stats.waits >= 1 and cap.ring.stats.wait_seconds >= 0.3
+    finally:
+        timer.cancel()
+        w.gate.set()
+
+
+def test_full_ring_lossless_by_default_when_the_drain_catches_up():
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    w = BlockingWriter()
+    threading.Timer(0.3, w.gate.set).start()
+    with attach(model, hooks="resid_post", writer=w, ring_slots=1, slot_bytes=1024) as cap:
+        cap.generate(ids, attention_mask=mask, max_new_tokens=4)
+    assert cap.ring.stats.waits >= 1
+    assert cap.stats["records_lost"] == 0
+    assert len(w.records) == 3 * 3 * 4
+
+
+class FakePublisher:
+    def __init__(self, log):
+        self.log = log
+
+    def acquire(self):
+        self.log.append(("acquire",))
+
+    def renew(self):
+        self.log.append(("renew",))
+
+    def publish(self, descriptors):
+        self.log.append(("publish", len(descriptors)))
+
+    def release(self):
+        self.log.append(("release",))
+
+
+class FakeCatalog:
+    """Stands in for the catalog where the case is 'every dropped record is counted'."""
+
+    def __init__(self):
+        self.log, self.losses = [], []
+
+    def publisher(self, scope, holder=None, lease_seconds=30.0):
+        self.log.append(("scope", scope))
+        return FakePublisher(self.log)
+
+    def record_losses(self, keys):
+        self.losses.extend(keys)
+
+
+def test_drop_policy_counts_every_dropped_record_in_the_catalog():
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    w = BlockingWriter()
+    cat = FakeCatalog()
+    with attach(model, hooks="resid_post", writer=w, ring_slots=1, slot_bytes=1024, drop_policy="drop",
+                catalog=cat) as cap:
+        cap.generate(ids, attention_mask=mask, max_new_tokens=4)
+        w.gate.set()
+    expected = 3 * 3 * 4  # requests x layers x steps
+    assert cap.ring.stats.dropped_tensors > 0
+    assert len(w.records) + len(cat.losses) == expected
+    assert len(cat.losses) == cap.stats["records_lost"] > 0
+    kept = {(k.request_id, k.layer, k.step) for k, _, _ in w.records}
+    lost = {(k.request_id, k.layer, k.step) for k in cat.losses}
+    assert not kept & lost and len(kept | lost) == expected
+    assert cat.log[0][0] == "scope" and ("release",) in cat.log
+
+
+def test_drain_error_is_surfaced_never_swallowed():
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    w = MemoryWriter(fail_after=5)
+    with pytest.raises(DrainError) as e:
+        with attach(model, hooks="resid_post", writer=w) as cap:
+            cap.generate(ids, attention_mask=mask, max_new_tokens=3)
+            cap.flush()
+    assert isinstance(e.value.__cause__, RuntimeError)
+    assert n_hooks(model) == 0  # all removed
+
+
+def test_drain_error_surfaces_on_exit_without_flush():
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    with pytest.raises(DrainError):
+        with attach(model, hooks="resid_post", writer=MemoryWriter(fail_after=0)) as cap:
+            cap.generate(ids, attention_mask=mask, max_new_tokens=2)
