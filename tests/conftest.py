@@ -67,9 +67,7 @@ def clickhouse_server():
     try:
         choice = choose_live_server()
     except LiveServerUnavailable as exc:
-        if chain_mode() == "auto":
-            pytest.skip(str(exc))
-        pytest.fail(str(exc), pytrace=False)
+        pytest.skip(str(exc))  # under a forced DMI_LIVE_SERVER, the hook above makes this a failure
     with start_live_server(choice) as server:
         _chain_result["how"] = server.how
         yield server
