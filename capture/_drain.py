@@ -46,6 +46,9 @@ class LostRecords:
     plan: object
 
 
+_IDLE = object()
+
+
 class _Marker:
     __slots__ = ("done", "kind")
 
@@ -70,12 +73,15 @@ class Drain:
     """One consumer thread between the ring and the pack writer."""
 
     def __init__(self, ring, writer, ctx: KeyContext, *, publish=None, record_losses=None,
-                 name: str = "dmi-drain"):
+                 tick=None, tick_seconds: float = 5.0, name: str = "dmi-drain"):
         self.ring = ring
         self.writer = writer
         self.ctx = ctx
         self._publish = publish  # callable(list[PackDescriptor]) or None
         self._record_losses = record_losses  # callable(list[RecordKey]) or None
+        self._tick = tick  # called at least every tick_seconds (publisher lease keep-alive)
+        self._tick_seconds = tick_seconds
+        self._last_tick = time.monotonic()
         self.stats = DrainStats()
         self.error: BaseException | None = None
         self.published: list = []
@@ -123,12 +129,31 @@ class Drain:
         finally:
             self._q.put(None)
             self._thread.join(timeout)
+            self.check()  # an error closing the writer
 
     # -- the thread -----------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            item = self._q.get()
+            try:
+                item = self._q.get(timeout=self._tick_seconds)
+            except queue.Empty:
+                item = _IDLE
+            if self._tick is not None and self.error is None and (
+                time.monotonic() - self._last_tick >= self._tick_seconds
+            ):
+                try:
+                    self._tick()
+                except BaseException as exc:  # noqa: BLE001 - surfaced by check()
+                    self.error = exc
+                self._last_tick = time.monotonic()
+            if item is _IDLE:
+                continue
             if item is None:
+                try:
+                    self.writer.close()
+                except BaseException as exc:  # noqa: BLE001
+                    if self.error is None:
+                        self.error = exc
                 return
             if isinstance(item, _Marker):
                 if self.error is None:

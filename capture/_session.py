@@ -46,22 +46,12 @@ __all__ = ["attach", "CaptureSession", "derive_model_id"]
 _OWNERS: "weakref.WeakKeyDictionary[nn.Module, CaptureSession]" = weakref.WeakKeyDictionary()
 _OWNERS_LOCK = threading.Lock()
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+=-]{0,254}$")
+def _validate_id(kind: str, value) -> str:
+    """The catalog's rule (stored and read back verbatim): a non-empty str, no control
+    characters, bounded length. Raises :class:`InvalidIdentifierError`."""
+    from dmi.catalog._sql import validate_value_id
 
-
-def _validate_id(kind: str, value: str) -> str:
-    try:  # the catalog's own validator, when it has one, is the authority
-        from dmi.catalog import validate_identifier  # type: ignore[attr-defined]
-    except ImportError:
-        validate_identifier = None
-    if not isinstance(value, str) or not _ID_RE.match(value) or ".." in value:
-        raise InvalidIdentifierError(
-            f"{kind} {value!r} is not acceptable: 1-255 characters from letters, digits and "
-            "'._:/@+=-', starting with a letter or digit, no '..'"
-        )
-    if validate_identifier is not None:
-        validate_identifier(kind, value)
-    return value
+    return validate_value_id(value, kind)
 
 
 def derive_model_id(model: nn.Module) -> str:
@@ -70,11 +60,12 @@ def derive_model_id(model: nn.Module) -> str:
     config = model.config
     name = getattr(config, "_name_or_path", "") or ""
     name = name.rstrip("/")
-    if name and _ID_RE.match(name) and ".." not in name:
-        return name
-    if name:  # a local path with unusual characters: keep its last component, plus a hash
-        tail = re.sub(r"[^A-Za-z0-9._-]", "-", name.split("/")[-1]).strip("-.") or "model"
-        return f"{tail}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+    if name:
+        try:
+            return _validate_id("model id", name)
+        except InvalidIdentifierError:  # a path with control characters: keep a cleaned tail + hash
+            tail = re.sub(r"[^A-Za-z0-9._-]", "-", name.split("/")[-1]).strip("-.") or "model"
+            return f"{tail}-{hashlib.sha1(name.encode('utf-8', 'replace')).hexdigest()[:8]}"
     try:
         blob = config.to_json_string(use_diff=False)
     except Exception:  # noqa: BLE001 - any config still gets a stable-enough id
@@ -477,6 +468,7 @@ def attach(
     drop_policy: str = "wait",
     writer_options: dict | None = None,
     publish_scope: str | None = None,
+    lease_seconds: float = 30.0,
     tp_rank: int | None = None,
     tp_size: int | None = None,
     tp_ranks=None,
@@ -528,12 +520,15 @@ def attach(
                          replicated_kv=tp_size > 1 and geometry.n_kv_heads < tp_size)
         publisher = None
         if catalog is not None:
-            publisher = _Publishing(catalog, publish_scope or f"capture/{model_id}/{run_id}")
+            publisher = _Publishing(catalog, publish_scope or f"capture/{model_id}/{run_id}",
+                                    model_id=model_id, run_id=run_id, lease_seconds=lease_seconds)
         if writer is None:
             writer = _make_writer(store, ctx, run_id, writer_options)
         drain = Drain(ring, writer, ctx,
                       publish=None if publisher is None else publisher.publish,
-                      record_losses=None if publisher is None else publisher.record_losses)
+                      record_losses=None if publisher is None else publisher.record_losses,
+                      tick=None if publisher is None else publisher.keep_alive,
+                      tick_seconds=lease_seconds / 4)
         ring._on_submit = drain.submit
         session = CaptureSession(model, arch, selection, geometry, model_id=model_id, run_id=run_id,
                                  schedule=schedule, ring=ring, drain=drain, publisher=publisher,
@@ -574,27 +569,34 @@ def _make_writer(store, ctx: KeyContext, run_id: str, options: dict | None):
 
 
 class _Publishing:
-    """The session's publisher lease: acquired at attach, renewed as packs are published,
-    released at detach."""
+    """The session's publisher lease: acquired at attach, kept alive by the drain thread,
+    released at detach. Packs are published as they seal; dropped records are counted in
+    the catalog's losses."""
 
-    def __init__(self, catalog, scope: str, lease_seconds: float = 30.0):
+    def __init__(self, catalog, scope: str, *, model_id: str, run_id: str, lease_seconds: float = 30.0):
         self.catalog = catalog
+        self.model_id = model_id
+        self.run_id = run_id
         self.lease_seconds = lease_seconds
         self.publisher = catalog.publisher(scope, lease_seconds=lease_seconds)
         self.publisher.acquire()
         self._renewed = time.monotonic()
 
-    def _keep_alive(self) -> None:
+    def keep_alive(self) -> None:
         if time.monotonic() - self._renewed > self.lease_seconds / 3:
             self.publisher.renew()
             self._renewed = time.monotonic()
 
     def publish(self, descriptors) -> None:
-        self._keep_alive()
         self.publisher.publish(list(descriptors))
 
     def record_losses(self, keys) -> None:
-        self.catalog.record_losses(keys)
+        counts: dict[tuple[str, str, int], int] = {}
+        for k in keys:
+            counts[(k.request_id, k.hook, k.layer)] = counts.get((k.request_id, k.hook, k.layer), 0) + 1
+        for (request_id, hook, layer), count in counts.items():
+            self.catalog.record_losses(self.model_id, self.run_id, request_id, hook, layer, count,
+                                       "ring full", recorded_by="dmi.capture")
 
     def close(self) -> None:
         self.publisher.release()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _models import MemoryWriter, left_padded_batch, tiny
+from ._models import MemoryWriter, left_padded_batch, tiny
 from dmi.capture import attach
 
 N_NEW = 4
