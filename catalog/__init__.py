@@ -30,3 +30,19 @@ __all__ += [
     "DEFAULT_MAX_RECORDS",
     "DEFAULT_MAX_BYTES",
 ]
+
+# --- catalog (issue 3): the ClickHouse index, publisher leases, watermarks ----------
+from dmi.catalog._catalog import Catalog, HookContents
+from dmi.catalog._factory import CATALOG_ENV, HOME_ENV, default_catalog_uri, open_catalog
+from dmi.catalog._leases import Publisher, Watermark
+
+__all__ += [
+    "open_catalog",
+    "default_catalog_uri",
+    "CATALOG_ENV",
+    "HOME_ENV",
+    "Catalog",
+    "HookContents",
+    "Publisher",
+    "Watermark",
+]

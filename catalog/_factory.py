@@ -1,0 +1,103 @@
+"""``open_catalog``: one factory for every backend.
+
+============================================  ===============================================
+URI                                           catalog
+============================================  ===============================================
+``None``                                      chDB in ``$DMI_CATALOG`` if set, else
+                                              ``$DMI_HOME/catalog`` if set, else
+                                              ``~/.local/share/dmi/catalog``
+``chdb:///abs/path`` (``chdb://~/x``, or a    chDB (embedded ClickHouse) in that directory
+bare filesystem path)
+``clickhouse://user:password@host:port/db``   a ClickHouse server over the native protocol
+                                              (port 9000 by default, database ``default``)
+============================================  ===============================================
+
+``DMI_CATALOG`` may itself hold any of these URIs. Settings (keyword arguments) go to the
+catalog (``table_prefix="dmi_"``) or to the backend (chDB: ``database="dmi"``; server:
+``connect_timeout``, ``send_receive_timeout``, ``create_database``, and any ClickHouse
+setting). Backends are imported only when used; a missing one raises
+:class:`~dmi.catalog.BackendNotInstalledError` saying what to install.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from dmi.catalog._catalog import Catalog
+from dmi.catalog._sql import validate_identifier
+from dmi.catalog.errors import InvalidArgumentError
+
+__all__ = ["open_catalog", "default_catalog_uri", "CATALOG_ENV", "HOME_ENV"]
+
+CATALOG_ENV = "DMI_CATALOG"
+HOME_ENV = "DMI_HOME"
+
+
+def default_catalog_uri() -> str:
+    """The URI ``open_catalog()`` uses when given none (see the module docstring)."""
+    explicit = os.environ.get(CATALOG_ENV)
+    if explicit:
+        return explicit
+    home = os.environ.get(HOME_ENV)
+    base = Path(home).expanduser() if home else Path.home() / ".local" / "share" / "dmi"
+    return "chdb://" + str((base / "catalog").resolve())
+
+
+def open_catalog(uri: str | os.PathLike[str] | None = None, **settings) -> Catalog:
+    """Open (creating if needed) the catalog at ``uri``; see the module docstring."""
+    if uri is None:
+        uri = default_catalog_uri()
+    uri = os.fspath(uri)
+    if not isinstance(uri, str) or not uri:
+        raise InvalidArgumentError(f"catalog URI must be a non-empty str, not {uri!r}")
+    catalog_settings = {k: settings.pop(k) for k in ("table_prefix",) if k in settings}
+    if "://" not in uri:
+        return _open_chdb(Path(uri), settings, catalog_settings)
+    parts = urlsplit(uri)
+    scheme = parts.scheme.lower()
+    if scheme in ("chdb", "file"):
+        path = unquote(parts.netloc + parts.path)
+        if not path:
+            raise InvalidArgumentError(f"{uri!r} names no directory; write chdb:///absolute/path")
+        return _open_chdb(Path(path), settings, catalog_settings)
+    if scheme in ("clickhouse", "ch"):
+        if parts.query or parts.fragment:
+            raise InvalidArgumentError(f"{uri!r}: pass settings as keyword arguments, not in the URI")
+        database = unquote(parts.path.lstrip("/")) or "default"
+        if "/" in database:
+            raise InvalidArgumentError(f"{uri!r}: the path must be one database name")
+        validate_identifier(database, "database name")
+        from dmi.catalog._server import ServerBackend
+
+        backend = ServerBackend(
+            parts.hostname or "127.0.0.1",
+            parts.port or 9000,
+            database,
+            unquote(parts.username) if parts.username else "default",
+            unquote(parts.password) if parts.password else "",
+            **settings,
+        )
+        return _with_backend(backend, catalog_settings)
+    raise InvalidArgumentError(
+        f"unknown catalog URI scheme {parts.scheme!r} in {uri!r}; use chdb:///path or "
+        "clickhouse://user:password@host:port/database"
+    )
+
+
+def _open_chdb(path: Path, settings: dict, catalog_settings: dict) -> Catalog:
+    from dmi.catalog._chdb import ChdbBackend
+
+    unknown = set(settings) - {"database"}
+    if unknown:
+        raise InvalidArgumentError(f"unknown chDB catalog settings: {sorted(unknown)}")
+    return _with_backend(ChdbBackend(path, **settings), catalog_settings)
+
+
+def _with_backend(backend, catalog_settings: dict) -> Catalog:
+    try:
+        return Catalog(backend, **catalog_settings)
+    except BaseException:
+        backend.close()
+        raise

@@ -1,0 +1,178 @@
+"""Server backend: a ClickHouse server (or cluster entry point) over the native protocol.
+
+Uses clickhouse-driver. Values travel as driver parameters (the driver escapes them on the
+client and substitutes ``%(name)s``; this is why ``%`` is refused in identifiers). Inserts
+are columnar native blocks built from the Arrow table. One connection per catalog, one
+statement at a time (a lock), reconnecting on the next call after a failure.
+
+Before a statement on a closed connection, the connection is established separately, so a
+failure there is known not to have reached the server (``outcome_unknown=False``); a
+failure once the statement is under way is ``outcome_unknown=True`` (conservative: it also
+covers a stale connection that fails its ping and cannot reconnect).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Mapping
+
+import pyarrow as pa
+
+from dmi.catalog._catalog_backend import CatalogBackend, server_error_from_message, unavailable
+from dmi.catalog._sql import quote_identifier, validate_identifier
+from dmi.catalog.errors import BackendNotInstalledError, CatalogError
+
+_SIMPLE_TYPES = {
+    "Int8": pa.int8(),
+    "Int16": pa.int16(),
+    "Int32": pa.int32(),
+    "Int64": pa.int64(),
+    "UInt8": pa.uint8(),
+    "UInt16": pa.uint16(),
+    "UInt32": pa.uint32(),
+    "UInt64": pa.uint64(),
+    "Float32": pa.float32(),
+    "Float64": pa.float64(),
+    "String": pa.string(),
+}
+_WRAPPER = re.compile(r"^(Nullable|LowCardinality|Array)\((.*)\)$")
+
+
+def arrow_type(ch_type: str) -> pa.DataType | None:
+    """Arrow type for a ClickHouse type name, or None to let pyarrow infer."""
+    match = _WRAPPER.match(ch_type)
+    if match:
+        outer, inner = match.groups()
+        inner_type = arrow_type(inner)
+        if outer == "Array":
+            return None if inner_type is None else pa.list_(inner_type)
+        return inner_type
+    if ch_type.startswith("FixedString("):
+        return None
+    return _SIMPLE_TYPES.get(ch_type)
+
+
+def _import_driver():
+    try:
+        import clickhouse_driver
+        from clickhouse_driver import errors as driver_errors
+    except ImportError as exc:  # pragma: no cover - exercised only without the driver
+        raise BackendNotInstalledError(
+            "a server catalog needs clickhouse-driver: pip install 'clickhouse-driver>=0.2.6' "
+            "(or use the embedded default: open_catalog() / open_catalog('chdb:///path'))"
+        ) from exc
+    return clickhouse_driver, driver_errors
+
+
+class ServerBackend(CatalogBackend):
+    kind = "server"
+
+    def __init__(
+        self,
+        host: str,
+        port: int = 9000,
+        database: str = "default",
+        user: str = "default",
+        password: str = "",
+        *,
+        connect_timeout: float = 10.0,
+        send_receive_timeout: float = 300.0,
+        create_database: bool = True,
+        **client_settings: object,
+    ):
+        driver, self._errors = _import_driver()
+        self.database = validate_identifier(database, "database name")
+        self.host, self.port = host, int(port)
+        self.where = f"clickhouse://{host}:{self.port}/{self.database}"
+        self._network_errors = (
+            self._errors.NetworkError,
+            self._errors.SocketTimeoutError,
+            self._errors.UnexpectedPacketFromServerError,
+            EOFError,
+            OSError,
+        )
+        self._lock = threading.RLock()
+        self._closed = False
+        self._client = driver.Client(
+            host,
+            port=self.port,
+            user=user,
+            password=password,
+            database="default",
+            connect_timeout=connect_timeout,
+            send_receive_timeout=send_receive_timeout,
+            settings=dict(client_settings) or None,
+        )
+        try:
+            if create_database:
+                self.command(f"CREATE DATABASE IF NOT EXISTS {quote_identifier(self.database, 'database name')}")
+        except BaseException:
+            self.close()
+            raise
+
+    def _execute(self, sql: str, params=None, **kwargs):
+        if self._closed:
+            raise CatalogError(f"the catalog at {self.where} is closed")
+        with self._lock:
+            try:
+                connection = self._client.connection
+                if not connection.connected:
+                    connection.connect()
+            except self._network_errors as exc:
+                self._client.disconnect()
+                raise unavailable(
+                    f"cannot reach ClickHouse at {self.host}:{self.port}: {exc}", outcome_unknown=False
+                ) from exc
+            except self._errors.ServerException as exc:  # e.g. authentication failed
+                self._client.disconnect()
+                raise server_error_from_message(exc.message, code=exc.code, name=self._name(exc.code)) from None
+            try:
+                return self._client.execute(sql, params, **kwargs)
+            except self._errors.ServerException as exc:
+                raise server_error_from_message(exc.message, code=exc.code, name=self._name(exc.code)) from None
+            except self._network_errors as exc:
+                self._client.disconnect()
+                raise unavailable(
+                    f"connection to ClickHouse at {self.host}:{self.port} broke during a statement; "
+                    f"whether it took effect is unknown: {exc}",
+                    outcome_unknown=True,
+                ) from exc
+
+    def _name(self, code: int | None) -> str | None:
+        if code is None:
+            return None
+        codes = self._errors.ErrorCodes
+        for name in dir(codes):
+            if name.isupper() and getattr(codes, name) == code:
+                return name
+        return None
+
+    def command(self, sql: str, params: Mapping[str, object] | None = None) -> None:
+        self._execute(sql, dict(params) if params else None)
+
+    def query(self, sql: str, params: Mapping[str, object] | None = None) -> pa.Table:
+        rows, columns = self._execute(sql, dict(params) if params else None, with_column_types=True, columnar=True)
+        names = [name for name, _ in columns]
+        if not rows:
+            rows = [[] for _ in columns]
+        arrays = []
+        for values, (_, ch_type) in zip(rows, columns):
+            arrow = arrow_type(ch_type)
+            values = list(values)
+            arrays.append(pa.array(values, type=arrow) if arrow is not None else pa.array(values))
+        return pa.Table.from_arrays(arrays, names=names) if names else pa.table({})
+
+    def insert(self, table: str, data: pa.Table) -> None:
+        if data.num_rows == 0:
+            return
+        columns = ", ".join(quote_identifier(name, "column name") for name in data.column_names)
+        payload = [column.to_pylist() for column in data.columns]
+        self._execute(f"INSERT INTO {table} ({columns}) VALUES", payload, columnar=True)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            self._client.disconnect()

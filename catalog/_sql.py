@@ -1,0 +1,166 @@
+"""Identifiers and values at the SQL boundary: the only place either enters SQL text.
+
+Two kinds of names cross into the catalog:
+
+* **SQL identifiers** (database and table names) are spliced into statements, so they are
+  validated and then quoted with backticks. A name that could escape its quoting or
+  upset a driver is refused: backtick, backslash, ``%`` (clickhouse-driver substitutes
+  ``%(name)s`` in the whole statement after the fact), quotes of any kind are *allowed*
+  inside backticks except the backtick itself, control / format / separator characters,
+  lone surrogates, ``/``, ``.`` and ``..``, leading or trailing whitespace, and more than
+  128 characters. Unusual legal names (``my-analytics-db``, ``9lives``, ``défaut``) work.
+* **Value identifiers** (model ids, run ids, request ids, hooks, scopes, holders) are only
+  ever *values*: they travel as driver parameters (server) or as literals rendered by
+  :func:`render_literal` (chDB), never by string building. They are validated only so
+  that what is stored reads back verbatim: non-empty, at most 512 characters, valid
+  Unicode (no lone surrogates) and no control characters (NUL, newline, ...). Quotes,
+  backticks, ``%``, ``../`` and SQL fragments are stored and read back verbatim.
+
+Statements are written once, with pyformat placeholders (``%(name)s``); :func:`bind` is
+the single place that renders parameter values into literals, and the chDB backend is its
+only caller. The server backend hands the same statement and the same parameters to
+clickhouse-driver, whose client-side substitution escapes them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import unicodedata
+from collections.abc import Mapping
+
+from dmi.catalog.errors import InvalidIdentifierError
+
+__all__ = [
+    "MAX_IDENTIFIER_LENGTH",
+    "MAX_VALUE_LENGTH",
+    "validate_identifier",
+    "quote_identifier",
+    "validate_value_id",
+    "render_literal",
+    "bind",
+]
+
+MAX_IDENTIFIER_LENGTH = 128
+MAX_VALUE_LENGTH = 512
+
+_FORBIDDEN_IDENTIFIER_CHARS = {"`": "backtick", "\\": "backslash", "%": "percent sign", "/": "slash"}
+_FORBIDDEN_CATEGORIES = {"Cc", "Cf", "Cs", "Zl", "Zp", "Co", "Cn"}
+
+
+def _describe(name: object) -> str:
+    text = repr(name)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def validate_identifier(name: object, what: str = "identifier") -> str:
+    """Return ``name`` if it is a safe database/table name, else raise InvalidIdentifierError."""
+    if not isinstance(name, str):
+        raise InvalidIdentifierError(f"{what} must be a str, not {type(name).__name__}")
+    if not name:
+        raise InvalidIdentifierError(f"{what} must not be empty")
+    if len(name) > MAX_IDENTIFIER_LENGTH:
+        raise InvalidIdentifierError(
+            f"{what} {_describe(name)} is {len(name)} characters long; the limit is {MAX_IDENTIFIER_LENGTH}"
+        )
+    if name in (".", ".."):
+        raise InvalidIdentifierError(f"{what} {name!r} is not a usable name")
+    if name != name.strip():
+        raise InvalidIdentifierError(f"{what} {_describe(name)} has leading or trailing whitespace")
+    for char in name:
+        if char in _FORBIDDEN_IDENTIFIER_CHARS:
+            raise InvalidIdentifierError(
+                f"{what} {_describe(name)} contains a {_FORBIDDEN_IDENTIFIER_CHARS[char]} ({char!r}), "
+                "which could escape its quoting; letters, digits, '-', '_' and other printable "
+                "characters are fine"
+            )
+        if unicodedata.category(char) in _FORBIDDEN_CATEGORIES:
+            raise InvalidIdentifierError(
+                f"{what} {_describe(name)} contains the control or invisible character U+{ord(char):04X}"
+            )
+    return name
+
+
+def quote_identifier(name: str, what: str = "identifier") -> str:
+    """Validate, then quote with backticks. The only way a name enters SQL text."""
+    return f"`{validate_identifier(name, what)}`"
+
+
+def validate_value_id(value: object, what: str = "id") -> str:
+    """Return ``value`` if it can be stored and read back verbatim, else raise."""
+    if not isinstance(value, str):
+        raise InvalidIdentifierError(f"{what} must be a str, not {type(value).__name__}")
+    if not value:
+        raise InvalidIdentifierError(f"{what} must not be empty")
+    if len(value) > MAX_VALUE_LENGTH:
+        raise InvalidIdentifierError(
+            f"{what} {_describe(value)} is {len(value)} characters long; the limit is {MAX_VALUE_LENGTH}"
+        )
+    for char in value:
+        category = unicodedata.category(char)
+        if category == "Cc":
+            raise InvalidIdentifierError(
+                f"{what} {_describe(value)} contains the control character U+{ord(char):04X}"
+            )
+        if category == "Cs":
+            raise InvalidIdentifierError(f"{what} {_describe(value)} is not valid Unicode (lone surrogate)")
+    return value
+
+
+_STRING_ESCAPES = {"\\": "\\\\", "'": "\\'"}
+
+
+def _escape_char(char: str) -> str:
+    if char in _STRING_ESCAPES:
+        return _STRING_ESCAPES[char]
+    code = ord(char)
+    if code < 0x20 or code == 0x7F:
+        return f"\\x{code:02X}"
+    return char
+
+
+def render_literal(value: object) -> str:
+    """Render one parameter value as a ClickHouse literal that means exactly ``value``."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(int(value))
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidIdentifierError(f"value {_describe(value)} is not valid Unicode") from exc
+        return "'" + "".join(_escape_char(c) for c in value) + "'"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(render_literal(v) for v in value)
+        if isinstance(value, list):
+            return f"[{inner}]"
+        if not value:
+            raise ValueError("an empty tuple has no SQL literal; callers skip empty IN lists")
+        return f"({inner})"
+    raise TypeError(f"cannot render a {type(value).__name__} as a SQL literal")
+
+
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+
+
+def bind(sql: str, params: Mapping[str, object] | None) -> str:
+    """Substitute ``%(name)s`` placeholders with rendered literals (chDB's binding)."""
+    if not params:
+        return sql
+
+    def replace(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in params:
+            raise KeyError(f"statement needs parameter {name!r}")
+        return render_literal(params[name])
+
+    return _PLACEHOLDER.sub(replace, sql)
