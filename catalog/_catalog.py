@@ -18,7 +18,7 @@ from dmi.catalog import _schema
 from dmi.catalog._catalog_backend import CatalogBackend
 from dmi.catalog._leases import Publisher, Watermark, validate_record_ids
 from dmi.catalog._sql import quote_identifier, validate_identifier, validate_value_id
-from dmi.catalog.errors import InvalidArgumentError, SchemaVersionError
+from dmi.catalog.errors import InvalidArgumentError, InvalidIdentifierError, SchemaVersionError
 from dmi.catalog.records import PackDescriptor, RecordEntry
 
 __all__ = ["Catalog", "HookContents"]
@@ -152,7 +152,10 @@ class Catalog:
                 fresh.append(d)
         if not fresh:
             return total
-        records = _schema.records_table(fresh)
+        try:
+            records = _schema.records_table(fresh)
+        except (UnicodeEncodeError, pa.ArrowInvalid) as exc:
+            raise InvalidIdentifierError(f"a record key is not valid Unicode text: {exc}") from exc
         validate_record_ids(records)
         self._backend.insert(self._tables["records"], records)
         self._backend.insert(
