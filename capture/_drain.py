@@ -73,7 +73,8 @@ class Drain:
     """One consumer thread between the ring and the pack writer."""
 
     def __init__(self, ring, writer, ctx: KeyContext, *, publish=None, record_losses=None,
-                 tick=None, tick_seconds: float = 5.0, name: str = "dmi-drain"):
+                 tick=None, tick_seconds: float = 5.0, decode_chunk_steps: int = 32,
+                 decode_chunk_bytes: int = 16 << 20, name: str = "dmi-drain"):
         self.ring = ring
         self.writer = writer
         self.ctx = ctx
@@ -83,6 +84,9 @@ class Drain:
         self._tick_seconds = tick_seconds
         self._last_tick = time.monotonic()
         self.stats = DrainStats()
+        self.decode_chunk_steps = decode_chunk_steps
+        self.decode_chunk_bytes = decode_chunk_bytes
+        self._staged: dict[tuple[str, int], _Staged] = {}
         self.error: BaseException | None = None
         self.published: list = []
         self.lost_keys: list[RecordKey] = []
@@ -182,6 +186,7 @@ class Drain:
                 self.ring.release(item)
 
     def _seal_and_publish(self) -> None:
+        self._emit_all_staged()
         self._flush_losses()
         desc = self.writer.seal()
         if desc is not None and all(d is not desc for d in self.ctx.sealed):
@@ -227,41 +232,90 @@ class Drain:
         full[axis] = local * c.tp_size
         return ShardGeometry(axis, c.shard_rank * local, tuple(full))
 
+    def _tail(self, hook: str, feat: int) -> tuple[int, ...]:
+        if hook == "token_ids":
+            return ()
+        if hook in ("attn_q", "attn_k", "attn_v", "attn_z"):
+            return (feat // self.ctx.head_dim, self.ctx.head_dim)
+        return (feat,)
+
+    def _append(self, hook, layer, plan, span, rec, *, n_tokens=None) -> None:
+        key = self._key(hook, layer, plan, span)
+        if n_tokens is not None:
+            key = RecordKey(key.model_id, key.run_id, key.request_id, key.hook, key.layer, key.start_token,
+                            n_tokens, key.step, key.phase, key.shard_rank, key.tp_size)
+        self.writer.append(key, rec, shard=self._shard(hook, tuple(rec.shape)))
+        self.stats.records += 1
+
     def _process(self, slot) -> None:
         if slot.event is not None:
             slot.event.synchronize()
         buf = slot.buffer
-        append = self.writer.append
-        head_dim = self.ctx.head_dim
+        chunk = self.decode_chunk_steps
         for e in slot.entries:
             plan = e.plan
             data = buf[e.offset : e.offset + e.nbytes].view(e.dtype)
+            self.stats.bytes += e.nbytes
             if e.hook == "attn_pattern":
                 s = plan.spans[e.span_index]
-                rec = data.view(-1, s.n, e.kv_tokens - s.kv_pad)
-                append(self._key(e.hook, e.layer, plan, s), rec, shard=self._shard(e.hook, tuple(rec.shape)))
-                self.stats.records += 1
-                self.stats.bytes += e.nbytes
+                self._append(e.hook, e.layer, plan, s, data.view(-1, s.n, e.kv_tokens - s.kv_pad))
                 continue
             rows = data.view(e.rows, -1)
-            feat = rows.shape[1]
-            if e.hook == "token_ids":
-                tail = ()
-            elif e.hook in ("attn_q", "attn_k", "attn_v", "attn_z"):
-                tail = (feat // head_dim, head_dim)
-            else:
-                tail = (feat,)
-            shard = None
+            if chunk > 1 and plan.phase == "decode":
+                self._stage(e.hook, e.layer, plan, rows)
+                continue
+            tail = self._tail(e.hook, rows.shape[1])
             for s in plan.spans:
-                rec = rows[s.offset : s.offset + s.n].view(s.n, *tail)
-                if shard is None and self.ctx.tp_size > 1:
-                    shard = self._shard(e.hook, tuple(rec.shape))
-                append(self._key(e.hook, e.layer, plan, s), rec,
-                       shard=(None if shard is None else
-                              ShardGeometry(shard.axis, shard.offset, (s.n, *shard.full_shape[1:]))))
-                self.stats.records += 1
-            self.stats.bytes += e.nbytes
+                self._append(e.hook, e.layer, plan, s, rows[s.offset : s.offset + s.n].view(s.n, *tail))
         self.stats.slots += 1
+
+    # -- decode coalescing: consecutive decode steps of one call become one record per request
+    def _stage(self, hook, layer, plan, rows) -> None:
+        st = self._staged.get((hook, layer))
+        if st is not None and (st.plan.call_id != plan.call_id or st.last_step + 1 != plan.step
+                               or st.plan.spans != _shifted(st.plan.spans, plan.spans)):
+            self._emit_staged(hook, layer)
+            st = None
+        if st is None:
+            st = self._staged[(hook, layer)] = _Staged(plan)
+        st.parts.append(rows.clone())  # the slot is freed after this; keep our own copy
+        st.last_step = plan.step
+        st.nbytes += rows.numel() * rows.element_size()
+        if len(st.parts) >= self.decode_chunk_steps or st.nbytes >= self.decode_chunk_bytes:
+            self._emit_staged(hook, layer)
+
+    def _emit_staged(self, hook, layer) -> None:
+        st = self._staged.pop((hook, layer), None)
+        if st is None:
+            return
+        k = len(st.parts)
+        stacked = torch.stack(st.parts)  # [steps, rows, features]
+        tail = self._tail(hook, stacked.shape[2])
+        for s in st.plan.spans:
+            rec = stacked[:, s.offset : s.offset + s.n].reshape(k * s.n, *tail)
+            self._append(hook, layer, st.plan, s, rec, n_tokens=k * s.n)
+
+    def _emit_all_staged(self) -> None:
+        for hook, layer in list(self._staged):
+            self._emit_staged(hook, layer)
+
+
+@dataclass(slots=True)
+class _Staged:
+    plan: object  # the first step's plan: request ids, start positions, step number
+    parts: list = field(default_factory=list)
+    last_step: int = -1
+    nbytes: int = 0
+
+
+def _shifted(first, current):
+    """``first``'s spans if ``current`` continues them (same requests, rows and widths)."""
+    if len(first) != len(current):
+        return None
+    for a, b in zip(first, current):
+        if a.request_id != b.request_id or a.row != b.row or a.n != b.n or a.offset != b.offset:
+            return None
+    return first
 
 
 def cuda_event_for_submission(stream) -> object:

@@ -46,6 +46,7 @@ class StepPlan:
     index: torch.Tensor | None  # flat indices into batch*tokens, or None for "all of it"
     geometry: ModelGeometry
     hooks: dict[str, tuple[int, ...]]
+    call_id: int = 0  # which generate/forward call the step belongs to
     _tails: dict[int, "StepPlan"] = field(default_factory=dict)
     _device_index: dict = field(default_factory=dict)
 
@@ -68,6 +69,7 @@ class StepPlan:
         request_ids: list[str],
         geometry: ModelGeometry,
         hooks: dict[str, tuple[int, ...]],
+        call_id: int = 0,
     ) -> "StepPlan":
         spans = []
         offset = 0
@@ -77,7 +79,7 @@ class StepPlan:
             offset += n
         full = len(rows) == batch and all(first_cols[r] == 0 for r in rows)
         index = None if full else _flat_index(spans, tokens)
-        return cls(batch, tokens, phase, step, tuple(spans), index, geometry, hooks)
+        return cls(batch, tokens, phase, step, tuple(spans), index, geometry, hooks, call_id)
 
     def tail(self, t_out: int) -> "StepPlan":
         """The plan for a hook that materialises only the last ``t_out`` positions (logits)."""
@@ -95,7 +97,7 @@ class StepPlan:
                 offset += n
             full = len(spans) == self.batch and all(s.first_col == 0 for s in spans)
             plan = StepPlan(self.batch, t_out, self.phase, self.step, tuple(spans),
-                            None if full else _flat_index(spans, t_out), self.geometry, self.hooks)
+                            None if full else _flat_index(spans, t_out), self.geometry, self.hooks, self.call_id)
             self._tails[t_out] = plan
         return plan
 

@@ -87,6 +87,7 @@ class _Call:
     pads: list[int] | None = None  # prompt left padding per row (known at the first step)
     n_real: list[int] = field(default_factory=list)
     step: int = -1
+    call_id: int = 0
 
 
 class CaptureSession:
@@ -114,6 +115,7 @@ class CaptureSession:
         self._implicit: _Call | None = None
         self._forwards = 0
         self._n_requests = 0
+        self._n_calls = 0
         self._closed = False
         self._cuda_side_stream = None
         self._lock = threading.RLock()
@@ -212,7 +214,8 @@ class CaptureSession:
         base = self._n_requests
         self._n_requests += len(rids)
         admitted = [self.schedule.admits_request(base + i) for i in range(len(rids))]
-        return _Call(list(rids), admitted, first_phase, None, [0] * len(rids))
+        self._n_calls += 1
+        return _Call(list(rids), admitted, first_phase, None, [0] * len(rids), call_id=self._n_calls)
 
     def _close_call(self):
         self._call = None
@@ -297,7 +300,7 @@ class CaptureSession:
             return None
         plan = StepPlan.build(batch=b, tokens=t, phase=phase, step=call.step, first_cols=first_cols,
                               starts=starts, kv_pads=call.pads, rows=rows, request_ids=call.request_ids,
-                              geometry=self.geometry, hooks=self.selection.hooks)
+                              geometry=self.geometry, hooks=self.selection.hooks, call_id=call.call_id)
         self._plan = plan
         if "token_ids" in self.selection.hooks and ids is not None:
             self._emit("token_ids", -1, ids, "bt", plan)
@@ -469,6 +472,7 @@ def attach(
     writer_options: dict | None = None,
     publish_scope: str | None = None,
     lease_seconds: float = 30.0,
+    decode_chunk_steps: int = 32,
     tp_rank: int | None = None,
     tp_size: int | None = None,
     tp_ranks=None,
@@ -488,6 +492,8 @@ def attach(
       ``ring_timeout``: how long the producer waits for a free slot before
       :class:`RingFullError`; ``drop_policy="drop"``: drop (and count in the catalog's losses)
       instead of waiting.
+    * ``decode_chunk_steps``: consecutive decode steps of a call are stored as one record per
+      (request, hook, layer) covering up to this many tokens (``1``: one record per step).
     * ``tp_ranks`` / ``pp_ranks``: capture only on these ranks (others attach, capture nothing).
     * ``writer``: a ready pack writer (``append``/``seal``/``close``) instead of one made from
       ``store`` — for tests and custom sinks.
@@ -501,6 +507,8 @@ def attach(
     run_id = _validate_id("run id", run_id if run_id is not None else _new_run_id())
     tp_rank, tp_size = _tp_info(model, tp_rank, tp_size)
     enabled = (tp_ranks is None or tp_rank in set(tp_ranks)) and (pp_ranks is None or pp_rank in set(pp_ranks))
+    if isinstance(decode_chunk_steps, bool) or not isinstance(decode_chunk_steps, int) or decode_chunk_steps < 1:
+        raise InvalidArgumentError(f"decode_chunk_steps must be an int >= 1, got {decode_chunk_steps!r}")
     if writer is None and store is None:
         raise InvalidArgumentError("attach needs a pack store (store=PackStore.local(path))")
     geometry = ModelGeometry.from_config(model.config, _model_dtype(model))
@@ -528,7 +536,7 @@ def attach(
                       publish=None if publisher is None else publisher.publish,
                       record_losses=None if publisher is None else publisher.record_losses,
                       tick=None if publisher is None else publisher.keep_alive,
-                      tick_seconds=lease_seconds / 4)
+                      tick_seconds=lease_seconds / 4, decode_chunk_steps=decode_chunk_steps)
         ring._on_submit = drain.submit
         session = CaptureSession(model, arch, selection, geometry, model_id=model_id, run_id=run_id,
                                  schedule=schedule, ring=ring, drain=drain, publisher=publisher,

@@ -63,8 +63,11 @@ def test_resid_stream_bit_exact_over_prefill_and_decode(kind):
         # logits: the model materialises only the last position per step (logits_to_keep)
         logits = collect(w, rid, "logits", -1)
         assert torch.equal(logits, torch.stack([ref.logits[s][i] for s in range(N_NEW)]))
-        starts = sorted(k.start_token for k, _, _ in w.records if k.request_id == rid and k.hook == "logits")
-        assert starts == list(range(real - 1, real + N_NEW - 1))
+        spans = sorted((k.start_token, k.n_tokens) for k, _, _ in w.records
+                       if k.request_id == rid and k.hook == "logits")
+        assert spans[0][0] == real - 1  # the prompt's last position, then one per decode step
+        assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
+        assert sum(n for _, n in spans) == N_NEW
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt2"])

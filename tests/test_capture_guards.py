@@ -125,7 +125,7 @@ def test_direct_model_generate_inside_the_block_is_captured_as_prefill_then_deco
     model = tiny("llama")
     ids, mask = left_padded_batch()
     w = MemoryWriter()
-    with attach(model, hooks="resid_post", layers=0, writer=w):
+    with attach(model, hooks="resid_post", layers=0, writer=w, decode_chunk_steps=1):
         model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     phases = sorted({(k.step, k.phase) for k, _, _ in w.records})
     assert phases == [(0, "prefill"), (1, "decode"), (2, "decode")]
@@ -243,7 +243,7 @@ def test_full_ring_lossless_by_default_when_the_drain_catches_up():
     ids, mask = left_padded_batch()
     w = BlockingWriter()
     threading.Timer(0.3, w.gate.set).start()
-    with attach(model, hooks="resid_post", writer=w, ring_slots=1, slot_bytes=1024) as cap:
+    with attach(model, hooks="resid_post", writer=w, ring_slots=1, slot_bytes=1024, decode_chunk_steps=1) as cap:
         cap.generate(ids, attention_mask=mask, max_new_tokens=4)
     assert cap.ring.stats.waits >= 1
     assert cap.stats["records_lost"] == 0

@@ -31,7 +31,8 @@ def read_back(store, catalog, model_id, request_id, hook, run_id=None):
     return assemble(entries, read_records(store, entries))
 
 
-def test_resid_post_every_layer_read_back_bit_exact_over_prefill_and_decode(store_and_catalog):
+@pytest.mark.parametrize("chunk", [1, 32])
+def test_resid_post_every_layer_read_back_bit_exact_over_prefill_and_decode(store_and_catalog, chunk):
     store, catalog = store_and_catalog
     model = tiny("llama")
     ids, mask = left_padded_batch()
@@ -39,11 +40,12 @@ def test_resid_post_every_layer_read_back_bit_exact_over_prefill_and_decode(stor
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False,
                          output_hidden_states=True, return_dict_in_generate=True)
     with attach(model, hooks="resid_post final_norm token_ids", store=store, catalog=catalog,
-                model_id="tiny-llama-test", writer_options={"max_records": 40}) as cap:
+                model_id="tiny-llama-test", writer_options={"max_records": 10},
+                decode_chunk_steps=chunk) as cap:
         rids, out = cap.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False,
                                  return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref.sequences)
-    assert len(cap.published) >= 2  # several packs sealed (max_records=40) and all published
+    assert len(cap.published) >= 2  # several packs sealed (max_records=10) and all published
     assert cap.stats["packs_published"] == len(cap.published)
     n_layers = model.config.num_hidden_layers
     steps = ref.hidden_states
@@ -59,6 +61,11 @@ def test_resid_post_every_layer_read_back_bit_exact_over_prefill_and_decode(stor
                 assert torch.equal(got[layer], want), layer
         toks = read_back(store, catalog, "tiny-llama-test", rid, "token_ids")
         assert torch.equal(toks, ref.sequences[i, pads[i]:-1])
+        entries = catalog.find_records("tiny-llama-test", request_id=rid, hook="resid_post", layers=0)
+        # prefill is one record; decode steps are one record per step, or coalesced
+        assert len(entries) == (1 + (N_NEW - 1) if chunk == 1 else 2)
+        decode = [e.meta.key for e in entries if e.meta.key.phase == "decode"]
+        assert decode[0].step == 1 and sum(k.n_tokens for k in decode) == N_NEW - 1
 
 
 def test_bf16_capture_under_inference_mode(store_and_catalog):
@@ -94,7 +101,7 @@ def test_drop_policy_counts_every_dropped_record_in_the_catalog(store_and_catalo
     ids, mask = left_padded_batch()
     w = BlockingWriter()
     with attach(model, hooks="resid_post", writer=w, ring_slots=1, slot_bytes=1024, drop_policy="drop",
-                catalog=catalog, model_id="m-drop") as cap:
+                catalog=catalog, model_id="m-drop", decode_chunk_steps=1) as cap:
         cap.generate(ids, attention_mask=mask, max_new_tokens=4)
         w.gate.set()
     expected = 3 * 3 * 4  # requests x layers x steps

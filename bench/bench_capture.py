@@ -1,0 +1,212 @@
+"""Generation throughput with DMI capture vs without, vs the naive hooks + torch.save, one run.
+
+Workload (issue 4): a Llama-style model with random weights — 8 layers, hidden 1024,
+intermediate 2816, 16 heads, vocab 32000, bf16 — greedy generation, batch 8, prompt 128,
+32 new tokens, on CPU. Configurations, interleaved round by round so that drift on a
+shared machine hits all of them alike:
+
+* ``baseline``            ``model.generate``, nothing attached
+* ``dmi resid_post``      ``attach(hooks="resid_post")``, every layer, packs sealed and
+                          published (embedded chDB catalog) before the clock stops
+* ``dmi all_but_patterns``every hook but ``attn_pattern`` (resid, attn q/k/v/z/out, mlp,
+                          logits, token ids)
+* ``naive resid_post``    forward hooks that copy each output to the CPU (``.clone()``),
+                          then one ``torch.save`` + fsync of everything
+* ``naive all_but_patterns`` the same on the same module outputs DMI captures
+
+Reported: tokens/s (batch × new tokens / wall time), and the ratio to the baseline of the
+same round (median over rounds). For DMI also where the time goes: time inside
+``generate``, the tail of closing (last packs sealed + published), drain-thread busy time,
+ring waits. ``--quick`` runs a small version for a smoke test.
+
+    python bench/bench_capture.py            # full
+    python bench/bench_capture.py --quick    # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def build(args):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.heads, max_position_embeddings=args.prompt + args.new + 8)
+    model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.generation_config.pad_token_id = 0
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, args.vocab, (args.batch, args.prompt), generator=g)
+    mask = torch.ones_like(ids)
+    return model, ids, mask
+
+
+def gen_kwargs(args):
+    return dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False)
+
+
+def run_baseline(model, ids, mask, args, ctx):
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=mask, **gen_kwargs(args))
+    return time.perf_counter() - t0, {"sequences": out}
+
+
+def run_dmi(hooks):
+    def run(model, ids, mask, args, ctx):
+        from dmi.capture import attach
+
+        t0 = time.perf_counter()
+        with attach(model, hooks=hooks, store=ctx["store"], catalog=ctx["catalog"], model_id="bench-llama",
+                    ring_slots=args.ring_slots, slot_bytes=args.slot_mib << 20) as cap:
+            rids, out = cap.generate(ids, attention_mask=mask, **gen_kwargs(args))
+            t1 = time.perf_counter()
+        t2 = time.perf_counter()
+        s = cap.stats
+        return t2 - t0, {"sequences": out, "generate_s": t1 - t0, "close_s": t2 - t1,
+                         "drain_busy_s": s["drain_busy_seconds"], "ring_waits": s["ring_waits"],
+                         "ring_wait_s": s["ring_wait_seconds"], "records": s["records"],
+                         "packs": s["packs_published"], "bytes": s["reserved_bytes"]}
+    return run
+
+
+def run_naive(hooks):
+    def run(model, ids, mask, args, ctx):
+        from dmi.capture._arch import resolve_architecture
+        from dmi.capture._selection import select
+
+        arch = resolve_architecture(model)
+        sel = select(arch, hooks, None, attn_implementation=model.config._attn_implementation)
+        saved: dict[str, list] = {}
+        handles = []
+
+        def make(tap):
+            def pre(module, a, kw):
+                for em in tap.emissions:
+                    saved.setdefault(f"{em.hook}.{em.layer}", []).append(em.extract(a, kw, None).detach().to("cpu").clone())
+
+            def post(module, a, kw, out):
+                for em in tap.emissions:
+                    saved.setdefault(f"{em.hook}.{em.layer}", []).append(em.extract(a, kw, out).detach().to("cpu").clone())
+            return pre if tap.kind == "pre" else post
+
+        t0 = time.perf_counter()
+        for tap in arch.taps(sel.hooks):
+            if tap.kind == "pre":
+                handles.append(tap.module.register_forward_pre_hook(make(tap), with_kwargs=True))
+            else:
+                handles.append(tap.module.register_forward_hook(make(tap), with_kwargs=True))
+        try:
+            out = model.generate(ids, attention_mask=mask, **gen_kwargs(args))
+        finally:
+            for h in handles:
+                h.remove()
+        t1 = time.perf_counter()
+        path = os.path.join(ctx["tmp"], f"naive-{time.monotonic_ns()}.pt")
+        with open(path, "wb") as f:
+            torch.save(saved, f)
+            f.flush()
+            os.fsync(f.fileno())
+        t2 = time.perf_counter()
+        size = os.path.getsize(path)
+        os.unlink(path)
+        return t2 - t0, {"sequences": out, "generate_s": t1 - t0, "close_s": t2 - t1, "bytes": size}
+    return run
+
+
+CONFIGS = {
+    "baseline": run_baseline,
+    "dmi resid_post": run_dmi("resid_post"),
+    "dmi all_but_patterns": run_dmi("all_but_patterns"),
+    "naive resid_post": run_naive("resid_post"),
+    "naive all_but_patterns": run_naive("all_but_patterns"),
+}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes, one round: a smoke test")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=2816)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=32)
+    p.add_argument("--ring-slots", type=int, default=8)
+    p.add_argument("--slot-mib", type=int, default=32)
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.layers, args.hidden, args.intermediate, args.heads, args.vocab = 2, 256, 704, 4, 4096
+        args.prompt, args.new, args.rounds = 32, 8, 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+
+    from dmi.catalog import PackStore, open_catalog
+
+    model, ids, mask = build(args)
+    with tempfile.TemporaryDirectory(prefix="dmi-bench-") as tmp:
+        catalog = open_catalog(f"chdb://{tmp}/catalog")
+        ctx = {"store": PackStore.local(os.path.join(tmp, "packs")), "catalog": catalog, "tmp": tmp}
+        try:
+            with torch.inference_mode():
+                run_baseline(model, ids[:, :8], mask[:, :8], argparse.Namespace(new=2), ctx)  # warm-up
+                results: dict[str, list] = {n: [] for n in names}
+                ref = None
+                for r in range(args.rounds):
+                    for n in names:
+                        secs, info = CONFIGS[n](model, ids, mask, args, ctx)
+                        seq = info.pop("sequences")
+                        if ref is None:
+                            ref = seq
+                        assert torch.equal(seq, ref), f"{n}: generated tokens differ from the baseline"
+                        results[n].append((secs, info))
+                        print(f"round {r} {n:24s} {secs:7.2f}s", file=sys.stderr, flush=True)
+        finally:
+            catalog.close()
+    report(args, names, results)
+
+
+def report(args, names, results):
+    new_tokens = args.batch * args.new
+    print(f"\nLlama-style {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
+          f"{args.heads} heads, vocab {args.vocab}, bf16, batch {args.batch}, prompt {args.prompt}, "
+          f"{args.new} new tokens, greedy; {args.rounds} round(s), interleaved")
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}\n")
+    print("| configuration | tokens/s (median) | × baseline (median of per-round ratios) | "
+          "generate s | close s | drain busy s | ring waits | stored / captured bytes |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    base = [s for s, _ in results.get("baseline", [])]
+    for n in names:
+        secs = [s for s, _ in results[n]]
+        tps = new_tokens / statistics.median(secs)
+        ratio = (statistics.median(b / s for b, s in zip(base, secs)) if base else float("nan"))
+        infos = [i for _, i in results[n]]
+
+        def med(k):
+            vals = [i[k] for i in infos if k in i]
+            return statistics.median(vals) if vals else None
+
+        fmt = lambda v, f="{:.2f}": "" if v is None else f.format(v)  # noqa: E731
+        print(f"| {n} | {tps:.1f} | {ratio:.3f} | {fmt(med('generate_s'))} | {fmt(med('close_s'))} | "
+              f"{fmt(med('drain_busy_s'))} | {fmt(med('ring_waits'), '{:.0f}')} | "
+              f"{fmt(med('bytes'), '{:,.0f}')} |")
+
+
+if __name__ == "__main__":
+    main()
