@@ -43,12 +43,17 @@ def build(args):
     cfg = tf.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.heads, max_position_embeddings=args.prompt + args.new + 8)
-    model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16).to(args.device).eval()
     model.generation_config.pad_token_id = 0
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, args.vocab, (args.batch, args.prompt), generator=g)
     mask = torch.ones_like(ids)
-    return model, ids, mask
+    return model, ids.to(args.device), mask.to(args.device)
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def gen_kwargs(args):
@@ -56,8 +61,10 @@ def gen_kwargs(args):
 
 
 def run_baseline(model, ids, mask, args, ctx):
+    sync()
     t0 = time.perf_counter()
     out = model.generate(ids, attention_mask=mask, **gen_kwargs(args))
+    sync()
     return time.perf_counter() - t0, {"sequences": out}
 
 
@@ -65,10 +72,12 @@ def run_dmi(hooks):
     def run(model, ids, mask, args, ctx):
         from dmi.capture import attach
 
+        sync()
         t0 = time.perf_counter()
         with attach(model, hooks=hooks, store=ctx["store"], catalog=ctx["catalog"], model_id="bench-llama",
                     ring_slots=args.ring_slots, slot_bytes=args.slot_mib << 20) as cap:
             rids, out = cap.generate(ids, attention_mask=mask, **gen_kwargs(args))
+            sync()
             t1 = time.perf_counter()
         t2 = time.perf_counter()
         s = cap.stats
@@ -99,6 +108,7 @@ def run_naive(hooks):
                     saved.setdefault(f"{em.hook}.{em.layer}", []).append(em.extract(a, kw, out).detach().to("cpu").clone())
             return pre if tap.kind == "pre" else post
 
+        sync()
         t0 = time.perf_counter()
         for tap in arch.taps(sel.hooks):
             if tap.kind == "pre":
@@ -148,6 +158,7 @@ def main(argv=None):
     p.add_argument("--slot-mib", type=int, default=32)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.hidden, args.intermediate, args.heads, args.vocab = 2, 256, 704, 4, 4096
@@ -170,7 +181,7 @@ def main(argv=None):
                 for r in range(args.rounds):
                     for n in names:
                         secs, info = CONFIGS[n](model, ids, mask, args, ctx)
-                        seq = info.pop("sequences")
+                        seq = info.pop("sequences").cpu()
                         if ref is None:
                             ref = seq
                         assert torch.equal(seq, ref), f"{n}: generated tokens differ from the baseline"
@@ -186,7 +197,8 @@ def report(args, names, results):
     print(f"\nLlama-style {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
           f"{args.heads} heads, vocab {args.vocab}, bf16, batch {args.batch}, prompt {args.prompt}, "
           f"{args.new} new tokens, greedy; {args.rounds} round(s), interleaved")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+    gpu = f", GPU {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs{gpu}, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}\n")
     print("| configuration | tokens/s (median) | × baseline (median of per-round ratios) | "
           "generate s | close s | drain busy s | ring waits | stored / captured bytes |")
