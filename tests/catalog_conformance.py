@@ -91,7 +91,76 @@ class FaultyBackend:
         return self._inner.insert(table, data)
 
 
-class CatalogConformance:
+CRASHING_WRITER = r"""
+import os, signal, sys
+import torch
+from dmi.catalog import LocalPackStore, PackWriter, RecordKey, open_catalog
+
+uri, packs, scope = sys.argv[1:4]
+store = LocalPackStore(packs)
+writer = PackWriter(store, writer_id="crashy")
+catalog = open_catalog(uri)
+publisher = catalog.publisher(scope, holder="crashy", lease_seconds=1.5)
+publisher.acquire()
+for layer in range(4):
+    writer.append(RecordKey("m", "run", "published", "resid_post", layer, 0, 3), torch.randn(3, 8))
+publisher.publish([writer.seal()])
+for layer in range(4):
+    writer.append(RecordKey("m", "run", "orphan", "resid_post", layer, 0, 3), torch.randn(3, 8))
+sealed = writer.seal()
+print(sealed.pack_id, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # dies between seal and publish
+"""
+
+
+class RecoveryConformance:
+    """Kill a writer between seal and publish; recovery publishes the pack exactly once."""
+
+    def test_kill_between_seal_and_publish_then_recover_once(self, catalog_uri, tmp_path):
+        import subprocess
+        import sys
+
+        from dmi.catalog import LeaseHeldError, LocalPackStore
+
+        packs = tmp_path / "packs"
+        proc = subprocess.run(
+            [sys.executable, "-c", CRASHING_WRITER, catalog_uri, str(packs), "writer-scope"],
+            capture_output=True, text=True, timeout=180,
+        )
+        assert proc.returncode == -9, proc.stderr
+        orphan = proc.stdout.strip()
+        store = LocalPackStore(packs)
+        assert orphan in store.list_packs() and len(store.list_packs()) == 2
+        with open_catalog(catalog_uri) as catalog, open_catalog(catalog_uri) as other:
+            assert catalog.requests("m") == ["published"]
+            with pytest.raises(LeaseHeldError, match="crashy"):
+                catalog.recover(store, scope="writer-scope")  # the dead writer's lease is still live
+            time.sleep(1.6)
+            outcomes: dict[str, object] = {}
+
+            def run(name, cat):
+                try:
+                    outcomes[name] = cat.recover(store, scope="writer-scope", holder=name)
+                except LeaseHeldError as exc:
+                    outcomes[name] = exc
+
+            threads = [threading.Thread(target=run, args=(n, c)) for n, c in (("r1", catalog), ("r2", other))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            recovered = [v for v in outcomes.values() if isinstance(v, list) and v]
+            assert recovered == [[orphan]], outcomes
+            assert catalog.recover(store, scope="writer-scope") == []
+            assert catalog.requests("m") == ["orphan", "published"]
+            found = catalog.find_records("m", "orphan")
+            assert [e.meta.key.layer for e in found] == [0, 1, 2, 3]
+            assert {e.pack_id for e in found} == {orphan}
+            published_in = [w.pack_ids for w in catalog.watermarks("writer-scope")]
+            assert sum(p.count(orphan) for p in published_in) == 1
+
+
+class CatalogConformance(RecoveryConformance):
     @pytest.fixture
     def catalog_uri(self):  # pragma: no cover - subclasses override
         raise NotImplementedError
@@ -436,4 +505,4 @@ def _schema_records(descs):
     return _schema.records_table(descs)
 
 
-__all__ = ["CatalogConformance", "pack", "entry", "FaultyBackend", "_leases"]
+
