@@ -24,13 +24,14 @@ def stored_totals(descriptors: Sequence[Any]) -> dict[str, int]:
 
 
 def run_capture(
+    store: Any,
     args: argparse.Namespace,
     prompts: Sequence[str],
     *,
     layers: Any,
     progress: Callable[[int], Any],
 ) -> dict[str, Any]:
-    """Capture ``prompts`` through the model ``args.model``; returns ids and totals as a dict.
+    """Capture ``prompts`` through the model ``args.model`` into ``store``; returns ids and totals.
 
     ``--max-new-tokens 0`` runs one scoring pass per batch (phase ``forward``); otherwise
     ``generate`` runs greedily and ``--phases`` chooses prefill and/or decode.
@@ -53,24 +54,23 @@ def run_capture(
     loaded = load_model(args.model, attn_implementation=args.attn_implementation)
     tokenizer = loaded.tokenizer
     request_ids: list[str] = []
-    with dmi.open(catalog=args.catalog, packs=args.packs, home=args.home) as store:
-        with dmi.capture(loaded.model, hooks=args.hooks, layers=layers, store=store,
-                         model_id=args.model_id, schedule=schedule) as session, progress(len(prompts)) as bar:
-            for start in range(0, len(prompts), args.batch_size):
-                batch = list(prompts[start:start + args.batch_size])
-                enc = tokenizer(batch, return_tensors="pt", padding=True)
-                with torch.inference_mode():
-                    if scoring:
-                        result = session.forward(enc["input_ids"], enc["attention_mask"])
-                    else:
-                        result = session.generate(enc["input_ids"], enc["attention_mask"],
-                                                  max_new_tokens=args.max_new_tokens, do_sample=False,
-                                                  pad_token_id=tokenizer.pad_token_id)
-                request_ids.extend(result.request_ids)
-                bar.update(len(batch))
-            session.flush()
-            published = list(session.published)
-            model_id, run_id = session.model_id, session.run_id
+    with dmi.capture(loaded.model, hooks=args.hooks, layers=layers, store=store,
+                     model_id=args.model_id, schedule=schedule) as session, progress(len(prompts)) as bar:
+        for start in range(0, len(prompts), args.batch_size):
+            batch = list(prompts[start:start + args.batch_size])
+            enc = tokenizer(batch, return_tensors="pt", padding=True)
+            with torch.inference_mode():
+                if scoring:
+                    result = session.forward(enc["input_ids"], enc["attention_mask"])
+                else:
+                    result = session.generate(enc["input_ids"], enc["attention_mask"],
+                                              max_new_tokens=args.max_new_tokens, do_sample=False,
+                                              pad_token_id=tokenizer.pad_token_id)
+            request_ids.extend(result.request_ids)
+            bar.update(len(batch))
+        session.flush()
+        published = list(session.published)
+        model_id, run_id = session.model_id, session.run_id
     return {"model_id": model_id, "run_id": run_id, "request_ids": request_ids, **stored_totals(published)}
 
 

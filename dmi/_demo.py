@@ -75,18 +75,18 @@ class DemoReport:
 
 
 def run_demo(
+    store: Any,
     *,
-    catalog: str | None = None,
-    packs: str | None = None,
-    home: str | None = None,
+    home_flag: str | None = None,
     plot_path: str | None = None,
     say: Callable[..., None] = print,
 ) -> DemoReport:
-    """Run the demo against ``dmi.open(catalog, packs, home=home)``; returns its report.
+    """Run the demo against an open ``store``; returns its report.
 
-    Raises whatever opening the store raises (e.g. ``CatalogLockedError``) and
-    ``DMIError`` subclasses from capture and reading; a mismatch in the bit-exact check is
-    not an exception, it is ``report.bit_exact == False`` (and said on the way).
+    ``home_flag`` is repeated in the suggested next commands; the plot goes to
+    ``plot_path`` (default ``store.home/demo.png``). Raises ``DMIError`` subclasses from
+    capture and reading; a mismatch in the bit-exact check is not an exception, it is
+    ``report.bit_exact == False`` (and said on the way).
     """
     import os
 
@@ -106,58 +106,56 @@ def run_demo(
     loaded = load_model(DEMO_MODEL_ID)
     model, tokenizer = loaded.model, loaded.tokenizer
 
-    with dmi.open(catalog=catalog, packs=packs, home=home) as store:
-        say(f"   store: catalog {store.catalog_uri}, packs {store.packs_uri}")
-        enc = tokenizer(list(DEMO_PROMPTS), return_tensors="pt", padding=True)
-        say(f"2. capturing {len(DEMO_PROMPTS)} prompts (left-padded batch, {enc['input_ids'].shape[1]} tokens), "
-            f"greedy generate with {DEMO_NEW_TOKENS} new tokens, hooks {DEMO_HOOKS!r}")
-        with dmi.capture(model, hooks=DEMO_HOOKS, store=store, model_id=DEMO_MODEL_ID) as session:
-            with torch.inference_mode():
-                result = session.generate(
-                    enc["input_ids"], enc["attention_mask"], max_new_tokens=DEMO_NEW_TOKENS, do_sample=False,
-                    output_hidden_states=True, return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id,
-                )
-            session.flush()
-            totals = stored_totals(session.published)
-            run_id = session.run_id
-        request_ids = result.request_ids
+    say(f"   store: catalog {store.catalog_uri}, packs {store.packs_uri}")
+    enc = tokenizer(list(DEMO_PROMPTS), return_tensors="pt", padding=True)
+    say(f"2. capturing {len(DEMO_PROMPTS)} prompts (left-padded batch, {enc['input_ids'].shape[1]} tokens), "
+        f"greedy generate with {DEMO_NEW_TOKENS} new tokens, hooks {DEMO_HOOKS!r}")
+    with dmi.capture(model, hooks=DEMO_HOOKS, store=store, model_id=DEMO_MODEL_ID) as session:
+        with torch.inference_mode():
+            result = session.generate(
+                enc["input_ids"], enc["attention_mask"], max_new_tokens=DEMO_NEW_TOKENS, do_sample=False,
+                output_hidden_states=True, return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id,
+            )
+        session.flush()
+        totals = stored_totals(session.published)
+        run_id = session.run_id
+    request_ids = result.request_ids
 
-        say(f"3. stored run {run_id}:")
-        requests = store.requests(DEMO_MODEL_ID, run_id=run_id)
-        say(_indent(render_table(
-            ["request", "tokens", "records", "stored"],
-            [[r.request_id, r.n_tokens, r.records, human_bytes(r.stored_bytes)] for r in requests],
-        )))
-        contents = store.contents(DEMO_MODEL_ID, request_ids[0], run_id=run_id)
-        layers = next((h.layers for h in contents.hooks if h.hook == "resid_post"), ())
-        say(f"   request {request_ids[0]} holds {len(contents.hooks)} hooks: "
-            f"{', '.join(h.hook for h in contents.hooks)}; layers {layers[0]}-{layers[-1]}")
-        raw, stored, on_disk = totals["raw_bytes"], totals["stored_bytes"], totals["pack_bytes"]
-        say(f"   {totals['records']} records in {totals['packs']} pack(s): payloads {human_bytes(raw)} raw -> "
-            f"{human_bytes(stored)} compressed ({raw / max(stored, 1):.2f}x); {human_bytes(on_disk)} on disk "
-            f"with the index ({raw / max(on_disk, 1):.2f}x)")
+    say(f"3. stored run {run_id}:")
+    requests = store.requests(DEMO_MODEL_ID, run_id=run_id)
+    say(_indent(render_table(
+        ["request", "tokens", "records", "stored"],
+        [[r.request_id, r.n_tokens, r.records, human_bytes(r.stored_bytes)] for r in requests],
+    )))
+    contents = store.contents(DEMO_MODEL_ID, request_ids[0], run_id=run_id)
+    layers = next((h.layers for h in contents.hooks if h.hook == "resid_post"), ())
+    say(f"   request {request_ids[0]} holds {len(contents.hooks)} hooks: "
+        f"{', '.join(h.hook for h in contents.hooks)}; layers {layers[0]}-{layers[-1]}")
+    raw, stored, on_disk = totals["raw_bytes"], totals["stored_bytes"], totals["pack_bytes"]
+    say(f"   {totals['records']} records in {totals['packs']} pack(s): payloads {human_bytes(raw)} raw -> "
+        f"{human_bytes(stored)} compressed ({raw / max(stored, 1):.2f}x); {human_bytes(on_disk)} on disk "
+        f"with the index ({raw / max(on_disk, 1):.2f}x)")
 
-        say("4. reading back and checking against the model's own output_hidden_states")
-        checked, tokens, exact = _check_hidden_states(store, run_id, request_ids, enc["attention_mask"],
-                                                     result.output.hidden_states, say)
-        say(f"   {checked} tensors, {tokens} tokens: " + ("bit-exact" if exact else "MISMATCH"))
+    say("4. reading back and checking against the model's own output_hidden_states")
+    checked, tokens, exact = _check_hidden_states(store, run_id, request_ids, enc["attention_mask"],
+                                                 result.output.hidden_states, say)
+    say(f"   {checked} tensors, {tokens} tokens: " + ("bit-exact" if exact else "MISMATCH"))
 
-        say("5. one question from per-record statistics, no payload read:")
-        query = NORMS_QUERY
-        say(_indent(query))
-        table = store.sql(query)
-        say(_indent(render_table(table.column_names, [[_fmt(v) for v in row.values()] for row in table.to_pylist()])))
+    say("5. one question from per-record statistics, no payload read:")
+    say(_indent(NORMS_QUERY))
+    table = store.sql(NORMS_QUERY)
+    say(_indent(render_table(table.column_names, [[_fmt(v) for v in row.values()] for row in table.to_pylist()])))
 
-        out = plot_path or os.path.join(store.home, "demo.png")
-        stacked = store.get_internal(DEMO_MODEL_ID, request_ids[1], "resid_post", run_id=run_id)
-        drawn = write_norm_plot(token_norms(stacked), layers, out,
-                                title=f"resid_post L2 norm · {DEMO_MODEL_ID} · {request_ids[1]}")
-        say(f"6. wrote {drawn.path} (layers x tokens of resid_post norms, and the per-layer mean)")
-        home_used = store.home
+    out = plot_path or os.path.join(store.home, "demo.png")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    stacked = store.get_internal(DEMO_MODEL_ID, request_ids[1], "resid_post", run_id=run_id)
+    drawn = write_norm_plot(token_norms(stacked), layers, out,
+                            title=f"resid_post L2 norm · {DEMO_MODEL_ID} · {request_ids[1]}")
+    say(f"6. wrote {drawn.path} (layers x tokens of resid_post norms, and the per-layer mean)")
 
     seconds = time.perf_counter() - started
     say(f"\ndone in {human_seconds(seconds)}. Next:")
-    flag = "" if home is None else f" --home {home}"
+    flag = "" if home_flag is None else f" --home {home_flag}"
     for line in (
         f"dmi models{flag}",
         f"dmi requests {DEMO_MODEL_ID}{flag}",
@@ -170,7 +168,7 @@ def run_demo(
         say(f"  {line}")
     say("  python: see docs/api.md (dmi.open(), store.get_internal(...), store.lazy(...), store.sql(...))")
     return DemoReport(
-        home=home_used, model_id=DEMO_MODEL_ID, run_id=run_id, request_ids=tuple(request_ids),
+        home=store.home, model_id=DEMO_MODEL_ID, run_id=run_id, request_ids=tuple(request_ids),
         hooks=tuple(h.hook for h in contents.hooks), layers=tuple(layers),
         records=totals["records"], packs=totals["packs"], raw_bytes=totals["raw_bytes"],
         stored_bytes=totals["stored_bytes"], pack_bytes=totals["pack_bytes"],

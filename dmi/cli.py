@@ -14,9 +14,13 @@ Reference: ``docs/cli.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
+import os
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from dmi.catalog.errors import DMIError, InvalidArgumentError
@@ -99,7 +103,35 @@ def _progress(args: argparse.Namespace, label: str, total: int):
 def _open_store(args: argparse.Namespace):
     import dmi
 
-    return dmi.open(catalog=args.catalog, packs=args.packs, home=args.home)
+    with _native_stderr_held():
+        return dmi.open(catalog=args.catalog, packs=args.packs, home=args.home)
+
+
+@contextlib.contextmanager
+def _native_stderr_held() -> Iterator[None]:
+    """chDB's C++ layer prints its own exception text straight to file descriptor 2 before
+    DMI translates the error (e.g. a locked catalog directory). Hold what reaches fd 2 while
+    the store opens: dropped when a DMI error follows (its one line says it better),
+    passed through otherwise."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        failed = False
+        try:
+            yield
+        except DMIError:
+            failed = True
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if not failed:
+                held.seek(0)
+                text = held.read().decode(errors="replace")
+                if text:
+                    sys.stderr.write(text)
 
 
 # ----------------------------------------------------------------------------- subcommands
@@ -108,13 +140,13 @@ def _open_store(args: argparse.Namespace):
 def _cmd_demo(args: argparse.Namespace) -> int:
     from dmi._demo import run_demo
 
-    report = run_demo(
-        catalog=args.catalog,
-        packs=args.packs,
-        home=args.home,
-        plot_path=args.plot,
-        say=(lambda text="": None) if args.json or args.quiet else print,
-    )
+    with _open_store(args) as store:
+        report = run_demo(
+            store,
+            home_flag=args.home,
+            plot_path=args.plot,
+            say=(lambda text="": None) if args.json or args.quiet else print,
+        )
     if args.json:
         _emit_json(report.as_dict())
     return EXIT_OK if report.bit_exact else EXIT_FAILURE
@@ -128,12 +160,10 @@ def _cmd_capture(args: argparse.Namespace) -> int:
         prompts.extend(_read_prompts(args.prompts_file))
     if not prompts:
         raise InvalidArgumentError("no prompts: give --prompt TEXT (repeatable) or --prompts-file FILE")
-    result = run_capture(
-        args,
-        prompts,
-        layers=parse_layers(args.layers),
-        progress=lambda total: _progress(args, "capturing", total),
-    )
+    layers = parse_layers(args.layers)
+    with _open_store(args) as store:
+        result = run_capture(store, args, prompts, layers=layers,
+                             progress=lambda total: _progress(args, "capturing", total))
     if args.json:
         _emit_json(result)
         return EXIT_OK
@@ -433,8 +463,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``dmi`` command line; returns the exit status (see the module docstring)."""
     parser = _build_parser()
     args = parser.parse_args(argv)
+    # clickhouse-driver logs each failed connection attempt with a traceback; the CLI says
+    # what failed in its own one line instead.
+    logging.getLogger("clickhouse_driver").setLevel(logging.CRITICAL)
     try:
         return args.func(args)
+    except BrokenPipeError:  # `dmi ... | head`: the reader left; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILURE
     except InvalidArgumentError as exc:
         print(f"dmi: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
