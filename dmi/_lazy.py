@@ -123,20 +123,27 @@ def _positions(part: int | slice, length: int) -> list[int]:
         if not -length <= part < length:
             raise IndexError(f"layer position {part} is out of range for {length} layers")
         return [part % length]
+    _check_step(part)
     return list(range(length))[part]
+
+
+def _check_step(part: slice) -> None:
+    if part.step is not None and part.step <= 0:
+        raise ValueError("step must be greater than zero")  # what torch says for the same index
 
 
 def _select_tokens(entries: list[RecordEntry], part: int | slice, n_tokens: int) -> tuple[list[RecordEntry], Any]:
     """Keep only the records overlapping the token positions ``part`` selects; re-base ``part``
-    onto the first kept record. Negative-step and empty slices keep every record."""
+    onto the first kept record. An empty slice keeps every record."""
     if isinstance(part, int):
         if not -n_tokens <= part < n_tokens:
             raise IndexError(f"token position {part} is out of range for {n_tokens} tokens")
         lo = hi = part % n_tokens
     else:
+        _check_step(part)
         start, stop, step = part.indices(n_tokens)
         positions = range(start, stop, step)
-        if step < 0 or not positions:
+        if not positions:
             return entries, part
         lo, hi = positions[0], positions[-1]
     base = min(e.meta.key.start_token for e in entries)
