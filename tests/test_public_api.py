@@ -23,3 +23,61 @@ def test_facade_reexports_errors():
     assert set(errors.__all__) <= set(dmi.__all__)
     for name in dmi.__all__:
         assert hasattr(dmi, name), name
+
+
+# --- the public surface of each package, pinned: a change here must be deliberate ------------
+
+DMI_ALL = [
+    "__version__", "open", "capture", "Store", "LazyInternal", "ModelSummary", "RequestSummary", "HookSummary",
+    "RequestContents", "VerifyReport", "Problem", "RecoveredPack", "default_home",
+]
+
+CAPTURE_ALL = [
+    "attach", "CaptureSession", "CaptureResult", "Schedule", "HOOKS", "GROUPS", "HookSpec", "ModelGeometry",
+    "resolve_hooks", "resolve_layers", "Selection", "StepPlan", "RowSpan", "Ring", "prepare_batch",
+    "derive_model_id", "resolve_architecture", "SUPPORTED_MODEL_TYPES",
+]
+
+CATALOG_ALL = [
+    "PHASES", "GLOBAL_LAYER", "RecordKey", "ShardGeometry", "RecordStats", "ByteRange", "RecordMeta", "RecordEntry",
+    "PackDescriptor", "CODECS", "DEFAULT_CODEC", "FORMAT_NAME", "FORMAT_VERSION", "dtype_name", "torch_dtype",
+    "read_pack_descriptor", "verify_pack", "PackStore", "LocalPackStore", "PackInput", "PackSink", "PackWriter",
+    "DEFAULT_MAX_RECORDS", "DEFAULT_MAX_BYTES", "open_catalog", "default_catalog_uri", "CATALOG_ENV", "HOME_ENV",
+    "Catalog", "HookContents", "Publisher", "Watermark",
+]
+
+READER_ALL = [
+    "read_record", "read_records", "read_by_key", "find_record", "load_footer", "PackFooter", "plan_reads",
+    "PlannedRead", "DEFAULT_MAX_GAP", "FooterCache", "CacheStats", "assemble",
+]
+
+
+def test_dmi_all_is_pinned():
+    assert dmi.__all__ == [*DMI_ALL, *errors.__all__]
+
+
+def test_layer_packages_all_are_pinned():
+    import dmi.capture
+    import dmi.reader
+
+    assert dmi.capture.__all__ == CAPTURE_ALL
+    assert dmi.catalog.__all__ == [*errors.__all__, *CATALOG_ALL]
+    assert dmi.reader.__all__ == READER_ALL
+    for package in (dmi.capture, dmi.catalog, dmi.reader):
+        for name in package.__all__:
+            assert hasattr(package, name), (package.__name__, name)
+
+
+def test_every_public_callable_of_the_facade_says_what_it_returns_and_raises():
+    import inspect
+
+    for name in ("open", "capture"):
+        doc = inspect.getdoc(getattr(dmi._store, name))
+        assert "Raises" in doc and ("Returns" in doc or "Yields" in doc), name
+    for cls in (dmi.Store, dmi.LazyInternal):
+        for name, member in inspect.getmembers(cls):
+            if not name.startswith("_") and (callable(member) or isinstance(member, property)):
+                assert inspect.getdoc(member), f"{cls.__name__}.{name} has no docstring"
+    reading = ("requests", "contents", "get_internal", "lazy", "sql", "verify", "recover")
+    for name in reading:
+        assert "Raises" in inspect.getdoc(getattr(dmi.Store, name)), f"Store.{name} does not say what it raises"
