@@ -332,9 +332,7 @@ class LocalPackStore(PackStore):
 
     def create(self, pack_id: str) -> PackSink:
         _check_pack_id(pack_id)
-        if self.exists(pack_id):
-            raise PackSealError(f"pack {pack_id} already exists in {self.root}")
-        return _LocalPackSink(self, pack_id)
+        return _LocalPackSink(self, pack_id)  # an existing pack is refused at rename time
 
 
 def _pack_id_of(name: str) -> str | None:

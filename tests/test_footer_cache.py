@@ -1,5 +1,6 @@
 """FooterCache: LRU by count and bytes, recency on hit, oversize refused, thread-safe."""
 
+import sys
 import threading
 
 import pytest
@@ -67,13 +68,22 @@ def test_defaults_and_validation():
         FooterCache(max_entries=0)
 
 
-def test_thread_safety_invariants():
+@pytest.fixture
+def fast_switching():
+    """Make the interpreter switch threads as often as it can, so races show up."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(before)
+
+
+def test_thread_safety_invariants(fast_switching):
     c = FooterCache(max_entries=50, max_bytes=5000)
     errors = []
 
     def work(t):
         try:
-            for i in range(3000):
+            for i in range(20_000):
                 k = (t * 7 + i) % 200
                 if c.get(k) is None:
                     c.put(k, k, 1 + k % 97)

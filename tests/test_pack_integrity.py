@@ -5,6 +5,7 @@ import os
 import shutil
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pytest
 import torch
 
@@ -55,11 +56,13 @@ def sealed(tmp_path_factory):
     return root, entries, tensors * 3
 
 
-def damaged_copy(root, tmp_path, pack_id, mutate):
+def damaged_copy(root, tmp_path, pack_id, mutate, kind="local"):
     shutil.copytree(root, tmp_path / "copy")
     path = tmp_path / "copy" / f"{pack_id}.arrow"
     data = bytearray(path.read_bytes())
     path.write_bytes(mutate(data))
+    if kind == "generic":  # the object-storage code path: pyarrow range reads
+        return PackStore(pafs.LocalFileSystem(), str(tmp_path / "copy"))
     return PackStore.local(tmp_path / "copy")
 
 
@@ -116,13 +119,14 @@ def test_coalesced_read_refuses_only_the_damaged_record(sealed, tmp_path):
         assert same_bits(got, tensors[i])
 
 
+@pytest.mark.parametrize("kind", ["local", "generic"])
 @pytest.mark.parametrize("keep", [0, 1, 7, 100, 0.25, 0.5, 0.75, -9, -1])
-def test_truncated_pack(sealed, tmp_path, keep):
+def test_truncated_pack(sealed, tmp_path, keep, kind):
     root, entries, tensors = sealed
     pack_id = entries[0].pack_id
     size = os.path.getsize(root / f"{pack_id}.arrow")
     cut = int(size * keep) if isinstance(keep, float) else (keep if keep >= 0 else size + keep)
-    store = damaged_copy(root, tmp_path, pack_id, lambda d: d[:cut])
+    store = damaged_copy(root, tmp_path, pack_id, lambda d: d[:cut], kind)
     with pytest.raises(PackCorruptError):
         read_pack_descriptor(store, pack_id)
     for e, t in zip(entries, tensors):

@@ -151,8 +151,9 @@ def test_full_disk_on_write(tmp_path):
     w.close()
 
 
-def test_existing_pack_never_overwritten(tmp_path, monkeypatch):
-    store = PackStore.local(tmp_path)
+@pytest.mark.parametrize("kind", ["local", "generic"])
+def test_existing_pack_never_overwritten(tmp_path, monkeypatch, kind):
+    store = PackStore.local(tmp_path) if kind == "local" else PackStore(pafs.LocalFileSystem(), str(tmp_path))
     first = write_one(store)
     monkeypatch.setattr("secrets.token_hex", lambda n=16: first.pack_id[: 2 * n])
     with pytest.raises(PackSealError, match="already exists"):

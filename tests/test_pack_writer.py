@@ -1,6 +1,7 @@
 """PackWriter → sealed pack → read back: bit-exact for every dtype, limits, descriptors."""
 
 import math
+import sys
 import threading
 
 import numpy as np
@@ -206,10 +207,19 @@ def test_tensor_with_dtype_argument_refused(store):
         w.append(key(), torch.zeros(2), dtype="float16")
 
 
-def test_concurrent_appends(store):
+@pytest.fixture
+def fast_switching():
+    """Make the interpreter switch threads as often as it can, so races show up."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(before)
+
+
+def test_concurrent_appends(store, fast_switching):
     seen = []
     tensors = {(t, i): torch.full((64,), t * 1000 + i, dtype=torch.int32) for t in range(4) for i in range(50)}
-    with PackWriter(store, max_records=37, on_seal=seen.append) as w:
+    with PackWriter(store, max_records=3, batch_bytes=200, on_seal=seen.append) as w:
 
         def work(t):
             for i in range(50):
@@ -221,7 +231,23 @@ def test_concurrent_appends(store):
         for th in threads:
             th.join()
     entries = [e for d in seen for e in d.records]
-    assert len(entries) == 200
+    assert len(entries) == 200 and all(len(d.records) <= 3 for d in seen)
+    assert sorted(store.list_packs()) == sorted(d.pack_id for d in seen)
     for e, got in zip(entries, read_records(store, entries)):
         k = e.meta.key
         assert torch.equal(got, tensors[(int(k.request_id[1:]), k.layer)])
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_caller_may_reuse_its_buffer_after_append(store, codec):
+    """A drain thread frees its ring slot as soon as append returns."""
+    slot = torch.arange(256, dtype=torch.float32)
+    expected = slot.clone()
+    with PackWriter(store, codec=codec) as w:
+        w.append(key(), slot)  # small: waits in the pending batch
+        w.append(key(layer=1), slot.view(torch.uint8).numpy())
+        slot.fill_(-1)
+        desc = w.seal()
+    a, b = read_records(store, desc.records)
+    assert torch.equal(a, expected)
+    assert torch.equal(b, expected.view(torch.uint8))
