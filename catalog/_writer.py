@@ -35,7 +35,6 @@ DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 DEFAULT_BATCH_BYTES = 1024 * 1024
 _IPC_ALIGNMENT = 8  # Arrow IPC pads every body buffer to a multiple of 8 bytes
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression=None)
-_WIDE = {torch.float64, torch.int64, torch.uint64, torch.int32, torch.uint32, torch.complex128}
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,26 +209,49 @@ def _as_bytes(data, dtype, shape):
 
 
 def _stats(tensor: torch.Tensor) -> RecordStats | None:
-    """L2 norm, mean and absmax; accumulated in float32 (float64 for 64-bit / int32 inputs).
+    """L2 norm, mean and absmax, or ``None`` (empty tensor, or a dtype with no float view).
 
-    ``None`` for empty tensors and dtypes torch cannot convert to a float (e.g. float4).
+    Computed with numpy on one thread: torch reductions would use the intra-op thread pool,
+    which the model's own forward needs (and which collapses when cores are oversubscribed).
+    Accumulation is float64 for 64-bit inputs, float32 (pairwise summation) otherwise.
     """
     if tensor.numel() == 0:
         return None
-    acc = torch.float64 if tensor.dtype in _WIDE else torch.float32
-    try:
-        if tensor.is_complex():  # magnitudes; via the real view so no complex32 op runs
-            x = torch.linalg.vector_norm(torch.view_as_real(tensor).to(acc), dim=-1)
-        elif not tensor.is_floating_point() or tensor.element_size() == 1:
-            x = tensor.to(acc)
-        else:
-            x = tensor
-        l2 = torch.linalg.vector_norm(x, dtype=acc).item()
-        mean = (x.sum(dtype=acc) / x.numel()).item()
-        lo, hi = torch.aminmax(x)
+    values = _as_numpy_numbers(tensor)
+    if values is None:
+        return None
+    values = values.reshape(-1)
+    acc = np.float64 if values.dtype.itemsize == 8 else np.float32
+    with np.errstate(all="ignore"):  # inf/nan inputs give inf/nan statistics, by design
+        squares = np.square(values, dtype=acc)
+        l2 = math.sqrt(float(squares.sum(dtype=acc)))
+        mean = float(values.sum(dtype=acc)) / values.size
+        absmax = max(abs(float(values.min())), abs(float(values.max())))
+    return RecordStats(l2_norm=l2, mean=mean, absmax=absmax)
+
+
+_NUMPY_NATIVE = {
+    torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
+    torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64, torch.bool,
+}
+
+
+def _as_numpy_numbers(tensor: torch.Tensor) -> np.ndarray | None:
+    """Real values as a numpy array: magnitudes for complex, float32 for bf16 and float8."""
+    if tensor.dtype == torch.bfloat16:  # bf16 is the top half of a float32
+        words = tensor.view(torch.int16).numpy().astype(np.int32) << 16
+        return words.view(np.float32)
+    if tensor.dtype in _NUMPY_NATIVE:
+        values = tensor.numpy()
+        return values.astype(np.uint8) if values.dtype == np.bool_ else values
+    if tensor.dtype in (torch.complex64, torch.complex128):
+        return np.abs(tensor.numpy())
+    try:  # float8 and other narrow types torch can widen; None where it cannot
+        if tensor.is_complex():
+            return np.abs(torch.view_as_real(tensor).to(torch.float32).numpy().view(np.complex64))
+        return tensor.to(torch.float32).numpy()
     except (RuntimeError, TypeError, NotImplementedError):
         return None
-    return RecordStats(l2_norm=float(l2), mean=float(mean), absmax=float(max(-lo.item(), hi.item())))
 
 
 class _OpenPack:

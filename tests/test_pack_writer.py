@@ -251,3 +251,22 @@ def test_caller_may_reuse_its_buffer_after_append(store, codec):
     a, b = read_records(store, desc.records)
     assert torch.equal(a, expected)
     assert torch.equal(b, expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "t, l2, mean, absmax",
+    [
+        (torch.zeros(4), 0.0, 0.0, 0.0),
+        (torch.tensor([3.0, -4.0], dtype=torch.float16), 5.0, -0.5, 4.0),
+        (torch.tensor([3 + 4j, 0j], dtype=torch.complex64), 5.0, 2.5, 5.0),
+        (torch.tensor([-128, 2], dtype=torch.int8), math.hypot(128, 2), -63.0, 128.0),
+        (torch.tensor([True, False, True]), math.sqrt(2), 2 / 3, 1.0),
+        (torch.tensor([1.0, float("inf")]).to(torch.bfloat16), math.inf, math.inf, math.inf),
+    ],
+)
+def test_stats_values(store, t, l2, mean, absmax):
+    with PackWriter(store) as w:
+        w.append(key(), t)
+        s = w.seal().records[0].meta.stats
+    assert (s.l2_norm, s.mean, s.absmax) == (pytest.approx(l2), pytest.approx(mean), absmax)
+    assert math.copysign(1.0, s.absmax) == 1.0

@@ -1,0 +1,495 @@
+"""Storage benchmark: DMI packs vs what users do today vs the machine's limits, one run.
+
+Workload (issue 2): 8 requests x 24 layers x 512 tokens x hidden 2048 activations,
+heavy-tailed with a few outlier channels, in bf16 (and fp32). One record = one
+(request, layer) = 512 x 2048 values (2 MiB in bf16). Every method writes the same
+tensors durably (data fsync'd before the clock stops) into its own fresh directory:
+
+* ``dmi raw`` / ``dmi split-zstd`` (default codec): ``PackWriter`` + seal
+* ``torch.save``: one file per request holding its 24 layer tensors (dict)
+* ``safetensors``: one file per request (``layer{i}`` tensors)
+* ``parquet zstd``: one file, one row per record (key columns + payload bytes), zstd-1,
+  one row group per request
+* ``arrow ipc zstd``: one Arrow IPC file, one batch per request, zstd buffer compression
+
+Then, per method: read everything back as torch tensors cold (page cache of its files
+dropped with ``posix_fadvise(POSIX_FADV_DONTNEED)`` — they are fsync'd, so their pages are
+clean and really dropped) and warm, and one record's latency (p50/p99 over a sample):
+cold (page cache dropped, DMI footer cache empty) and warm (pages cached, DMI footer cache
+warm). Limits on the same data: memcpy into an existing buffer, one big write + fsync,
+cold read of that file, zstd-1 compress/decompress on one thread.
+
+    python bench/bench_storage.py                  # full: bf16 and fp32
+    python bench/bench_storage.py --quick          # 2 requests x 4 layers, seconds
+    python bench/bench_storage.py --dtypes bf16    # one dtype
+
+Prints a markdown table; each figure also as a ratio to the machine limit and to the best
+peer (best of torch.save / safetensors / parquet / arrow for that column).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import safetensors.torch as st
+import torch
+import zstandard
+
+from dmi.catalog import PackStore, PackWriter, RecordKey
+from dmi.reader import FooterCache, load_footer, read_by_key, read_records
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+PEERS = ("torch.save", "safetensors", "parquet zstd", "arrow ipc zstd")
+
+
+# --- workload ---------------------------------------------------------------------------
+
+
+def activations(requests: int, layers: int, tokens: int, hidden: int, dtype: torch.dtype) -> dict:
+    """{(request, layer): tensor}: Gaussian / sqrt(uniform) tails, 8 outlier channels x40."""
+    g = torch.Generator().manual_seed(0)
+    outliers = torch.randperm(hidden, generator=g)[:8]
+    data = {}
+    for r in range(requests):
+        for layer in range(layers):
+            x = torch.randn(tokens, hidden, generator=g)
+            x /= torch.rand(tokens, hidden, generator=g).clamp_min_(0.05).sqrt_()
+            x[:, outliers] *= 40
+            data[(r, layer)] = (x * 0.5).to(dtype)
+    return data
+
+
+def key_of(r: int, layer: int, tokens: int) -> RecordKey:
+    return RecordKey("bench-model", "bench-run", f"req-{r}", "resid_post", layer, 0, tokens)
+
+
+# --- file helpers -----------------------------------------------------------------------
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def files_under(root: str) -> list[str]:
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+
+
+def drop_cache(paths) -> None:
+    """Evict the files' (clean, fsync'd) pages from the page cache: the next read is cold."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def disk_bytes(root: str) -> int:
+    return sum(os.path.getsize(p) for p in files_under(root))
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+# --- methods: each has write(root), read_all(root) -> list, read_one(root, (r, l)) -----
+
+
+class Dmi:
+    def __init__(self, codec: str, tokens: int):
+        self.codec, self.tokens = codec, tokens
+        self.name = f"dmi {codec}"
+
+    def write(self, root, data):
+        store = PackStore.local(root)
+        sealed = []
+        with PackWriter(store, codec=self.codec, on_seal=sealed.append) as w:
+            for (r, layer), t in data.items():
+                w.append(key_of(r, layer, self.tokens), t)
+        self.entries = [e for d in sealed for e in d.records]
+        self.where = {(int(e.meta.key.request_id[4:]), e.meta.key.layer): e for e in self.entries}
+        self.store = store
+
+    def read_all(self, root):
+        return read_records(self.store, self.entries)
+
+    def one_cold(self, root, rl):
+        e = self.where[rl]
+        return read_by_key(self.store, e.pack_id, e.meta.key, cache=FooterCache())
+
+    def warm_cache(self):
+        self.cache = FooterCache()
+        for pack_id in {e.pack_id for e in self.entries}:
+            load_footer(self.store, pack_id, cache=self.cache)
+
+    def one_warm(self, root, rl):
+        e = self.where[rl]
+        return read_by_key(self.store, e.pack_id, e.meta.key, cache=self.cache)
+
+
+class TorchSave:
+    name = "torch.save"
+
+    def write(self, root, data):
+        for r in sorted({r for r, _ in data}):
+            path = os.path.join(root, f"req-{r}.pt")
+            torch.save({f"layer{layer}": t for (rr, layer), t in data.items() if rr == r}, path)
+            fsync_path(path)
+
+    def read_all(self, root):
+        out = []
+        for p in sorted(files_under(root)):
+            out.extend(torch.load(p, weights_only=True).values())
+        return out
+
+    def one_cold(self, root, rl):
+        r, layer = rl
+        return torch.load(os.path.join(root, f"req-{r}.pt"), weights_only=True, mmap=True)[f"layer{layer}"].clone()
+
+    one_warm = one_cold
+
+    def warm_cache(self):
+        pass
+
+
+class Safetensors:
+    name = "safetensors"
+
+    def write(self, root, data):
+        for r in sorted({r for r, _ in data}):
+            path = os.path.join(root, f"req-{r}.safetensors")
+            st.save_file({f"layer{layer}": t for (rr, layer), t in data.items() if rr == r}, path)
+            fsync_path(path)
+
+    def read_all(self, root):
+        out = []
+        for p in sorted(files_under(root)):
+            out.extend(st.load_file(p).values())
+        return out
+
+    def one_cold(self, root, rl):
+        r, layer = rl
+        with st.safe_open(os.path.join(root, f"req-{r}.safetensors"), framework="pt") as f:
+            return f.get_tensor(f"layer{layer}")
+
+    one_warm = one_cold
+
+    def warm_cache(self):
+        pass
+
+
+def _table(data, r):
+    """One request as a table; payload built with one copy (offsets + concatenated bytes)."""
+    items = [(layer, t) for (rr, layer), t in data.items() if rr == r]
+    views = [t.contiguous().view(torch.uint8).reshape(-1).numpy() for _, t in items]
+    offsets = np.zeros(len(views) + 1, np.int64)
+    np.cumsum([v.nbytes for v in views], out=offsets[1:])
+    payload = pa.Array.from_buffers(pa.large_binary(), len(views), [None, pa.py_buffer(offsets), pa.py_buffer(np.concatenate(views))])
+    return pa.table(
+        {
+            "request": pa.array([r] * len(items), pa.int32()),
+            "layer": pa.array([layer for layer, _ in items], pa.int32()),
+            "payload": payload,
+        }
+    )
+
+
+def _tensors_from_table(table, dtype, shape):
+    out = []
+    for chunk in table.column("payload").chunks:
+        for v in chunk:
+            buf = bytearray(v.as_buffer())
+            out.append(torch.frombuffer(buf, dtype=dtype).reshape(shape))
+    return out
+
+
+class Parquet:
+    name = "parquet zstd"
+
+    def __init__(self, dtype, shape):
+        self.dtype, self.shape = dtype, shape
+
+    def write(self, root, data):
+        path = os.path.join(root, "all.parquet")
+        writer = None
+        for r in sorted({r for r, _ in data}):
+            t = _table(data, r)
+            if writer is None:
+                writer = pq.ParquetWriter(path, t.schema, compression="zstd", compression_level=1)
+            writer.write_table(t)
+        writer.close()
+        fsync_path(path)
+
+    def read_all(self, root):
+        return _tensors_from_table(pq.read_table(os.path.join(root, "all.parquet")), self.dtype, self.shape)
+
+    def one_cold(self, root, rl):
+        r, layer = rl
+        t = pq.read_table(os.path.join(root, "all.parquet"), filters=[("request", "=", r), ("layer", "=", layer)])
+        return _tensors_from_table(t, self.dtype, self.shape)[0]
+
+    one_warm = one_cold
+
+    def warm_cache(self):
+        pass
+
+
+class ArrowIpc:
+    name = "arrow ipc zstd"
+
+    def __init__(self, dtype, shape):
+        self.dtype, self.shape = dtype, shape
+
+    def write(self, root, data):
+        path = os.path.join(root, "all.arrow")
+        options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=1))
+        writer = None
+        with pa.OSFile(path, "wb") as sink:
+            for r in sorted({r for r, _ in data}):
+                t = _table(data, r)
+                if writer is None:
+                    writer = pa.ipc.new_file(sink, t.schema, options=options)
+                writer.write_table(t)
+            writer.close()
+        fsync_path(path)
+
+    def read_all(self, root):
+        with pa.memory_map(os.path.join(root, "all.arrow")) as f:
+            return _tensors_from_table(pa.ipc.open_file(f).read_all(), self.dtype, self.shape)
+
+    def one_cold(self, root, rl):
+        r, layer = rl
+        with pa.memory_map(os.path.join(root, "all.arrow")) as f:
+            batch = pa.ipc.open_file(f).get_batch(r)
+            row = batch.column("layer").to_pylist().index(layer)
+            return _tensors_from_table(pa.table(batch.slice(row, 1)), self.dtype, self.shape)[0]
+
+    one_warm = one_cold
+
+    def warm_cache(self):
+        pass
+
+
+# --- limits -------------------------------------------------------------------------------
+
+
+def limits(root, data, raw_bytes):
+    tensors = list(data.values())
+    dst = torch.empty(raw_bytes, dtype=torch.uint8)
+    flat = [t.view(torch.uint8).reshape(-1) for t in tensors]
+
+    def memcpy():
+        pos = 0
+        for f in flat:
+            dst[pos : pos + f.numel()].copy_(f)
+            pos += f.numel()
+
+    memcpy()
+    t_copy, _ = timed(memcpy)
+
+    path = os.path.join(root, "limit.bin")
+
+    def write_fsync():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for f in flat:
+                view = memoryview(f.numpy())
+                while view:
+                    view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    t_write, _ = timed(write_fsync)
+    drop_cache([path])
+
+    def cold_read():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            view = memoryview(dst.numpy())
+            pos = 0
+            while pos < raw_bytes:
+                pos += os.preadv(fd, [view[pos:]], pos)
+        finally:
+            os.close(fd)
+
+    t_cold, _ = timed(cold_read)
+    os.unlink(path)
+
+    sample = [f.numpy() for f in flat[: max(1, len(flat) // 8)]]
+    n = sum(s.nbytes for s in sample)
+    c = zstandard.ZstdCompressor(level=1)
+    t_c, frames = timed(lambda: [c.compress(s) for s in sample])
+    d = zstandard.ZstdDecompressor()
+    t_d, _ = timed(lambda: [d.decompress(f) for f in frames])
+    return {
+        "memcpy": raw_bytes / t_copy,
+        "write+fsync": raw_bytes / t_write,
+        "cold read": raw_bytes / t_cold,
+        "zstd-1 compress (1 thread)": n / t_c,
+        "zstd-1 decompress (1 thread)": n / t_d,
+        "zstd-1 ratio": n / sum(len(f) for f in frames),
+    }
+
+
+# --- running one method ------------------------------------------------------------------
+
+
+def run_method(m, root, data, raw_bytes, sample, check):
+    os.makedirs(root)
+    t_write, _ = timed(lambda: m.write(root, data))
+    paths = files_under(root)
+    size = disk_bytes(root)
+    drop_cache(paths)
+    t_cold, got = timed(lambda: m.read_all(root))
+    check(m.name, got)
+    del got
+    t_warm, got = timed(lambda: m.read_all(root))
+    del got
+    cold, warm = [], []
+    for rl in sample:
+        drop_cache(paths)
+        dt, _ = timed(lambda: m.one_cold(root, rl))
+        cold.append(dt)
+    m.warm_cache()
+    for rl in sample * 3:
+        dt, _ = timed(lambda: m.one_warm(root, rl))
+        warm.append(dt)
+    return {
+        "write": raw_bytes / t_write,
+        "read cold": raw_bytes / t_cold,
+        "read warm": raw_bytes / t_warm,
+        "one cold p50": _pct(cold, 50),
+        "one cold p99": _pct(cold, 99),
+        "one warm p50": _pct(warm, 50),
+        "one warm p99": _pct(warm, 99),
+        "disk": size,
+        "ratio": raw_bytes / size,
+    }
+
+
+def _pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def checker(data):
+    expected = list(data.values())
+
+    def check(name, got):
+        if len(got) != len(expected):
+            raise SystemExit(f"{name}: read {len(got)} tensors, wrote {len(expected)}")
+        for a, b in zip(got, expected):
+            if not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
+                raise SystemExit(f"{name}: a tensor read back differs from what was written")
+
+    return check
+
+
+# --- report -------------------------------------------------------------------------------
+
+
+def report(dtype_name, shape_desc, lim, results):
+    gb = 1e9
+    best_peer = {}
+    for col, better in (("write", max), ("read cold", max), ("read warm", max), ("one cold p50", min), ("one warm p50", min), ("ratio", max)):
+        best_peer[col] = better(results[p][col] for p in PEERS if p in results)
+    best_compressed = {
+        col: max(results[p][col] for p in ("parquet zstd", "arrow ipc zstd") if p in results)
+        for col in ("write", "read cold", "read warm")
+    }
+    lines = [
+        f"### {dtype_name}: {shape_desc}",
+        "",
+        "| method | durable write GB/s | read-all cold GB/s | read-all warm GB/s | one record cold p50 / p99 ms | one record warm p50 / p99 ms | bytes on disk | ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | {r['write'] / gb:.2f} ({r['write'] / lim['write+fsync']:.2f}x lim, {r['write'] / best_peer['write']:.2f}x peer)"
+            f" | {r['read cold'] / gb:.2f} ({r['read cold'] / lim['cold read']:.2f}x lim, {r['read cold'] / best_peer['read cold']:.2f}x peer)"
+            f" | {r['read warm'] / gb:.2f} ({r['read warm'] / lim['memcpy']:.2f}x memcpy, {r['read warm'] / best_peer['read warm']:.2f}x peer)"
+            f" | {r['one cold p50'] * 1e3:.2f} / {r['one cold p99'] * 1e3:.2f}"
+            f" | {r['one warm p50'] * 1e3:.2f} / {r['one warm p99'] * 1e3:.2f}"
+            f" | {r['disk'] / 1e6:.1f} MB | {r['ratio']:.3f} |"
+        )
+    lines += ["", "Limits (same data): " + ", ".join(
+        f"{k} {v:.3f}" if k.endswith("ratio") else f"{k} {v / gb:.2f} GB/s" for k, v in lim.items()
+    )]
+    dmi = results.get("dmi split-zstd")
+    raw = results.get("dmi raw")
+    if dmi and raw:
+        lines += [
+            "",
+            "Targets: "
+            f"raw write {raw['write'] / lim['write+fsync']:.2f}x the fsync'd-write limit (target >= 0.9) and "
+            f"{raw['write'] / results['safetensors']['write']:.2f}x safetensors (target >= 1); "
+            f"default codec write {dmi['write'] / best_compressed['write']:.2f}x the best compressed peer "
+            f"(target >= 2), ratio {dmi['ratio']:.3f} (target >= 1.40 on bf16); "
+            f"one record warm p50 raw {raw['one warm p50'] * 1e3:.2f} ms (target <= 0.5), "
+            f"default {dmi['one warm p50'] * 1e3:.2f} ms (target <= 2).",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 requests x 4 layers")
+    ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
+    ap.add_argument("--sample", type=int, default=40, help="records sampled for one-record latency")
+    args = ap.parse_args(argv)
+    requests, layers, tokens, hidden = (2, 4, 512, 2048) if args.quick else (8, 24, 512, 2048)
+    base = tempfile.mkdtemp(prefix="dmi-bench-", dir=args.dir)
+    print(f"# Storage benchmark\n\nMachine: {platform.machine()}, {os.cpu_count()} CPUs, "
+          f"{platform.python_implementation()} {platform.python_version()}, torch {torch.__version__}, "
+          f"pyarrow {pa.__version__}, torch threads {torch.get_num_threads()}; files under {base}\n")
+    try:
+        for dname in args.dtypes.split(","):
+            dtype = DTYPES[dname]
+            data = activations(requests, layers, tokens, hidden, dtype)
+            raw_bytes = sum(t.numel() * t.element_size() for t in data.values())
+            rng = random.Random(1)
+            sample = [rng.choice(list(data)) for _ in range(args.sample)]
+            lim = limits(base, data, raw_bytes)
+            methods = [
+                Dmi("raw", tokens),
+                Dmi("split-zstd", tokens),
+                TorchSave(),
+                Safetensors(),
+                Parquet(dtype, (tokens, hidden)),
+                ArrowIpc(dtype, (tokens, hidden)),
+            ]
+            results = {}
+            check = checker(data)
+            for m in methods:
+                root = os.path.join(base, f"{dname}-{m.name.replace(' ', '_')}")
+                results[m.name] = run_method(m, root, data, raw_bytes, sample, check)
+                shutil.rmtree(root)
+                print(f"  done: {dname} {m.name}", file=sys.stderr, flush=True)
+            desc = f"{requests} requests x {layers} layers x {tokens} tokens x {hidden}, {raw_bytes / 1e6:.0f} MB raw"
+            print(report(dname, desc, lim, results) + "\n", flush=True)
+            del data
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
