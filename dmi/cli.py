@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -109,10 +108,11 @@ def _open_store(args: argparse.Namespace):
 
 @contextlib.contextmanager
 def _native_stderr_held() -> Iterator[None]:
-    """chDB's C++ layer prints its own exception text straight to file descriptor 2 before
-    DMI translates the error (e.g. a locked catalog directory). Hold what reaches fd 2 while
-    the store opens: dropped when a DMI error follows (its one line says it better),
-    passed through otherwise."""
+    """Opening a store can print before DMI translates the error: chDB's C++ layer writes its
+    exception text straight to file descriptor 2 (a locked directory), clickhouse-driver
+    logs each failed connection attempt with a traceback (an unreachable server). Hold what
+    reaches fd 2 while the store opens: dropped when a DMI error follows (its one line says
+    it better), passed through otherwise."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as held:
@@ -463,9 +463,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``dmi`` command line; returns the exit status (see the module docstring)."""
     parser = _build_parser()
     args = parser.parse_args(argv)
-    # clickhouse-driver logs each failed connection attempt with a traceback; the CLI says
-    # what failed in its own one line instead.
-    logging.getLogger("clickhouse_driver").setLevel(logging.CRITICAL)
     try:
         return args.func(args)
     except BrokenPipeError:  # `dmi ... | head`: the reader left; stop quietly
