@@ -338,15 +338,24 @@ def test_capture_then_upkeep(tmp_path):
 
 def test_capture_refuses_unknown_hooks_and_missing_prompts(tmp_path):
     home = tmp_path / "h"
-    unknown, no_prompts, no_model = batch(
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    unknown, no_prompts, blank, unreadable, batch_size, phases, no_model = batch(
         home,
         ["capture", "--model", "tiny-llama", "--prompt", "x", "--hooks", "resid,bogus"],
         ["capture", "--model", "tiny-llama"],
+        ["capture", "--model", "tiny-llama", "--prompts-file", str(tmp_path / "blank.txt")],
+        ["capture", "--model", "tiny-llama", "--prompts-file", str(tmp_path / "missing.txt")],
+        ["capture", "--model", "tiny-llama", "--prompt", "x", "--batch-size", "0"],
+        ["capture", "--model", "tiny-llama", "--prompt", "x", "--phases", "prefill,sideways"],
         ["capture", "--model", str(tmp_path / "nope"), "--prompt", "x"],
     )
     line = assert_one_line_error(unknown, 2, "'bogus'")
     assert "resid_post" in line
     assert_one_line_error(no_prompts, 2, "no prompts")
+    assert_one_line_error(blank, 2, "no prompts")
+    assert_one_line_error(unreadable, 2, "cannot read prompts from", "missing.txt")
+    assert_one_line_error(batch_size, 2, "--batch-size must be at least 1")
+    assert_one_line_error(phases, 2, "sideways")
     assert_one_line_error(no_model, 2, "neither a local model directory nor a built-in model")
 
 
