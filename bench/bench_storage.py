@@ -22,6 +22,7 @@ cold read of that file, zstd-1 compress/decompress on one thread.
     python bench/bench_storage.py                  # full: bf16 and fp32
     python bench/bench_storage.py --quick          # 2 requests x 4 layers, seconds
     python bench/bench_storage.py --dtypes bf16    # one dtype
+    python bench/bench_storage.py --codecs         # codec candidates on one record
 
 Prints a markdown table; each figure also as a ratio to the machine limit and to the best
 peer (best of torch.save / safetensors / parquet / arrow for that column).
@@ -293,12 +294,13 @@ class ArrowIpc:
 def limits(root, data, raw_bytes):
     tensors = list(data.values())
     dst = torch.empty(raw_bytes, dtype=torch.uint8)
+    dst_np = dst.numpy()
     flat = [t.view(torch.uint8).reshape(-1) for t in tensors]
 
-    def memcpy():
+    def memcpy():  # one thread, like the DMI writer
         pos = 0
         for f in flat:
-            dst[pos : pos + f.numel()].copy_(f)
+            np.copyto(dst_np[pos : pos + f.numel()], f.numpy())
             pos += f.numel()
 
     memcpy()
@@ -449,19 +451,88 @@ def report(dtype_name, shape_desc, lim, results):
     return "\n".join(lines)
 
 
+def codec_table(dtype_name: str) -> str:
+    """Codec candidates on one 512 x 2048 activation record: ratio, compress and decode GB/s."""
+    import blosc2
+
+    from dmi.catalog._codecs import decode, encode
+
+    t = activations(1, 1, 512, 2048, DTYPES[dtype_name])[(0, 0)]
+    raw = t.view(torch.uint8).reshape(-1).numpy()
+    width = t.element_size()
+    plain = zstandard.ZstdCompressor(level=1)
+
+    def np_split_zstd():
+        planes = raw.reshape(-1, width).T.copy()
+        return [plain.compress(planes[p]) for p in range(width)]
+
+    candidates = {
+        "zstd-1 plain": (lambda: plain.compress(raw), lambda c: zstandard.ZstdDecompressor().decompress(c)),
+        "numpy byte split, zstd-1 every plane": (np_split_zstd, None),
+        "dmi split-zstd (default)": (
+            lambda: encode("split-zstd", raw, width),
+            lambda c: decode("split-zstd", c, np.empty_like(raw), width),
+        ),
+    }
+    for threads in (1, 2):
+        params = dict(codec=blosc2.Codec.ZSTD, clevel=1, typesize=width, filters=[blosc2.Filter.SHUFFLE], nthreads=threads)
+        candidates[f"blosc2 shuffle + zstd-1, {threads} thread(s)"] = (
+            lambda params=params: blosc2.compress2(raw, **params),
+            lambda c, threads=threads: blosc2.decompress2(c, nthreads=threads),
+        )
+    lines = [f"| codec ({dtype_name}, one 512 x 2048 record) | ratio | compress GB/s | decode GB/s |", "|---|---|---|---|"]
+    for name, (comp, dec) in candidates.items():
+        comp()
+        t_c = min(timed(comp)[0] for _ in range(10))
+        stored = comp()
+        size = sum(len(x) for x in stored) if isinstance(stored, list) else len(stored)
+        t_d = min(timed(lambda: dec(stored))[0] for _ in range(10)) if dec else None
+        lines.append(f"| {name} | {raw.nbytes / size:.3f} | {raw.nbytes / t_c / 1e9:.2f} | "
+                     + (f"{raw.nbytes / t_d / 1e9:.2f} |" if t_d else "- |"))
+    return "\n".join(lines)
+
+
+def make_methods(dtype, tokens, hidden):
+    return [
+        Dmi("raw", tokens),
+        Dmi("split-zstd", tokens),
+        TorchSave(),
+        Safetensors(),
+        Parquet(dtype, (tokens, hidden)),
+        ArrowIpc(dtype, (tokens, hidden)),
+    ]
+
+
+def warm_up(base):
+    """One untimed tiny pass through every method: imports and first-call costs paid here."""
+    data = activations(1, 2, 16, 64, torch.bfloat16)
+    check = checker(data)
+    for m in make_methods(torch.bfloat16, 16, 64):
+        root = os.path.join(base, "warmup-" + m.name.replace(" ", "_"))
+        run_method(m, root, data, 1, [(0, 1)], check)
+        shutil.rmtree(root)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 requests x 4 layers")
     ap.add_argument("--dtypes", default="bf16,fp32")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
     ap.add_argument("--sample", type=int, default=40, help="records sampled for one-record latency")
+    ap.add_argument("--codecs", action="store_true", help="only the codec comparison table")
     args = ap.parse_args(argv)
+    if args.codecs:
+        for dname in args.dtypes.split(","):
+            print(codec_table(dname) + "\n")
+        return
     requests, layers, tokens, hidden = (2, 4, 512, 2048) if args.quick else (8, 24, 512, 2048)
     base = tempfile.mkdtemp(prefix="dmi-bench-", dir=args.dir)
     print(f"# Storage benchmark\n\nMachine: {platform.machine()}, {os.cpu_count()} CPUs, "
           f"{platform.python_implementation()} {platform.python_version()}, torch {torch.__version__}, "
-          f"pyarrow {pa.__version__}, torch threads {torch.get_num_threads()}; files under {base}\n")
+          f"pyarrow {pa.__version__}, torch threads {torch.get_num_threads()}; files under {base}; "
+          f"load average at start {os.getloadavg()[0]:.1f}\n")
     try:
+        warm_up(base)
         for dname in args.dtypes.split(","):
             dtype = DTYPES[dname]
             data = activations(requests, layers, tokens, hidden, dtype)
@@ -469,14 +540,7 @@ def main(argv=None):
             rng = random.Random(1)
             sample = [rng.choice(list(data)) for _ in range(args.sample)]
             lim = limits(base, data, raw_bytes)
-            methods = [
-                Dmi("raw", tokens),
-                Dmi("split-zstd", tokens),
-                TorchSave(),
-                Safetensors(),
-                Parquet(dtype, (tokens, hidden)),
-                ArrowIpc(dtype, (tokens, hidden)),
-            ]
+            methods = make_methods(dtype, tokens, hidden)
             results = {}
             check = checker(data)
             for m in methods:
@@ -484,7 +548,8 @@ def main(argv=None):
                 results[m.name] = run_method(m, root, data, raw_bytes, sample, check)
                 shutil.rmtree(root)
                 print(f"  done: {dname} {m.name}", file=sys.stderr, flush=True)
-            desc = f"{requests} requests x {layers} layers x {tokens} tokens x {hidden}, {raw_bytes / 1e6:.0f} MB raw"
+            desc = (f"{requests} requests x {layers} layers x {tokens} tokens x {hidden}, {raw_bytes / 1e6:.0f} MB raw, "
+                    f"load average after {os.getloadavg()[0]:.1f}")
             print(report(dname, desc, lim, results) + "\n", flush=True)
             del data
     finally:

@@ -39,7 +39,7 @@ _HEADER = struct.Struct("<BB")  # format tag, number of planes
 _PLANE_ENTRY = struct.Struct("<BQ")  # plane codec, stored length
 _SPLIT_TAG = 1
 _SAMPLE = 64 * 1024
-_SAMPLE_MIN_GAIN = 0.95  # keep a plane raw unless its sample shrinks below 95 %
+_SAMPLE_MIN_GAIN = 0.90  # keep a plane raw unless its sample shrinks below 90 %
 
 _UINT_BY_WIDTH = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
