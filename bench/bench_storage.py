@@ -156,8 +156,9 @@ class TorchSave:
 
     def read_all(self, root):
         out = []
-        for p in sorted(files_under(root)):
-            out.extend(torch.load(p, weights_only=True).values())
+        for r in range(len(files_under(root))):
+            d = torch.load(os.path.join(root, f"req-{r}.pt"), weights_only=True)
+            out.extend(d[f"layer{layer}"] for layer in range(len(d)))
         return out
 
     def one_cold(self, root, rl):
@@ -181,8 +182,9 @@ class Safetensors:
 
     def read_all(self, root):
         out = []
-        for p in sorted(files_under(root)):
-            out.extend(st.load_file(p).values())
+        for r in range(len(files_under(root))):
+            d = st.load_file(os.path.join(root, f"req-{r}.safetensors"))  # keys come back sorted
+            out.extend(d[f"layer{layer}"] for layer in range(len(d)))
         return out
 
     def one_cold(self, root, rl):
