@@ -94,3 +94,14 @@ def test_podman_start_needs_root(tmp_path):
     result = as_nobody(PODMAN, "start", tmp_path / "state")
     assert result.returncode == 1
     assert "this setup is rootful (CNI bridge, iptables); run it as root" in result.stderr
+
+
+@pytest.mark.live
+@pytest.mark.container
+def test_podman_check_names_the_image_that_does_not_run():
+    conf = os.environ.get("CONTAINERS_CONF", "")
+    if not conf.endswith("/containers.conf") or not os.path.exists(os.path.join(os.path.dirname(conf), "env")):
+        pytest.skip("no podman state from docker/podman-engine.sh start (source STATE/env first)")
+    result = run([PODMAN, "check", os.path.dirname(conf), "dmi-no-such-image:0"])
+    assert result.returncode == 1
+    assert "podman-engine: podman run dmi-no-such-image:0 failed (runtime, ulimits or network" in result.stderr
