@@ -340,12 +340,8 @@ class Publisher:
                 raise InvalidArgumentError(f"publish() takes PackDescriptor objects, not {type(descriptor).__name__}")
             validate_value_id(descriptor.pack_id, "pack id")
         self._require_holding()
-        now = self._clock()
-        if now >= self._expires_at:
-            state = read_state(self._catalog, self.scope)
-            raise self._lost(state, now)
-        if now > self._expires_at - self.lease_seconds / 2:
-            self.renew()
+        if self._clock() > self._expires_at - self.lease_seconds / 2:
+            self.renew()  # also how an expired or superseded holder is stopped before writing
         n_records = self._catalog._index(descriptors, scope=self.scope, term=self._term)
         state = read_state(self._catalog, self.scope)
         now = self._clock()

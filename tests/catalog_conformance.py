@@ -100,7 +100,7 @@ uri, packs, scope = sys.argv[1:4]
 store = LocalPackStore(packs)
 writer = PackWriter(store, writer_id="crashy")
 catalog = open_catalog(uri)
-publisher = catalog.publisher(scope, holder="crashy", lease_seconds=1.5)
+publisher = catalog.publisher(scope, holder="crashy", lease_seconds=8.0)
 publisher.acquire()
 for layer in range(4):
     writer.append(RecordKey("m", "run", "published", "resid_post", layer, 0, 3), torch.randn(3, 8))
@@ -135,13 +135,15 @@ class RecoveryConformance:
             assert catalog.requests("m") == ["published"]
             with pytest.raises(LeaseHeldError, match="crashy"):
                 catalog.recover(store, scope="writer-scope")  # the dead writer's lease is still live
-            time.sleep(1.6)
+            state = _leases.read_state(catalog, "writer-scope")
+            assert state.holder == "crashy"
+            time.sleep(max(0.0, state.expires_at - time.time()) + 0.1)
             outcomes: dict[str, object] = {}
 
             def run(name, cat):
                 try:
                     outcomes[name] = cat.recover(store, scope="writer-scope", holder=name)
-                except LeaseHeldError as exc:
+                except Exception as exc:  # noqa: BLE001 - checked below
                     outcomes[name] = exc
 
             threads = [threading.Thread(target=run, args=(n, c)) for n, c in (("r1", catalog), ("r2", other))]
@@ -150,6 +152,8 @@ class RecoveryConformance:
             for t in threads:
                 t.join(60)
             recovered = [v for v in outcomes.values() if isinstance(v, list) and v]
+            others = [v for v in outcomes.values() if not (isinstance(v, list) and v)]
+            assert all(v == [] or isinstance(v, LeaseHeldError) for v in others), outcomes
             assert recovered == [[orphan]], outcomes
             assert catalog.recover(store, scope="writer-scope") == []
             assert catalog.requests("m") == ["orphan", "published"]
@@ -356,6 +360,38 @@ class CatalogConformance(RecoveryConformance):
         with pytest.raises(LeaseError, match="acquire"):
             a.renew()
         assert {e.meta.key.request_id for e in catalog.find_records("gpt2")} == {"by-a"}
+
+    def test_publish_after_takeover_is_refused_by_the_server_check(self, catalog):
+        a = catalog.publisher("s", holder="A", lease_seconds=30)
+        a.acquire()
+        restarted = catalog.publisher("s", holder="A", lease_seconds=30)  # same holder, new process
+        assert restarted.acquire() == 2
+        with pytest.raises(LeaseLostError, match="successor"):
+            a.publish([pack(request="stale")])  # its own clock says the lease is fine
+        assert a.term is None
+        with pytest.raises(LeaseError):
+            a.renew()
+        rows = catalog.sql(f"SELECT count() AS n FROM {catalog.tables['watermarks']}").column("n").to_pylist()
+        assert rows == [0]
+        assert catalog.find_records("gpt2") == []
+
+    def test_renew_after_takeover_is_refused(self, catalog):
+        a = catalog.publisher("s", holder="A", lease_seconds=30)
+        a.acquire()
+        catalog.publisher("s", holder="A").acquire()
+        with pytest.raises(LeaseLostError, match="successor"):
+            a.renew()
+        renewals = catalog.sql(f"SELECT count() AS n FROM {catalog.tables['leases']} WHERE kind = 'renew'")
+        assert renewals.column("n").to_pylist() == [0]
+
+    def test_expired_holder_writes_nothing(self, catalog):
+        a = catalog.publisher("s", holder="A", lease_seconds=0.3)
+        a.acquire()
+        time.sleep(0.4)
+        late = pack(request="late")
+        with pytest.raises(LeaseLostError, match="expired"):
+            a.publish([late])
+        assert catalog.pack_locations([late.pack_id]) == {}  # refused before any index row
 
     def test_zombie_publish_after_takeover_is_never_visible(self, catalog):
         a = catalog.publisher("s", holder="A", lease_seconds=30)

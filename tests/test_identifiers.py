@@ -16,6 +16,10 @@ HOSTILE = [
     'say "hi"',
     "`tick`",
     "back\\slash",
+    "trailing\\",
+    "escaped\\n",
+    "hex\\x41",
+    "quote\\'",
     "50%",
     "%(x)s",
     "%s",
@@ -40,7 +44,7 @@ HOSTILE = [
 ]
 LEGAL_NAMES = ["my-analytics-db", "9lives", "défaut", "db_1", "with space", "a'b", 'a"b', "SELECT"]
 MUST_REFUSE_AS_NAME = {
-    "`tick`", "back\\slash", "50%", "%(x)s", "%s", "../../etc/passwd", "..", ".", "a/b", "nul\x00byte",
+    "`tick`", "back\\slash", "trailing\\", "escaped\\n", "hex\\x41", "quote\\'", "50%", "%(x)s", "%s", "../../etc/passwd", "..", ".", "a/b", "nul\x00byte",
     "new\nline", "tab\there", "bell\x07", "zero\u200bwidth", "line\u2028sep", "\ud800lone", "x" * 10_000, "",
     " padded ",
 }
