@@ -335,6 +335,7 @@ def _cmd_recover(args: argparse.Namespace) -> int:
 
 def _cmd_plot(args: argparse.Namespace) -> int:
     from dmi._plot import token_norms, write_norm_plot
+    from dmi.catalog.records import GLOBAL_LAYER
 
     width, height = args.size
     output = args.output or f"{args.request_id}-{args.hook}.png"
@@ -343,7 +344,8 @@ def _cmd_plot(args: argparse.Namespace) -> int:
                           shard_rank=args.shard_rank, run_id=args.run)
         tensor = view[:]
     norms = token_norms(tensor if view.per_layer else tensor.unsqueeze(0))
-    drawn = write_norm_plot(norms, view.layers, output, width=width, height=height,
+    layers = view.layers if view.per_layer else (GLOBAL_LAYER,)
+    drawn = write_norm_plot(norms, layers, output, width=width, height=height,
                             title=f"{args.hook} L2 norm · {args.model_id} · {args.request_id}")
     if args.json:
         _emit_json({"path": drawn.path, "width": drawn.width, "height": drawn.height, "layers": drawn.layers,
@@ -405,7 +407,7 @@ def _build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--step-stride", type=int, default=1, metavar="N", help="capture every N-th decode step")
     cap.add_argument("--request-stride", type=int, default=1, metavar="N", help="capture every N-th request")
     cap.add_argument("--warmup", type=int, default=0, metavar="N", help="skip the first N forwards")
-    cap.add_argument("--model-id", metavar="ID", help="model id in the catalog (default: derived from the model)")
+    cap.add_argument("--model-id", metavar="ID", help="model id in the catalog (default: the model directory's path, or the built-in name)")
     cap.add_argument("--attn-implementation", metavar="IMPL",
                      help="attention implementation for a model directory (eager is needed for attn_pattern)")
 

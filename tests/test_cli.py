@@ -134,6 +134,7 @@ def demo(tmp_path_factory) -> Demo:
         "sql_bad": ["sql", "SELECT nonsense FROM {records}"],
         "plot": ["plot", "tiny-llama", r1, "--hook", "mlp_out", "-o", str(out / "mlp.png"), "--size", "640x360",
                  "--json"],
+        "plot_global": ["plot", "tiny-llama", r1, "--hook", "final_norm", "-o", str(out / "final.png"), "--json"],
         "verify": ["verify", "--json"],
         "no_model": ["requests", "no-such-model"],
         "no_request": ["show", "tiny-llama", "no-such-request"],
@@ -246,6 +247,9 @@ def test_plot_writes_a_png_of_the_requested_size(demo):
     assert drawn["width"] == 640 and drawn["height"] == 360
     assert drawn["layers"] == LAYERS and drawn["n_tokens"] == expected_tokens(DEMO_PROMPTS[1])
     assert all(v > 0 for v in drawn["mean_norm_per_layer"])
+    final = parsed(demo.results["plot_global"])  # a global hook: one row, labelled -1
+    assert final["layers"] == [-1] and final["n_tokens"] == drawn["n_tokens"]
+    assert png_size(demo.out / "final.png") == (1200, 500)
 
 
 def test_verify_a_clean_store(demo):
@@ -357,6 +361,32 @@ def test_capture_refuses_unknown_hooks_and_missing_prompts(tmp_path):
     assert_one_line_error(batch_size, 2, "--batch-size must be at least 1")
     assert_one_line_error(phases, 2, "sideways")
     assert_one_line_error(no_model, 2, "neither a local model directory nor a built-in model")
+
+
+def test_capture_from_a_model_directory(tmp_path):
+    """A user's own model: a Hugging Face directory, loaded with ``from_pretrained``."""
+    from dmi._models import load_model
+
+    loaded = load_model("tiny-llama")
+    model_dir = tmp_path / "my-model"
+    loaded.model.save_pretrained(model_dir)
+    loaded.tokenizer.save_pretrained(model_dir)
+    (tmp_path / "prompts.txt").write_text("first prompt\n\nsecond, longer prompt\n")
+    common = ["capture", "--model", str(model_dir), "--prompts-file", str(tmp_path / "prompts.txt"),
+              "--max-new-tokens", "0", "--json"]
+    sdpa, eager, shown = batch(
+        tmp_path / "home",
+        [*common, "--hooks", "attn_pattern"],
+        [*common, "--hooks", "attn_pattern,logits", "--layers", "1", "--attn-implementation", "eager"],
+        ["models", "--json"],
+    )
+    assert_one_line_error(sdpa, 1, "eager")
+    result = parsed(eager)
+    assert result["model_id"] == str(model_dir) and len(result["request_ids"]) == 2  # the default id: its path
+    # a scoring pass: one attn_pattern record (layer 1) and one logits record per request
+    assert result["records"] == 2 * 2
+    [model] = parsed(shown)
+    assert model["model_id"] == str(model_dir) and model["requests"] == 2 and model["records"] == 4
 
 
 def test_locked_catalog_is_a_one_line_error(tmp_path):
