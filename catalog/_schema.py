@@ -11,6 +11,7 @@ keyed so a duplicate collapses (ReplacingMergeTree) and queries read them with
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from operator import attrgetter
 
 import pyarrow as pa
 
@@ -197,34 +198,72 @@ SCHEMA_ROW = pa.schema([("version", pa.uint32()), ("written_at", pa.float64()), 
 
 
 def records_table(descriptors: Iterable[PackDescriptor]) -> pa.Table:
-    """One Arrow row per record of every descriptor, in RECORD_SCHEMA."""
-    rows = []
-    append = rows.append
-    for descriptor in descriptors:
-        pack_id = descriptor.pack_id
-        for index, entry in enumerate(descriptor.records):
-            meta = entry.meta
-            key = meta.key
-            shard = meta.shard
-            stats = meta.stats
-            append(
-                (
-                    key.model_id, key.run_id, key.request_id, key.hook, key.layer,
-                    key.start_token, key.n_tokens, key.step, key.phase, key.shard_rank, key.tp_size,
-                    meta.dtype, list(meta.shape), meta.codec, meta.raw_size, meta.checksum,
-                    -1 if shard is None else shard.axis,
-                    0 if shard is None else shard.offset,
-                    [] if shard is None else list(shard.full_shape),
-                    None if stats is None else stats.l2_norm,
-                    None if stats is None else stats.mean,
-                    None if stats is None else stats.absmax,
-                    pack_id, index, entry.payload.offset, entry.payload.length,
-                )
-            )
-    columns = list(zip(*rows)) if rows else [[] for _ in RECORD_COLUMNS]
+    """One Arrow row per record of every descriptor, in RECORD_SCHEMA (column at a time)."""
+    descriptors = list(descriptors)
+    entries = [entry for d in descriptors for entry in d.records]
+    metas = list(map(_get_meta, entries))
+    keys = list(map(_get_key, metas))
+    shards = list(map(_get_shard, metas))
+    stats = list(map(_get_stats, metas))
+    payloads = list(map(_get_payload, entries))
+    pack_ids: list[str] = []
+    indices: list[int] = []
+    for d in descriptors:
+        n = len(d.records)
+        pack_ids.extend([d.pack_id] * n)
+        indices.extend(range(n))
+    sharded = any(s is not None for s in shards)
+    with_stats = [s for s in stats if s is not None]
+    n = len(entries)
+
+    def keycol(name):
+        return list(map(attrgetter(name), keys))
+
+    def statcol(name):
+        if not with_stats:
+            return [None] * n
+        if len(with_stats) == n:
+            return list(map(attrgetter(name), stats))
+        return [None if s is None else getattr(s, name) for s in stats]
+
+    columns = {
+        "model_id": keycol("model_id"),
+        "run_id": keycol("run_id"),
+        "request_id": keycol("request_id"),
+        "hook": keycol("hook"),
+        "layer": keycol("layer"),
+        "start_token": keycol("start_token"),
+        "n_tokens": keycol("n_tokens"),
+        "step": keycol("step"),
+        "phase": keycol("phase"),
+        "shard_rank": keycol("shard_rank"),
+        "tp_size": keycol("tp_size"),
+        "dtype": list(map(attrgetter("dtype"), metas)),
+        "shape": list(map(attrgetter("shape"), metas)),
+        "codec": list(map(attrgetter("codec"), metas)),
+        "raw_size": list(map(attrgetter("raw_size"), metas)),
+        "checksum": list(map(attrgetter("checksum"), metas)),
+        "shard_axis": [-1 if s is None else s.axis for s in shards] if sharded else [-1] * n,
+        "shard_offset": [0 if s is None else s.offset for s in shards] if sharded else [0] * n,
+        "full_shape": [() if s is None else s.full_shape for s in shards] if sharded else [()] * n,
+        "l2_norm": statcol("l2_norm"),
+        "mean": statcol("mean"),
+        "absmax": statcol("absmax"),
+        "pack_id": pack_ids,
+        "record_index": indices,
+        "payload_offset": list(map(attrgetter("offset"), payloads)),
+        "payload_length": list(map(attrgetter("length"), payloads)),
+    }
     return pa.Table.from_arrays(
-        [pa.array(col, type=field.type) for col, field in zip(columns, RECORD_SCHEMA)], schema=RECORD_SCHEMA
+        [pa.array(columns[field.name], type=field.type) for field in RECORD_SCHEMA], schema=RECORD_SCHEMA
     )
+
+
+_get_meta = attrgetter("meta")
+_get_key = attrgetter("key")
+_get_shard = attrgetter("shard")
+_get_stats = attrgetter("stats")
+_get_payload = attrgetter("payload")
 
 
 def packs_table(descriptors: Sequence[PackDescriptor], *, scope: str, term: int, now: float) -> pa.Table:
