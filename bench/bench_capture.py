@@ -82,7 +82,7 @@ def run_dmi(hooks):
         t2 = time.perf_counter()
         s = cap.stats
         return t2 - t0, {"sequences": out, "generate_s": t1 - t0, "close_s": t2 - t1,
-                         "drain_busy_s": s["drain_busy_seconds"], "ring_waits": s["ring_waits"],
+                         "drain_busy_s": s["drain_busy_seconds"], "hook_s": s["hook_seconds"], "ring_waits": s["ring_waits"],
                          "ring_wait_s": s["ring_wait_seconds"], "records": s["records"],
                          "packs": s["packs_published"], "bytes": s["reserved_bytes"]}
     return run
@@ -194,6 +194,8 @@ def main(argv=None):
 
 def report(args, names, results):
     new_tokens = args.batch * args.new
+    print("\nper-round wall seconds: " + "; ".join(
+        f"{n}: " + ", ".join(f"{s:.1f}" for s, _ in results[n]) for n in names))
     print(f"\nLlama-style {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
           f"{args.heads} heads, vocab {args.vocab}, bf16, batch {args.batch}, prompt {args.prompt}, "
           f"{args.new} new tokens, greedy; {args.rounds} round(s), interleaved")
@@ -201,8 +203,8 @@ def report(args, names, results):
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs{gpu}, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}\n")
     print("| configuration | tokens/s (median) | × baseline (median of per-round ratios) | "
-          "generate s | close s | drain busy s | ring waits | stored / captured bytes |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "generate s | close s | model-thread hook s | drain busy s | ring waits | captured bytes |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     base = [s for s, _ in results.get("baseline", [])]
     for n in names:
         secs = [s for s, _ in results[n]]
@@ -216,7 +218,7 @@ def report(args, names, results):
 
         fmt = lambda v, f="{:.2f}": "" if v is None else f.format(v)  # noqa: E731
         print(f"| {n} | {tps:.1f} | {ratio:.3f} | {fmt(med('generate_s'))} | {fmt(med('close_s'))} | "
-              f"{fmt(med('drain_busy_s'))} | {fmt(med('ring_waits'), '{:.0f}')} | "
+              f"{fmt(med('hook_s'))} | {fmt(med('drain_busy_s'))} | {fmt(med('ring_waits'), '{:.0f}')} | "
               f"{fmt(med('bytes'), '{:,.0f}')} |")
 
 

@@ -19,6 +19,7 @@ import secrets
 import threading
 import time
 import weakref
+from time import perf_counter
 from dataclasses import dataclass, field
 
 import torch
@@ -116,6 +117,7 @@ class CaptureSession:
         self._forwards = 0
         self._n_requests = 0
         self._n_calls = 0
+        self._hook_seconds = 0.0  # model-thread time inside DMI's hooks (plan, reserve, copy)
         self._closed = False
         self._cuda_side_stream = None
         self._lock = threading.RLock()
@@ -177,6 +179,7 @@ class CaptureSession:
             "packs_sealed": d.packs_sealed,
             "packs_published": d.packs_published,
             "drain_busy_seconds": d.busy_seconds,
+            "hook_seconds": self._hook_seconds,
         }
 
     # -- calls ----------------------------------------------------------------------------------
@@ -247,8 +250,10 @@ class CaptureSession:
             plan = self._plan
             if plan is None:
                 return None
+            t0 = perf_counter()
             for em in emissions:
                 emit(em.hook, em.layer, em.extract(args, kwargs, None), em.layout, plan)
+            self._hook_seconds += perf_counter() - t0
             return None
 
         return hook
@@ -261,13 +266,22 @@ class CaptureSession:
             plan = self._plan
             if plan is None:
                 return None
+            t0 = perf_counter()
             for em in emissions:
                 emit(em.hook, em.layer, em.extract(args, kwargs, output), em.layout, plan)
+            self._hook_seconds += perf_counter() - t0
             return None
 
         return hook
 
     def _on_model_pre(self, module, args, kwargs):
+        t0 = perf_counter()
+        try:
+            return self._begin_step(args, kwargs)
+        finally:
+            self._hook_seconds += perf_counter() - t0
+
+    def _begin_step(self, args, kwargs):
         self._plan = None
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
@@ -307,8 +321,10 @@ class CaptureSession:
         return None
 
     def _on_model_post(self, module, args, output):
+        t0 = perf_counter()
         self._plan = None
         self._submit()
+        self._hook_seconds += perf_counter() - t0
         return None
 
     def _implicit_call(self, b: int, kwargs) -> _Call:
