@@ -141,7 +141,7 @@ def bench_catalog(uri: str, descriptors, points, publishes: int) -> dict:
 
 def bench_sqlite(table: pa.Table, points) -> dict:
     out = {}
-    directory = tempfile.mkdtemp(prefix="dmi-bench-sqlite-")
+    directory = tempfile.mkdtemp(prefix="catalog-bench-sqlite-")
     try:
         db = sqlite3.connect(os.path.join(directory, "index.db"))
         cols = ["model_id", "request_id", "hook", "layer", "start_token", "pack_id", "payload_offset", "payload_length"]
@@ -204,12 +204,12 @@ def main(argv=None) -> None:
     points = [(f"req-{rng.randrange(n_requests):06d}", rng.choice(HOOKS), rng.randrange(LAYERS)) for _ in range(args.points)]
 
     results = {}
-    directory = tempfile.mkdtemp(prefix="dmi-bench-chdb-")
+    directory = tempfile.mkdtemp(prefix="catalog-bench-chdb-")
     try:
         results["chDB (embedded)"] = bench_catalog(f"chdb://{directory}/catalog", descriptors, points, args.publishes)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    print("# chDB done", flush=True)
+    print("# " + row("chDB (embedded)", results["chDB (embedded)"]), flush=True)
 
     server_label = None
     if not args.no_server:
@@ -233,30 +233,43 @@ def main(argv=None) -> None:
                     probe.sql(f"DROP DATABASE IF EXISTS `{db}`")
                 server_label = f"server {version} (native protocol, loopback)"
                 results[server_label] = bench_catalog(uri, descriptors, points, args.publishes)
-                print("# server done", flush=True)
+                print("# " + row(server_label, results[server_label]), flush=True)
         finally:
             if process is not None:
                 process.stop()
 
     table = _schema.records_table(descriptors)
-    sqlite = bench_sqlite(table, points)
+    try:
+        sqlite = bench_sqlite(table, points)
+    except sqlite3.Error as exc:
+        print(f"# sqlite failed: {exc}")
+        sqlite = None
     arrow = bench_arrow_filter(table, points)
 
     print()
     print(f"{n:,} index rows; point query = (model, request, hook, layer) -> {CHUNKS} records; "
           f"{args.points} point queries, {args.publishes} publishes of 1 pack x 10 records.")
     print()
-    print("| catalog | ingest rows/s (Arrow → table) | publish-all rows/s (end to end) | descriptor → Arrow rows/s "
-          "| point query p50 / p99 ms | watermark publish p50 / p99 ms |")
-    print("|---|---|---|---|---|---|")
+    print(HEADER)
     for label, r in results.items():
-        print(f"| {label} | {r['rows'] / r['arrow_ingest_s']:,.0f} | {r['rows'] / r['publish_all_s']:,.0f} "
-              f"| {r['rows'] / r['convert_s']:,.0f} | {r['point_p50_ms']:.2f} / {r['point_p99_ms']:.2f} "
-              f"| {r['publish_p50_ms']:.1f} / {r['publish_p99_ms']:.1f} |")
-    print(f"| SQLite (stdlib, B-tree index, one file) | {n / sqlite['ingest_s']:,.0f} | — | — "
-          f"| {sqlite['point_p50_ms']:.2f} / {sqlite['point_p99_ms']:.2f} | — |")
+        print(row(label, r))
+    if sqlite is not None:
+        print(f"| SQLite (stdlib, B-tree index, one file) | {n / sqlite['ingest_s']:,.0f} | — | — "
+              f"| {sqlite['point_p50_ms']:.2f} / {sqlite['point_p99_ms']:.2f} | — |")
     print(f"| pyarrow filter, index in memory (no persistence) | — | — | — "
           f"| {arrow['point_p50_ms']:.2f} / {arrow['point_p99_ms']:.2f} | — |")
+
+
+HEADER = (
+    "| catalog | ingest rows/s (Arrow → table) | publish-all rows/s (end to end) | descriptor → Arrow rows/s "
+    "| point query p50 / p99 ms | watermark publish p50 / p99 ms |\n|---|---|---|---|---|---|"
+)
+
+
+def row(label, r) -> str:
+    return (f"| {label} | {r['rows'] / r['arrow_ingest_s']:,.0f} | {r['rows'] / r['publish_all_s']:,.0f} "
+            f"| {r['rows'] / r['convert_s']:,.0f} | {r['point_p50_ms']:.2f} / {r['point_p99_ms']:.2f} "
+            f"| {r['publish_p50_ms']:.1f} / {r['publish_p99_ms']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -102,15 +102,19 @@ def default_holder() -> str:
 def read_state(catalog: Catalog, scope: str) -> LeaseState:
     t = catalog._tables
     rows = catalog._backend.query(
-        f"SELECT kind, term, holder, nonce, expires_at FROM {t['leases']} "
-        f"WHERE scope = %(scope)s AND term >= "
+        f"SELECT kind, term, holder, nonce, expires_at, "
+        f"(SELECT max(fencing_term) FROM {t['fences']} WHERE scope = %(scope)s) AS max_fence "
+        f"FROM {t['leases']} WHERE scope = %(scope)s AND term >= "
         f"(SELECT max(term) FROM {t['leases']} WHERE scope = %(scope)s AND kind = 'confirm')",
         {"scope": scope},
     ).to_pylist()
-    fence = catalog._backend.query(
-        f"SELECT max(fencing_term) AS f FROM {t['fences']} WHERE scope = %(scope)s", {"scope": scope}
-    ).to_pylist()
-    max_fence = int(fence[0]["f"]) if fence and fence[0]["f"] is not None else 0
+    if rows:
+        max_fence = int(rows[0]["max_fence"] or 0)
+    else:  # no lease rows at all: a fence can still exist (its writer's claim was withdrawn)
+        fence = catalog._backend.query(
+            f"SELECT max(fencing_term) AS f FROM {t['fences']} WHERE scope = %(scope)s", {"scope": scope}
+        ).to_pylist()
+        max_fence = int(fence[0]["f"] or 0) if fence else 0
     max_term = max((int(r["term"]) for r in rows), default=0)
     confirms = [r for r in rows if r["kind"] == "confirm"]
     if not confirms:
