@@ -17,7 +17,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from dmi.catalog._codecs import CodecError, checksum, decode
