@@ -68,7 +68,7 @@ def dmi(*args: str, home: Path | None = None, stdin: str | None = None, timeout:
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
-def batch(home: Path, *commands: list[str] | tuple[str, ...]) -> list[Result]:
+def batch(home: Path | None, *commands: list[str] | tuple[str, ...]) -> list[Result]:
     """Run several commands against ``home`` in one subprocess; one ``Result`` each."""
     proc = subprocess.run([sys.executable, "-c", _BATCH], input=json.dumps([_with_home(c, home) for c in commands]),
                           capture_output=True, text=True, env=_env(home), timeout=300)
