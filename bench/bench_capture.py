@@ -170,7 +170,7 @@ def main(argv=None):
     from dmi.catalog import PackStore, open_catalog
 
     model, ids, mask = build(args)
-    with tempfile.TemporaryDirectory(prefix="dmi-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-capture-") as tmp:
         catalog = open_catalog(f"chdb://{tmp}/catalog")
         ctx = {"store": PackStore.local(os.path.join(tmp, "packs")), "catalog": catalog, "tmp": tmp}
         try:

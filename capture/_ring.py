@@ -128,6 +128,8 @@ class Ring:
         need = (nbytes + _ALIGN - 1) & ~(_ALIGN - 1)
         slot = self._current
         if slot is None or slot.used + need > slot.capacity:
+            if check is not None:
+                check()  # a failed drain surfaces here, before more is copied
             if slot is not None:
                 self.submit()
             slot = self._acquire(check)

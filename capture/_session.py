@@ -403,11 +403,10 @@ class CaptureSession:
         if side is None:
             side = self._cuda_side_stream = torch.cuda.Stream(device=src.device)
         side.wait_stream(torch.cuda.current_stream(src.device))
+        src.record_stream(side)  # the allocator must not recycle it before the side stream read it
         with torch.cuda.stream(side):
             if index is not None:
-                src = src.index_select(0, index)  # allocated on the side stream
-            else:
-                src.record_stream(side)
+                src = src.index_select(0, index)  # a temporary on the side stream
             dst.copy_(src, non_blocking=True)
 
     def _submit(self) -> None:
@@ -563,6 +562,11 @@ def attach(
     except BaseException:
         if session is not None:
             session._remove_hooks()
+            with contextlib.suppress(Exception):
+                session.drain.close(timeout=10)
+            if session._publisher is not None:
+                with contextlib.suppress(Exception):
+                    session._publisher.close()
         with _OWNERS_LOCK:
             _OWNERS.pop(owner_key, None)
         raise
