@@ -268,3 +268,21 @@ def test_drain_error_surfaces_on_exit_without_flush():
     with pytest.raises(DrainError):
         with attach(model, hooks="resid_post", writer=MemoryWriter(fail_after=0)) as cap:
             cap.generate(ids, attention_mask=mask, max_new_tokens=2)
+
+
+def test_drain_error_surfaces_on_the_model_thread_before_more_is_copied():
+    import time
+
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    with pytest.raises(DrainError):  # and again at exit
+        with attach(model, hooks="resid_post", writer=MemoryWriter(fail_after=0)) as cap:
+            cap.generate(ids, attention_mask=mask, max_new_tokens=1)
+            deadline = time.monotonic() + 10
+            while cap.drain.error is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            copies = cap.ring.stats.copies
+            with pytest.raises(DrainError) as e:
+                cap.generate(ids, attention_mask=mask, max_new_tokens=1)
+            assert isinstance(e.value.__cause__, RuntimeError)
+            assert cap.ring.stats.copies == copies  # nothing more was copied
