@@ -282,9 +282,17 @@ class Publisher:
                 continue
             self._fence(term, nonce)
             self._write("confirm", "leases", self._lease_row(term, "confirm", nonce, expires))
-            self._term, self._nonce, self._expires_at, self._seq = term, nonce, expires, 0
             self._quarantined = False
             self._quarantine_cause = None
+            after = read_state(self._catalog, self.scope)
+            if after.term != term or after.max_fence > term:
+                # A claimer of a higher term, who read the state before our claim landed,
+                # was also alone: its term supersedes ours at once.
+                raise LeaseHeldError(
+                    f"scope {self.scope!r}: term {term} was overtaken at once by term "
+                    f"{max(after.term, after.max_fence)} ({after.holder!r})"
+                )
+            self._term, self._nonce, self._expires_at, self._seq = term, nonce, expires, 0
             return term
         raise LeaseHeldError(
             f"scope {self.scope!r}: {self.max_attempts} claims in a row met a rival claim; try again later"
