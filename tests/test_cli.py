@@ -275,6 +275,20 @@ def test_errors_on_the_real_stderr_are_one_line(demo):
     assert_one_line_error(dmi("requests", "no-such-model", home=demo.home), 1, "no model 'no-such-model'")
 
 
+def test_a_closed_pipe_ends_quietly(demo):
+    """``dmi sql ... | head``: the reader leaves early; no error line, no traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dmi.cli", "sql", "SELECT number FROM system.numbers LIMIT 300000", "--json",
+         "--home", str(demo.home)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(demo.home),
+    )
+    assert proc.stdout.read(10).startswith(b"[")
+    proc.stdout.close()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert stderr == b""
+
+
 def test_capture_then_upkeep(tmp_path):
     """``dmi capture``, then ``recover`` of a crashed writer's pack, a flipped byte found by
     ``verify``, and a deleted pack reported as missing."""
