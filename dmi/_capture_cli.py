@@ -42,10 +42,10 @@ def run_capture(
     from dmi._models import load_model
     from dmi.capture import Schedule
 
-    for name in ("max_new_tokens", "batch_size"):
-        if getattr(args, name) < (0 if name == "max_new_tokens" else 1):
-            raise InvalidArgumentError(f"--{name.replace('_', '-')} must be at least "
-                                       f"{0 if name == 'max_new_tokens' else 1}")
+    if args.max_new_tokens < 0:
+        raise InvalidArgumentError("--max-new-tokens must be at least 0")
+    if args.batch_size < 1:
+        raise InvalidArgumentError("--batch-size must be at least 1")
     scoring = args.max_new_tokens == 0
     phases = ("forward",) if scoring else tuple(p.strip() for p in args.phases.split(",") if p.strip())
     schedule = Schedule(phases=phases, step_stride=args.step_stride,
