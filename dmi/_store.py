@@ -73,11 +73,14 @@ def open(catalog: str | None = None, packs: str | None = None, *, home: str | os
     ``CatalogUnavailableError`` (server unreachable), ``BackendNotInstalledError``,
     ``SchemaVersionError``, ``InvalidArgumentError`` (malformed URI).
     """
-    home_dir = str(Path(home).expanduser().resolve()) if home is not None else default_home()
-    if catalog is None:
-        catalog = "chdb://" + str(Path(home_dir) / "catalog") if home is not None else default_catalog_uri()
-    if packs is None:
-        packs = str(Path(home_dir) / "packs") if home is not None else os.environ.get(PACKS_ENV) or str(Path(home_dir) / "packs")
+    if home is None:
+        home_dir = default_home()
+        catalog = catalog or default_catalog_uri()
+        packs = packs or os.environ.get(PACKS_ENV) or str(Path(home_dir) / "packs")
+    else:  # an explicit home beats the environment
+        home_dir = str(Path(home).expanduser().resolve())
+        catalog = catalog or "chdb://" + str(Path(home_dir) / "catalog")
+        packs = packs or str(Path(home_dir) / "packs")
     pack_store = PackStore.from_uri(packs)
     return Store(open_catalog(catalog), pack_store, home=home_dir)
 
