@@ -10,6 +10,9 @@ shared machine hits all of them alike:
                           published (embedded chDB catalog) before the clock stops
 * ``dmi all_but_patterns``every hook but ``attn_pattern`` (resid, attn q/k/v/z/out, mlp,
                           logits, token ids)
+* ``dmi all_but_patterns raw`` the same with the pack writer's codec ``raw`` and per-record
+                          statistics off — not a default, only to measure what compression
+                          and statistics cost
 * ``naive resid_post``    forward hooks that copy each output to the CPU (``.clone()``),
                           then one ``torch.save`` + fsync of everything
 * ``naive all_but_patterns`` the same on the same module outputs DMI captures
@@ -68,14 +71,15 @@ def run_baseline(model, ids, mask, args, ctx):
     return time.perf_counter() - t0, {"sequences": out}
 
 
-def run_dmi(hooks):
+def run_dmi(hooks, writer_options=None):
     def run(model, ids, mask, args, ctx):
         from dmi.capture import attach
 
         sync()
         t0 = time.perf_counter()
         with attach(model, hooks=hooks, store=ctx["store"], catalog=ctx["catalog"], model_id="bench-llama",
-                    ring_slots=args.ring_slots, slot_bytes=args.slot_mib << 20) as cap:
+                    ring_slots=args.ring_slots, slot_bytes=args.slot_mib << 20,
+                    writer_options=writer_options) as cap:
             rids, out = cap.generate(ids, attention_mask=mask, **gen_kwargs(args))
             sync()
             t1 = time.perf_counter()
@@ -137,6 +141,8 @@ CONFIGS = {
     "baseline": run_baseline,
     "dmi resid_post": run_dmi("resid_post"),
     "dmi all_but_patterns": run_dmi("all_but_patterns"),
+    # attribution: the same capture with the writer's compression and statistics off
+    "dmi all_but_patterns raw": run_dmi("all_but_patterns", {"codec": "raw", "stats": False}),
     "naive resid_post": run_naive("resid_post"),
     "naive all_but_patterns": run_naive("all_but_patterns"),
 }
