@@ -25,9 +25,11 @@ land (could not connect, or ClickHouse refused the statement) does not quarantin
 
 from __future__ import annotations
 
+import functools
+import os
 import random
 import socket
-import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -95,6 +97,17 @@ class LeaseState:
         )
 
 
+def _locked(method):
+    """Run a Publisher method under the publisher's lock (one protocol step at a time)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 def default_holder() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
@@ -133,7 +146,8 @@ class Publisher:
 
     Use as a context manager (acquire on enter, release on exit) or call
     :meth:`acquire` / :meth:`renew` / :meth:`release` yourself. :meth:`publish` renews on
-    its own once half the lease has passed.
+    its own once half the lease has passed. Thread-safe: calls run one at a time (e.g. a
+    drain thread publishing and renewing while another thread releases).
     """
 
     max_attempts = 8
@@ -160,6 +174,7 @@ class Publisher:
         self._seq = 0
         self._quarantined = False
         self._quarantine_cause: str | None = None
+        self._lock = threading.RLock()
 
     # ----------------------------------------------------------------- state
     @property
@@ -252,6 +267,7 @@ class Publisher:
         return LeaseLostError(f"publisher {self.holder!r} lost term {term} of scope {self.scope!r}: {why}")
 
     # ----------------------------------------------------------------- protocol
+    @_locked
     def acquire(self) -> int:
         """Claim the scope with a new term; returns the term.
 
@@ -313,6 +329,7 @@ class Publisher:
                 raise self._quarantine("fence", exc) from exc
             raise
 
+    @_locked
     def renew(self) -> float:
         """Extend the lease by ``lease_seconds`` from now; returns the new expiry (Unix time)."""
         self._require_holding()
@@ -325,6 +342,7 @@ class Publisher:
         self._expires_at = expires
         return expires
 
+    @_locked
     def release(self) -> None:
         """End the lease now so a successor need not wait for expiry. Idempotent."""
         if self._term is None:
@@ -338,6 +356,7 @@ class Publisher:
         except CatalogUnavailableError:
             pass  # the lease simply runs out; publishing is already refused locally
 
+    @_locked
     def publish(self, descriptors: Sequence[PackDescriptor]) -> Watermark:
         """Index the packs and publish one watermark that makes them visible; returns it.
 
