@@ -242,8 +242,7 @@ def _as_numpy_numbers(tensor: torch.Tensor) -> np.ndarray | None:
         words = tensor.view(torch.int16).numpy().astype(np.int32) << 16
         return words.view(np.float32)
     if tensor.dtype in _NUMPY_NATIVE:
-        values = tensor.numpy()
-        return values.astype(np.uint8) if values.dtype == np.bool_ else values
+        return tensor.numpy()
     if tensor.dtype in (torch.complex64, torch.complex128):
         return np.abs(tensor.numpy())
     try:  # float8 and other narrow types torch can widen; None where it cannot

@@ -101,3 +101,12 @@ def test_checksum_is_xxh3_64():
     assert checksum(b"") == 0x2D06800538D394C2
     assert checksum(b"a") != checksum(b"b")
     assert 0 <= checksum(np.arange(100, dtype=np.uint8)) < 2**64
+
+
+def test_raw_plane_sizes_must_match():
+    """Plane lengths that sum right but split wrong are refused, not broadcast."""
+    n = 100
+    header = _codecs._HEADER.pack(_codecs._SPLIT_TAG, 2)
+    table = _codecs._PLANE_ENTRY.pack(_codecs._PLANE_RAW, n - 1) + _codecs._PLANE_ENTRY.pack(_codecs._PLANE_RAW, n + 1)
+    with pytest.raises(CodecError, match="raw plane 0"):
+        decode("split-zstd", header + table + bytes(2 * n), np.empty(2 * n, np.uint8), 2)

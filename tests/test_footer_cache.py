@@ -2,6 +2,8 @@
 
 import sys
 import threading
+import time
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -77,20 +79,33 @@ def fast_switching():
     sys.setswitchinterval(before)
 
 
+class _YieldingDict(OrderedDict):
+    """Gives up the GIL inside each mutation, so unsynchronised callers interleave."""
+
+    def __setitem__(self, key, value):
+        time.sleep(0)
+        super().__setitem__(key, value)
+
+    def popitem(self, last=True):
+        time.sleep(0)
+        return super().popitem(last)
+
+
 def test_thread_safety_invariants(fast_switching):
     c = FooterCache(max_entries=50, max_bytes=5000)
+    c._items = _YieldingDict()
     errors = []
 
     def work(t):
         try:
-            for i in range(20_000):
+            for i in range(5_000):
                 k = (t * 7 + i) % 200
                 if c.get(k) is None:
                     c.put(k, k, 1 + k % 97)
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
     for th in threads:
         th.start()
     for th in threads:

@@ -263,6 +263,7 @@ def test_caller_may_reuse_its_buffer_after_append(store, codec):
         (torch.tensor([-128, 2], dtype=torch.int8), math.hypot(128, 2), -63.0, 128.0),
         (torch.tensor([True, False, True]), math.sqrt(2), 2 / 3, 1.0),
         (torch.tensor([1.0, float("inf")]).to(torch.bfloat16), math.inf, math.inf, math.inf),
+        (torch.tensor([3e38, 1.0]), math.inf, 1.5e38, pytest.approx(3e38)),  # squares overflow float32
     ],
 )
 def test_stats_values(store, t, l2, mean, absmax):
