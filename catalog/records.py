@@ -60,7 +60,11 @@ class ShardGeometry:
 
 @dataclass(frozen=True, slots=True)
 class RecordStats:
-    """Summary statistics computed at write time (in float64 over the decoded values)."""
+    """Summary statistics computed at write time over the record's values.
+
+    Stored as float64; accumulated in float64 for 64-bit dtypes and in float32 (pairwise
+    summation) otherwise, with magnitudes for complex values.
+    """
 
     l2_norm: float
     mean: float

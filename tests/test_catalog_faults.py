@@ -39,8 +39,9 @@ def direct(clickhouse_uri):
 
 
 @pytest.fixture
-def via_proxy(proxy, clickhouse_database, direct):
-    with open_catalog(proxy.uri(clickhouse_database), send_receive_timeout=30) as catalog:
+def via_proxy(proxy, clickhouse_server, clickhouse_database, direct):
+    uri = proxy.uri(clickhouse_database, clickhouse_server.user, clickhouse_server.password)
+    with open_catalog(uri, send_receive_timeout=30) as catalog:
         yield catalog
 
 

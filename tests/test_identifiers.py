@@ -146,7 +146,7 @@ def test_values_and_names_on_the_server(clickhouse_uri, clickhouse_server):
             assert row["v"] == value, value
             assert row["n"] == len(value.encode())
         for name in LEGAL_NAMES:
-            uri = f"clickhouse://default:@{clickhouse_server.host}:{clickhouse_server.port}/{quote(name, safe='')}"
+            uri = clickhouse_server.uri(quote(name, safe=""))
             with open_catalog(uri, table_prefix=name + "_") as other:
                 assert other.tables["records"] == f"`{name}`.`{name}_records`"
                 assert other.schema_version() == 1
