@@ -30,6 +30,7 @@ from dmi._store import Store, default_home, open  # noqa: E402
 from dmi._store import capture as _capture_facade  # noqa: E402
 from dmi._values import (  # noqa: E402
     HookSummary,
+    Loss,
     ModelSummary,
     Problem,
     RecoveredPack,
@@ -59,6 +60,7 @@ __all__ = [
     "RequestSummary",
     "HookSummary",
     "RequestContents",
+    "Loss",
     "VerifyReport",
     "Problem",
     "RecoveredPack",

@@ -27,6 +27,7 @@ import torch
 from dmi._lazy import LazyInternal
 from dmi._values import (
     HookSummary,
+    Loss,
     ModelSummary,
     Problem,
     RecoveredPack,
@@ -227,7 +228,8 @@ class Store:
                                int(r["records"]), int(r["stored"]), int(r["raw"])) for r in rows]
 
     def contents(self, model_id: str, request_id: str, *, run_id: str | None = None) -> RequestContents:
-        """What one request holds: per hook its layers, shard ranks, tokens, dtype, bytes.
+        """What one request holds: per hook its layers, shard ranks, tokens, dtype, bytes; and
+        the records capture dropped under an explicit drop policy (``losses``; never silent).
 
         Raises ``RecordNotFoundError`` (unknown model, request or run) and
         ``DuplicateChunkError`` when the request id exists in several runs and ``run_id`` is
@@ -250,7 +252,9 @@ class Store:
                                    int(r["stored"]), int(r["raw"]))
             for r in rows
         }
-        return RequestContents(model_id, run, request_id, tuple(hooks[h] for h in _hook_order(hooks)))
+        lost = self.catalog.losses(model_id=model_id, run_id=run, request_id=request_id).to_pylist()
+        losses = tuple(Loss(r["hook"], int(r["layer"]), int(r["count"]), r["reason"]) for r in lost)
+        return RequestContents(model_id, run, request_id, tuple(hooks[h] for h in _hook_order(hooks)), losses)
 
     # -------------------------------------------------------------------------------- tensors
     def get_internal(self, model_id: str, request_id: str, hook: str, *, layers: Any = None,

@@ -16,6 +16,7 @@ __all__ = [
     "RequestSummary",
     "HookSummary",
     "RequestContents",
+    "Loss",
     "StorageSummary",
     "Problem",
     "VerifyReport",
@@ -81,13 +82,24 @@ class HookSummary(_AsDict):
 
 
 @dataclass(frozen=True, slots=True)
+class Loss(_AsDict):
+    """Records of one hook and layer that capture dropped under an explicit drop policy."""
+
+    hook: str
+    layer: int
+    count: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class RequestContents(_AsDict):
-    """What one request holds, hook by hook (catalogue order)."""
+    """What one request holds, hook by hook (catalogue order), and what capture dropped."""
 
     model_id: str
     run_id: str
     request_id: str
     hooks: tuple[HookSummary, ...]
+    losses: tuple[Loss, ...] = ()
 
     def hook(self, name: str) -> HookSummary:
         """The summary of hook ``name``; ``KeyError`` if the request does not hold it."""

@@ -230,6 +230,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
     with _open_store(args) as store:
         contents = store.contents(args.model_id, args.request_id, run_id=args.run)
+    if args.json:
+        _emit_json(contents.as_dict())
+        return EXIT_OK
     rows = [h.as_dict() for h in contents.hooks]
     _say(args, f"model {contents.model_id}  request {contents.request_id}  run {contents.run_id}")
     _emit(args, rows, [
@@ -243,6 +246,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
         ("stored_bytes", "stored", human_bytes),
         ("raw_bytes", "raw", human_bytes),
     ])
+    for loss in contents.losses:
+        where = "global" if loss.layer < 0 else f"layer {loss.layer}"
+        print(f"lost: {human_count(loss.count)} {loss.hook} records ({where}) dropped: {loss.reason}")
     return EXIT_OK
 
 

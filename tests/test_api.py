@@ -104,6 +104,17 @@ def test_summaries(captured):
     assert model.stored_bytes == sum(r.stored_bytes for r in rows.values())
 
 
+def test_dropped_records_are_shown_never_silent(store, capsys):
+    from dmi.cli import main
+
+    assert store.contents("m", "b").losses == ()
+    store.catalog.record_losses("m", "run-a", "b", "resid_post", 2, 3, "ring full")
+    assert store.contents("m", "b").losses == (dmi.Loss("resid_post", 2, 3, "ring full"),)
+    assert store.contents("m", "a", run_id="run-a").losses == ()
+    assert main(["show", "m", "b", "--home", store.home]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "lost: 3 resid_post records (layer 2) dropped: ring full"
+
+
 def test_a_request_in_two_runs_is_never_merged(store):
     with pytest.raises(dmi.DuplicateChunkError, match=r"2 runs \(run-a, run-b\).*run_id="):
         store.get_internal("m", "a", "resid_post")

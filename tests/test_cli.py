@@ -189,7 +189,10 @@ def test_requests_lists_one_run(demo):
 
 
 def test_show_describes_every_hook(demo):
-    rows = {r["hook"]: r for r in parsed(demo.results["show"])}
+    shown = parsed(demo.results["show"])
+    assert (shown["request_id"], shown["run_id"], shown["losses"]) == (demo.first["request_ids"][0],
+                                                                       demo.first["run_id"], [])
+    rows = {r["hook"]: r for r in shown["hooks"]}
     assert list(rows) == demo.first["hooks"]
     resid = rows["resid_post"]
     assert resid["layers"] == LAYERS and resid["shard_ranks"] == [0]

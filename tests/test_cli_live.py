@@ -33,7 +33,7 @@ def test_demo_and_every_read_command_on_a_server_catalog(clickhouse_uri, tmp_pat
     assert (model["model_id"], model["runs"], model["records"]) == ("tiny-llama", 1, report["records"])
     assert model["stored_bytes"] == report["stored_bytes"]
     assert [r["request_id"] for r in parsed(requests)] == report["request_ids"]
-    hooks = {h["hook"]: h for h in parsed(show)}
+    hooks = {h["hook"]: h for h in parsed(show)["hooks"]}
     assert list(hooks) == report["hooks"] and hooks["resid_post"]["feature_shape"] == [64]
     assert parsed(get)["shape"][0] == len(LAYERS)
     assert [row["layer"] for row in parsed(norms)] == LAYERS

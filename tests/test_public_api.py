@@ -29,7 +29,7 @@ def test_facade_reexports_errors():
 
 DMI_ALL = [
     "__version__", "open", "capture", "Store", "LazyInternal", "ModelSummary", "RequestSummary", "HookSummary",
-    "RequestContents", "VerifyReport", "Problem", "RecoveredPack", "default_home",
+    "RequestContents", "Loss", "VerifyReport", "Problem", "RecoveredPack", "default_home",
 ]
 
 CAPTURE_ALL = [
