@@ -74,7 +74,7 @@ class Drain:
 
     def __init__(self, ring, writer, ctx: KeyContext, *, publish=None, record_losses=None,
                  tick=None, tick_seconds: float = 5.0, decode_chunk_steps: int = 32,
-                 decode_chunk_bytes: int = 16 << 20, name: str = "dmi-drain"):
+                 decode_chunk_bytes: int = 16 << 20, start=None, name: str = "dmi-drain"):
         self.ring = ring
         self.writer = writer
         self.ctx = ctx
@@ -84,6 +84,7 @@ class Drain:
         self._tick_seconds = tick_seconds
         self._last_tick = time.monotonic()
         self.stats = DrainStats()
+        self._start = start  # called first on the thread (acquire the publisher lease)
         self.decode_chunk_steps = decode_chunk_steps
         self.decode_chunk_bytes = decode_chunk_bytes
         self._staged: dict[tuple[str, int], _Staged] = {}
@@ -137,6 +138,11 @@ class Drain:
 
     # -- the thread -----------------------------------------------------------------------------
     def _run(self) -> None:
+        if self._start is not None:
+            try:
+                self._start()
+            except BaseException as exc:  # noqa: BLE001 - surfaced by check()
+                self.error = exc
         while True:
             try:
                 item = self._q.get(timeout=self._tick_seconds)

@@ -551,6 +551,7 @@ def attach(
                       publish=None if publisher is None else publisher.publish,
                       record_losses=None if publisher is None else publisher.record_losses,
                       tick=None if publisher is None else publisher.keep_alive,
+                      start=None if publisher is None else publisher.start,
                       tick_seconds=lease_seconds / 4, decode_chunk_steps=decode_chunk_steps)
         ring._on_submit = drain.submit
         session = CaptureSession(model, arch, selection, geometry, model_id=model_id, run_id=run_id,
@@ -607,6 +608,12 @@ class _Publishing:
         self.run_id = run_id
         self.lease_seconds = lease_seconds
         self.publisher = catalog.publisher(scope, lease_seconds=lease_seconds)
+        self._renewed = time.monotonic()
+
+    def start(self) -> None:
+        """Acquire the lease — on the drain thread, so attaching never waits on the catalog;
+        a failure (e.g. ``LeaseHeldError``) surfaces as ``DrainError`` at the next slot,
+        ``flush()`` or exit, before anything is published."""
         self.publisher.acquire()
         self._renewed = time.monotonic()
 

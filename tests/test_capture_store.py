@@ -112,3 +112,20 @@ def test_drop_policy_counts_every_dropped_record_in_the_catalog(store_and_catalo
     assert len(w.records) + lost == expected
     assert {r["reason"] for r in losses} == {"ring full"}
     assert {r["hook"] for r in losses} == {"resid_post"}
+
+
+def test_a_held_publishing_scope_surfaces_and_nothing_is_published(store_and_catalog):
+    from dmi.catalog.errors import DrainError, LeaseHeldError
+
+    store, catalog = store_and_catalog
+    other = catalog.publisher("capture/held-scope", holder="someone-else")
+    other.acquire()
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    with pytest.raises(DrainError) as e:
+        with attach(model, hooks="resid_post", store=store, catalog=catalog, model_id="m-held",
+                    publish_scope="capture/held-scope") as cap:
+            cap.forward(ids, attention_mask=mask)
+    assert isinstance(e.value.__cause__, LeaseHeldError)
+    assert catalog.find_records("m-held") == []
+    other.release()
