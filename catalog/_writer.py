@@ -213,18 +213,18 @@ def _stats(tensor: torch.Tensor) -> RecordStats | None:
 
     Computed with numpy on one thread: torch reductions would use the intra-op thread pool,
     which the model's own forward needs (and which collapses when cores are oversubscribed).
-    Accumulation is float64 for 64-bit inputs, float32 (pairwise summation) otherwise.
+    Accumulation is float64 for 64-bit inputs, float32 otherwise (BLAS dot for the sum of
+    squares, numpy's pairwise summation for the mean).
     """
     if tensor.numel() == 0:
         return None
     values = _as_numpy_numbers(tensor)
     if values is None:
         return None
-    values = values.reshape(-1)
     acc = np.float64 if values.dtype.itemsize == 8 else np.float32
+    values = values.reshape(-1).astype(acc, copy=False)  # ints, bools, float16: widened once
     with np.errstate(all="ignore"):  # inf/nan inputs give inf/nan statistics, by design
-        squares = np.square(values, dtype=acc)
-        l2 = math.sqrt(float(squares.sum(dtype=acc)))
+        l2 = math.sqrt(float(np.dot(values, values)))  # one pass, no temporary of squares
         mean = float(values.sum(dtype=acc)) / values.size
         absmax = max(abs(float(values.min())), abs(float(values.max())))
     return RecordStats(l2_norm=l2, mean=mean, absmax=absmax)
@@ -238,9 +238,10 @@ _NUMPY_NATIVE = {
 
 def _as_numpy_numbers(tensor: torch.Tensor) -> np.ndarray | None:
     """Real values as a numpy array: magnitudes for complex, float32 for bf16 and float8."""
-    if tensor.dtype == torch.bfloat16:  # bf16 is the top half of a float32
-        words = tensor.view(torch.int16).numpy().astype(np.int32) << 16
-        return words.view(np.float32)
+    if tensor.dtype == torch.bfloat16:  # bf16 is the top half of a little-endian float32
+        halves = np.zeros((tensor.numel(), 2), dtype=np.uint16)
+        halves[:, 1] = tensor.view(torch.uint16).numpy().reshape(-1)
+        return halves.view(np.float32)
     if tensor.dtype in _NUMPY_NATIVE:
         return tensor.numpy()
     if tensor.dtype in (torch.complex64, torch.complex128):
