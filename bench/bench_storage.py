@@ -35,6 +35,7 @@ peer (best of torch.save / safetensors / parquet / arrow for that column).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import random
@@ -562,16 +563,21 @@ def main(argv=None):
             check = checker(data)
             # Every round measures the limits and every method once, interleaved, so that a
             # slow spell of the disk hits all of them alike; each figure is its best round.
-            lim, results = limits(base, data, raw_bytes), {}
+            measured = [limits(base, data, raw_bytes)]
+            results = {}
             for round_no in range(args.rounds):
                 for m in make_methods(dtype, tokens, hidden):
                     root = os.path.join(base, f"{dname}-{m.name.replace(' ', '_')}")
                     results[m.name] = best_of(results.get(m.name), run_method(m, root, data, raw_bytes, sample, check))
                     shutil.rmtree(root)
                     print(f"  done: {dname} {m.name} (round {round_no + 1})", file=sys.stderr, flush=True)
-                lim = best_of(lim, limits(base, data, raw_bytes))
+                measured.append(limits(base, data, raw_bytes))
+            lim = functools.reduce(best_of, measured)
+            fsync_rates = [m["write+fsync"] / 1e9 for m in measured]
             desc = (f"{requests} requests x {layers} layers x {tokens} tokens x {hidden}, {raw_bytes / 1e6:.0f} MB raw, "
-                    f"best of {args.rounds} interleaved rounds, load average after {os.getloadavg()[0]:.1f}")
+                    f"best of {args.rounds} interleaved rounds (the write+fsync limit ranged "
+                    f"{min(fsync_rates):.2f}-{max(fsync_rates):.2f} GB/s over its {len(measured)} measurements), "
+                    f"load average after {os.getloadavg()[0]:.1f}")
             print(report(dname, desc, lim, results) + "\n", flush=True)
             del data
     finally:

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from dmi.catalog import _schema
 from dmi.catalog._catalog_backend import CatalogBackend
@@ -66,6 +67,7 @@ class Catalog:
             name: f"{database}.{quote_identifier(self.table_prefix + name, 'table name')}" for name in names
         }
         self._closed = False
+        self._visible_packs: tuple[tuple, pa.Array] | None = None
         self._ensure_schema()
 
     # ----------------------------------------------------------------- lifecycle
@@ -409,15 +411,41 @@ class Catalog:
                 raise InvalidArgumentError(f"shard_rank must be an int, not {shard_rank!r}")
             params["shard_rank"] = shard_rank
             where += " AND shard_rank = %(shard_rank)s"
-        params["_scope"], params["_upto"] = scope, upto
-        table = self._published_records(
-            where,
-            params,
-            ", ".join(_schema.RECORD_COLUMNS),
+        columns = ", ".join(_schema.RECORD_COLUMNS)
+        tail = (
             "ORDER BY request_id, hook, layer, shard_rank, start_token, pack_id, record_index "
-            "LIMIT 1 BY pack_id, record_index",
+            "LIMIT 1 BY pack_id, record_index"
         )
+        if scope is None and upto is None:
+            visible = self._visible_pack_ids()
+            table = self._backend.query(f"SELECT {columns} FROM {self._tables['records']} {where} {tail}", params)
+            table = table.filter(pc.is_in(table.column("pack_id"), value_set=visible))
+        else:
+            params["_scope"], params["_upto"] = scope, upto
+            table = self._published_records(where, params, columns, tail)
         return _schema.entries_from_table(table) if table.num_rows else []
+
+    def _visible_pack_ids(self) -> pa.Array:
+        """Ids of every published, unfenced pack, recomputed only when visibility may have changed.
+
+        Watermarks and fences are append-only, so their row counts change whenever either
+        does; one cheap query of both counts decides whether the cached set still holds. The
+        point query then reads only the records' key range and filters by this set, instead
+        of evaluating the visibility join on every query.
+        """
+        counts = self._backend.query(
+            f"SELECT 'watermarks' AS t, count() AS n FROM {self._tables['watermarks']} "
+            f"UNION ALL SELECT 'fences' AS t, count() AS n FROM {self._tables['fences']}",
+            {},
+        ).to_pylist()
+        version = tuple(sorted((row["t"], row["n"]) for row in counts))
+        cached = self._visible_packs
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        ids = self._backend.query(_schema.PUBLISHED_PACK_IDS.format(**self._tables), {}).column("pack_id")
+        visible = pa.array(ids.to_pylist(), type=pa.string())
+        self._visible_packs = (version, visible)
+        return visible
 
     def pack_locations(self, pack_ids: Iterable[str]) -> dict[str, str]:
         """Where each indexed pack lives (its location as the pack store reported it)."""

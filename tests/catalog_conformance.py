@@ -415,6 +415,25 @@ class CatalogConformance(RecoveryConformance):
         b.publish([pack(request="after")])
         assert {e.meta.key.request_id for e in catalog.find_records("gpt2")} == {"before", "after"}
 
+    def test_a_fence_alone_hides_a_watermark_from_a_reader_that_already_looked(self, catalog, catalog_uri):
+        """Readers cache the visible pack set; a fence that adds no watermark must still end it."""
+        with catalog.publisher("s", holder="A") as pub:
+            pub.publish([pack(request="early")])
+        with self.open_more(catalog_uri) as reader:
+            assert {e.meta.key.request_id for e in reader.find_records("gpt2")} == {"early"}
+            # A successor's fence whose cut precedes that watermark (as when the watermark
+            # landed after the successor read the cut): written directly, nothing else changes.
+            catalog._backend.insert(
+                catalog.tables["fences"],
+                pa.table({
+                    "scope": ["s"], "fencing_term": pa.array([2], pa.uint64()),
+                    "cut_term": pa.array([0], pa.uint64()), "cut_seq": pa.array([0], pa.uint64()),
+                    "holder": ["B"], "nonce": ["n"], "written_at": [0.0],
+                }),
+            )
+            assert reader.find_records("gpt2") == []
+            assert catalog.find_records("gpt2") == []
+
     def test_renewal_keeps_the_lease(self, catalog):
         a = catalog.publisher("s", holder="A", lease_seconds=2.0)
         a.acquire()
