@@ -7,6 +7,12 @@ or overlaps. Layers are stacked in ascending order as ``[n_layers, ...]``; globa
 either selected (``shard_rank=``) or merged by their recorded geometry
 (``merge_shards=True``); anything else that puts two records on the same
 (layer, start token) is a :class:`DuplicateChunkError`.
+
+Attention patterns (``attn_pattern``, ``[heads, q_tokens, kv_tokens]``) carry their tokens
+on axis 1, and each decode step sees one more key than the last. Their chunks are joined
+along the query axis, each zero-filled on the key axis up to the longest: the result is
+the request's full causal pattern, whose entries beyond each query's keys are the zeros
+causal attention puts there.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from dmi.catalog.errors import DuplicateChunkError, InvalidArgumentError, Reader
 from dmi.catalog.records import GLOBAL_LAYER, RecordEntry
 
 __all__ = ["assemble"]
+
+PATTERN_HOOK = "attn_pattern"
+"""The one hook whose records put tokens on axis 1 (``[heads, q_tokens, kv_tokens]``)."""
 
 
 def assemble(
@@ -124,16 +133,30 @@ def _concat_tokens(request: str, hook: str, layer: int, ordered: list) -> torch.
     where = f"request {request} hook {hook} layer {layer}"
     if len(ordered) == 1:
         return ordered[0][1]
+    axis = 1 if hook == PATTERN_HOOK else 0
     expected = ordered[0][0].meta.key.start_token
     for e, t in ordered:
         k = e.meta.key
         if k.start_token != expected:
             kind = "missing" if k.start_token > expected else "overlapping"
             raise ReaderError(f"{where}: tokens {min(expected, k.start_token)}..{max(expected, k.start_token)} {kind} between chunks")
-        if t.dim() == 0 or t.shape[0] != k.n_tokens:
-            raise ReaderError(f"{where}: record at token {k.start_token} has shape {tuple(t.shape)}, tokens not on axis 0")
+        if t.dim() <= axis or t.shape[axis] != k.n_tokens:
+            raise ReaderError(
+                f"{where}: record at token {k.start_token} has shape {tuple(t.shape)}, tokens not on axis {axis}"
+            )
         expected += k.n_tokens
-    tails = {tuple(t.shape[1:]) for _, t in ordered}
+    tensors = [t for _, t in ordered]
+    if hook == PATTERN_HOOK:
+        tensors = _zero_fill_keys(where, tensors)
+    tails = {tuple(t.shape[:axis] + t.shape[axis + 1 :]) for t in tensors}
     if len(tails) > 1:
         raise ReaderError(f"{where}: chunks have different trailing shapes {sorted(tails)}; read them one by one")
-    return torch.cat([t for _, t in ordered])
+    return torch.cat(tensors, dim=axis)
+
+
+def _zero_fill_keys(where: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Pattern chunks widened on the key axis to the longest, with zeros (see module doc)."""
+    if any(t.dim() != 3 for t in tensors):
+        raise ReaderError(f"{where}: attention patterns must be [heads, q, kv], got {[tuple(t.shape) for t in tensors]}")
+    keys = max(t.shape[2] for t in tensors)
+    return [torch.nn.functional.pad(t, (0, keys - t.shape[2])) if t.shape[2] < keys else t for t in tensors]

@@ -164,3 +164,21 @@ def test_round_trip_through_a_pack(tmp_path):
         desc = w.seal()
     got = assemble(desc.records, read_records(store, desc.records))
     assert torch.equal(got.view(torch.int16), FULL.to(torch.bfloat16).view(torch.int16))
+
+
+def test_attention_patterns_join_on_the_query_axis_with_causal_zeros():
+    """Prefill [h, 3, 3] then two decode steps [h, 1, 4], [h, 1, 5] -> the full [h, 5, 5] pattern."""
+    heads = 2
+    full = torch.tril(torch.rand(heads, 5, 5) + 0.1)  # causal: zero above the diagonal
+    pieces = [(0, 3), (3, 1), (4, 1)]
+    entries = [rec(0, a, n, hook="attn_pattern", shape=(heads, n, a + n)) for a, n in pieces]
+    tensors = [full[:, a : a + n, : a + n].clone() for a, n in pieces]
+    got = assemble(entries[::-1], tensors[::-1])
+    assert got.shape == (1, heads, 5, 5)
+    assert torch.equal(got[0], full)
+
+
+def test_attention_pattern_chunks_must_carry_tokens_on_axis_1():
+    entries = [rec(0, 0, 2, hook="attn_pattern", shape=(2, 2, 2)), rec(0, 2, 1, hook="attn_pattern", shape=(2, 3, 3))]
+    with pytest.raises(ReaderError, match="tokens not on axis 1"):
+        assemble(entries, [torch.zeros(2, 2, 2), torch.zeros(2, 3, 3)])
