@@ -459,8 +459,13 @@ class Catalog:
         ).to_pylist()
         return {r["pack_id"]: r["location"] for r in rows}
 
-    def sql(self, query: str) -> pa.Table:
+    def sql(self, query: str, params: dict[str, object] | None = None) -> pa.Table:
         """Run raw SQL and return an Arrow table. Tables: :attr:`tables`.
+
+        Values go in ``params`` and are named in the text as ``%(name)s``; the backend
+        renders them (driver parameters on a server, one escaping routine on chDB), so a
+        value never enters SQL text any other way. With ``params``, a literal ``%`` in the
+        text is written ``%%``.
 
         ``records_published`` holds one row per published, unfenced record, with its
         statistics, e.g. the mean L2 norm of ``resid_post`` per layer::
@@ -470,4 +475,6 @@ class Catalog:
         """
         if not isinstance(query, str):
             raise InvalidArgumentError("sql() takes a str")
-        return self._backend.query(query)
+        if params is not None and not isinstance(params, dict):
+            raise InvalidArgumentError(f"sql() params must be a dict, not {type(params).__name__}")
+        return self._backend.query(query, params)

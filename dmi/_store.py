@@ -186,11 +186,10 @@ class Store:
         return self.catalog.sql(query)
 
     def _query(self, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
-        """A parameterised query. ``Catalog.sql`` takes no parameters, and values must never
-        enter SQL text, so this goes through the backend's own parameter rendering."""
+        """A parameterised query: values travel as parameters, never in the SQL text."""
         for name, qualified in self.tables.items():
             sql = sql.replace("{" + name + "}", qualified)
-        return self.catalog._backend.query(sql, params).to_pylist()
+        return self.catalog.sql(sql, params).to_pylist()
 
     def models(self) -> list[ModelSummary]:
         """Every model id with published records, with run, request, record and byte totals."""

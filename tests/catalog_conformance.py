@@ -278,6 +278,13 @@ class CatalogConformance(RecoveryConformance):
         assert isinstance(table, pa.Table)
         assert table.to_pylist() == [{"layer": i, "mean_l2": i + 0.5} for i in range(4)]
 
+    def test_sql_takes_values_as_parameters_only(self, catalog):
+        hostile = "x' OR 1=1 -- `%s\\"
+        rows = catalog.sql("SELECT %(v)s AS v, length(%(v)s) AS n", {"v": hostile}).to_pylist()
+        assert rows == [{"v": hostile, "n": len(hostile.encode())}]
+        with pytest.raises(InvalidArgumentError):
+            catalog.sql("SELECT 1", ["not", "a", "dict"])
+
     def test_server_errors_keep_code_and_name(self, catalog):
         with pytest.raises(ServerError) as info:
             catalog.sql("SELEC 1")
