@@ -242,35 +242,35 @@ class CaptureSession:
         while self._handles:
             self._handles.pop().remove()
 
-    def _pre_hook(self, tap):
+    def _emitter(self, tap):
+        """Emit every tensor ``tap`` captures from one call of its module (nothing when no plan)."""
         emissions = tap.emissions
         emit = self._emit
 
-        def hook(module, args, kwargs):
+        def run(args, kwargs, output):
             plan = self._plan
             if plan is None:
-                return None
-            t0 = perf_counter()
-            for em in emissions:
-                emit(em.hook, em.layer, em.extract(args, kwargs, None), em.layout, plan)
-            self._hook_seconds += perf_counter() - t0
-            return None
-
-        return hook
-
-    def _post_hook(self, tap):
-        emissions = tap.emissions
-        emit = self._emit
-
-        def hook(module, args, kwargs, output):
-            plan = self._plan
-            if plan is None:
-                return None
+                return
             t0 = perf_counter()
             for em in emissions:
                 emit(em.hook, em.layer, em.extract(args, kwargs, output), em.layout, plan)
             self._hook_seconds += perf_counter() - t0
-            return None
+
+        return run
+
+    def _pre_hook(self, tap):
+        run = self._emitter(tap)
+
+        def hook(module, args, kwargs):
+            run(args, kwargs, None)
+
+        return hook
+
+    def _post_hook(self, tap):
+        run = self._emitter(tap)
+
+        def hook(module, args, kwargs, output):
+            run(args, kwargs, output)
 
         return hook
 
