@@ -5,7 +5,8 @@ heavy-tailed with a few outlier channels, in bf16 (and fp32). One record = one
 (request, layer) = 512 x 2048 values (2 MiB in bf16). Every method writes the same
 tensors durably (data fsync'd before the clock stops) into its own fresh directory:
 
-* ``dmi raw`` / ``dmi split-zstd`` (default codec): ``PackWriter`` + seal
+* ``dmi raw`` / ``dmi split-zstd`` (default codec): ``PackWriter`` + seal, one appending
+  thread; ``dmi split-zstd, 2 appenders``: two threads appending to the same writer
 * ``torch.save``: one file per request holding its 24 layer tensors (dict)
 * ``safetensors``: one file per request (``layer{i}`` tensors)
 * ``parquet zstd``: one file, one row per record (key columns + payload bytes), zstd-1,
@@ -43,6 +44,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
@@ -118,17 +120,30 @@ def timed(fn):
 
 
 class Dmi:
-    def __init__(self, codec: str, tokens: int):
-        self.codec, self.tokens = codec, tokens
-        self.name = f"dmi {codec}"
+    """DMI's writer; with ``appenders > 1`` that many threads append to one ``PackWriter``."""
+
+    def __init__(self, codec: str, tokens: int, appenders: int = 1):
+        self.codec, self.tokens, self.appenders = codec, tokens, appenders
+        self.name = f"dmi {codec}" + (f", {appenders} appenders" if appenders > 1 else "")
 
     def write(self, root, data):
         store = PackStore.local(root)
         sealed = []
+        items = list(data.items())
         with PackWriter(store, codec=self.codec, on_seal=sealed.append) as w:
-            for (r, layer), t in data.items():
-                w.append(key_of(r, layer, self.tokens), t)
-        self.entries = [e for d in sealed for e in d.records]
+
+            def append_all(part):
+                for (r, layer), t in part:
+                    w.append(key_of(r, layer, self.tokens), t)
+
+            with ThreadPoolExecutor(self.appenders) as pool:
+                for done in [pool.submit(append_all, items[i :: self.appenders]) for i in range(self.appenders)]:
+                    done.result()
+        position = {rl: i for i, rl in enumerate(data)}
+        self.entries = sorted(
+            (e for d in sealed for e in d.records),
+            key=lambda e: position[(int(e.meta.key.request_id[4:]), e.meta.key.layer)],
+        )
         self.where = {(int(e.meta.key.request_id[4:]), e.meta.key.layer): e for e in self.entries}
         self.store = store
 
@@ -516,6 +531,7 @@ def make_methods(dtype, tokens, hidden):
     return [
         Dmi("raw", tokens),
         Dmi("split-zstd", tokens),
+        Dmi("split-zstd", tokens, appenders=2),
         TorchSave(),
         Safetensors(),
         Parquet(dtype, (tokens, hidden)),
