@@ -53,16 +53,19 @@ def _describe(name: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _require_text(text: object, what: str, limit: int) -> None:
+    """A non-empty str of at most ``limit`` characters, else InvalidIdentifierError."""
+    if not isinstance(text, str):
+        raise InvalidIdentifierError(f"{what} must be a str, not {type(text).__name__}")
+    if not text:
+        raise InvalidIdentifierError(f"{what} must not be empty")
+    if len(text) > limit:
+        raise InvalidIdentifierError(f"{what} {_describe(text)} is {len(text)} characters long; the limit is {limit}")
+
+
 def validate_identifier(name: object, what: str = "identifier") -> str:
     """Return ``name`` if it is a safe database/table name, else raise InvalidIdentifierError."""
-    if not isinstance(name, str):
-        raise InvalidIdentifierError(f"{what} must be a str, not {type(name).__name__}")
-    if not name:
-        raise InvalidIdentifierError(f"{what} must not be empty")
-    if len(name) > MAX_IDENTIFIER_LENGTH:
-        raise InvalidIdentifierError(
-            f"{what} {_describe(name)} is {len(name)} characters long; the limit is {MAX_IDENTIFIER_LENGTH}"
-        )
+    _require_text(name, what, MAX_IDENTIFIER_LENGTH)
     if name in (".", ".."):
         raise InvalidIdentifierError(f"{what} {name!r} is not a usable name")
     if name != name.strip():
@@ -88,14 +91,7 @@ def quote_identifier(name: str, what: str = "identifier") -> str:
 
 def validate_value_id(value: object, what: str = "id") -> str:
     """Return ``value`` if it can be stored and read back verbatim, else raise."""
-    if not isinstance(value, str):
-        raise InvalidIdentifierError(f"{what} must be a str, not {type(value).__name__}")
-    if not value:
-        raise InvalidIdentifierError(f"{what} must not be empty")
-    if len(value) > MAX_VALUE_LENGTH:
-        raise InvalidIdentifierError(
-            f"{what} {_describe(value)} is {len(value)} characters long; the limit is {MAX_VALUE_LENGTH}"
-        )
+    _require_text(value, what, MAX_VALUE_LENGTH)
     for char in value:
         category = unicodedata.category(char)
         if category == "Cc":
