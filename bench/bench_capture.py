@@ -173,7 +173,8 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
 
-    from dmi.catalog import PackStore, open_catalog
+    from dmi.catalog import open_catalog
+    from dmi.storage import PackStore
 
     model, ids, mask = build(args)
     with tempfile.TemporaryDirectory(prefix="bench-capture-") as tmp:

@@ -34,14 +34,14 @@ import pyarrow.compute as pc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dmi.catalog import (  # noqa: E402
-    ByteRange,
+from dmi.catalog import open_catalog
+from dmi.storage import (
+    # noqa: E402     ByteRange,
     PackDescriptor,
     RecordEntry,
     RecordKey,
     RecordMeta,
     RecordStats,
-    open_catalog,
 )
 from dmi.catalog import _schema  # noqa: E402
 

@@ -53,7 +53,7 @@ import safetensors.torch as st
 import torch
 import zstandard
 
-from dmi.catalog import PackStore, PackWriter, RecordKey
+from dmi.storage import PackStore, PackWriter, RecordKey
 from dmi.reader import FooterCache, load_footer, read_by_key, read_records
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -490,7 +490,7 @@ def codec_table(dtype_name: str) -> str:
     """Codec candidates on one 512 x 2048 activation record: ratio, compress and decode GB/s."""
     import blosc2
 
-    from dmi.catalog._codecs import decode, encode
+    from dmi.storage._codecs import decode, encode
 
     t = activations(1, 1, 512, 2048, DTYPES[dtype_name])[(0, 0)]
     raw = t.view(torch.uint8).reshape(-1).numpy()

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dmi.catalog.errors import AttachError
+from dmi.storage.errors import AttachError
 
 __all__ = ["Tap", "Emission", "Architecture", "resolve_architecture", "SUPPORTED_MODEL_TYPES"]
 

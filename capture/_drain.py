@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dmi.catalog.errors import DrainError
-from dmi.catalog.records import RecordKey, ShardGeometry
+from dmi.storage.errors import DrainError
+from dmi.storage.records import RecordKey, ShardGeometry
 
 from ._hooks import HOOKS
 

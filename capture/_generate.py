@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from dmi.catalog.errors import InvalidArgumentError
+from dmi.storage.errors import InvalidArgumentError
 
 __all__ = ["CaptureResult", "prepare_batch", "left_pads"]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dmi.catalog.errors import InvalidArgumentError, RingFullError
+from dmi.storage.errors import InvalidArgumentError, RingFullError
 
 __all__ = ["Entry", "Slot", "Ring", "RingStats"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dmi.catalog.errors import InvalidArgumentError
+from dmi.storage.errors import InvalidArgumentError
 
 __all__ = ["Schedule"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from dmi.catalog.errors import AttentionImplementationError, HookSelectionError
+from dmi.storage.errors import AttentionImplementationError, HookSelectionError
 
 from ._arch import Architecture
 from ._hooks import GROUPS, HOOKS

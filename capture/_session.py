@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dmi.catalog.errors import (
+from dmi.storage.errors import (
     AttachError,
     AttentionImplementationError,
     CaptureError,
@@ -50,7 +50,7 @@ _OWNERS_LOCK = threading.Lock()
 def _validate_id(kind: str, value) -> str:
     """The catalog's rule (stored and read back verbatim): a non-empty str, no control
     characters, bounded length. Raises :class:`InvalidIdentifierError`."""
-    from dmi.catalog._sql import validate_value_id
+    from dmi.catalog import validate_value_id
 
     return validate_value_id(value, kind)
 
@@ -590,7 +590,7 @@ def attach(
 
 
 def _make_writer(store, ctx: KeyContext, run_id: str, options: dict | None):
-    from dmi.catalog import PackWriter  # type: ignore[attr-defined]
+    from dmi.storage import PackWriter  # type: ignore[attr-defined]
 
     opts = dict(options or {})
     opts.setdefault("writer_id", f"capture-{run_id}")

@@ -19,8 +19,8 @@ from dmi.catalog import _schema
 from dmi.catalog._catalog_backend import CatalogBackend
 from dmi.catalog._leases import Publisher, Watermark, validate_record_ids
 from dmi.catalog._sql import quote_identifier, validate_identifier, validate_value_id
-from dmi.catalog.errors import InvalidArgumentError, InvalidIdentifierError, SchemaVersionError
-from dmi.catalog.records import PackDescriptor, RecordEntry
+from dmi.storage.errors import InvalidArgumentError, InvalidIdentifierError, SchemaVersionError
+from dmi.storage.records import PackDescriptor, RecordEntry
 
 __all__ = ["Catalog", "HookContents"]
 
@@ -241,7 +241,7 @@ class Catalog:
         live writer sealed but has not published yet would be published by recovery (which
         is harmless — publishing twice shows each record once).
         """
-        from dmi.catalog import read_pack_descriptor  # the storage layer's reader
+        from dmi.storage import read_pack_descriptor  # the storage layer's reader
 
         published = self.published_pack_ids()
         candidates = [pack_id for pack_id in store.list_packs() if pack_id not in published]

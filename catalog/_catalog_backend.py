@@ -25,7 +25,7 @@ from collections.abc import Mapping
 
 import pyarrow as pa
 
-from dmi.catalog.errors import CatalogUnavailableError, ServerError
+from dmi.storage.errors import CatalogUnavailableError, ServerError
 
 _CODE = re.compile(r"Code:\s*(\d+)")
 _NAME = re.compile(r"\(([A-Z][A-Z0-9_]+)\)\s*(?:\(version [^)]*\))?\s*$")

@@ -30,7 +30,7 @@ import pyarrow as pa
 
 from dmi.catalog._catalog_backend import CatalogBackend, server_error_from_message
 from dmi.catalog._sql import bind, quote_identifier, validate_identifier
-from dmi.catalog.errors import BackendNotInstalledError, CatalogError, CatalogLockedError
+from dmi.storage.errors import BackendNotInstalledError, CatalogError, CatalogLockedError
 
 _registry_lock = threading.Lock()
 _open: dict[str, object] = {"path": None, "conn": None, "refs": 0}

@@ -27,7 +27,7 @@ from urllib.parse import unquote, urlsplit
 
 from dmi.catalog._catalog import Catalog
 from dmi.catalog._sql import validate_identifier
-from dmi.catalog.errors import InvalidArgumentError
+from dmi.storage.errors import InvalidArgumentError
 
 __all__ = ["open_catalog", "default_catalog_uri", "CATALOG_ENV", "HOME_ENV"]
 

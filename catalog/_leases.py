@@ -41,7 +41,7 @@ import pyarrow.compute as pc
 
 from dmi.catalog import _schema
 from dmi.catalog._sql import validate_value_id
-from dmi.catalog.errors import (
+from dmi.storage.errors import (
     CatalogUnavailableError,
     InvalidArgumentError,
     LeaseError,
@@ -49,7 +49,7 @@ from dmi.catalog.errors import (
     LeaseLostError,
     QuarantinedError,
 )
-from dmi.catalog.records import PackDescriptor
+from dmi.storage.records import PackDescriptor
 
 if TYPE_CHECKING:
     from dmi.catalog._catalog import Catalog

@@ -15,7 +15,7 @@ from operator import attrgetter
 
 import pyarrow as pa
 
-from dmi.catalog.records import (
+from dmi.storage.records import (
     ByteRange,
     PackDescriptor,
     RecordEntry,

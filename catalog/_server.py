@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from dmi.catalog._catalog_backend import CatalogBackend, server_error_from_message, unavailable
 from dmi.catalog._sql import quote_identifier, validate_identifier
-from dmi.catalog.errors import BackendNotInstalledError, CatalogError
+from dmi.storage.errors import BackendNotInstalledError, CatalogError
 
 _SIMPLE_TYPES = {
     "Int8": pa.int8(),

@@ -29,7 +29,7 @@ import re
 import unicodedata
 from collections.abc import Mapping
 
-from dmi.catalog.errors import InvalidIdentifierError
+from dmi.storage.errors import InvalidIdentifierError
 
 __all__ = [
     "MAX_IDENTIFIER_LENGTH",

@@ -11,44 +11,39 @@
         store.sql("SELECT layer, avg(l2_norm) FROM {records} WHERE hook = 'resid_post' GROUP BY layer")
 
 ``dmi.capture`` is both the capture package (``dmi.capture.attach``, ``dmi.capture.HOOKS``)
-and, called, the facade's capture context manager: the package is imported here and made
-callable, so the two spellings the design promises cannot shadow each other whichever is
-imported first. Every error DMI raises is re-exported here (root: ``DMIError``).
+and, called, the facade's capture context manager: whichever way the package is first
+imported (``dmi.capture`` as an attribute, or ``import dmi.capture``), it is bound here as a
+callable module, so the two spellings the design promises cannot shadow each other. Every
+error DMI raises is re-exported here (root: ``DMIError``).
+
+Everything but the error tree is imported on first use (module ``__getattr__``): ``import
+dmi``, ``import dmi.catalog`` and ``dmi --help`` load no torch, pyarrow or model code.
 Reference: ``docs/api.md``.
 """
 
+import importlib as _importlib
+import sys as _sys
 import types as _types
 
-from dmi.catalog import errors as _errors
-from dmi.catalog.errors import *  # noqa: F403
+from dmi.storage import errors as _errors
+from dmi.storage.errors import *  # noqa: F403
 
 __version__ = "0.1.0"
 
-import dmi.capture as _capture_package  # noqa: E402  (after the errors it imports)
-from dmi._lazy import LazyInternal  # noqa: E402
-from dmi._store import Store, default_home, open  # noqa: E402
-from dmi._store import capture as _capture_facade  # noqa: E402
-from dmi._values import (  # noqa: E402
-    HookSummary,
-    Loss,
-    ModelSummary,
-    Problem,
-    RecoveredPack,
-    RequestContents,
-    RequestSummary,
-    VerifyReport,
-)
-
-
-class _CallableCapturePackage(_types.ModuleType):
-    """The ``dmi.capture`` package, callable as :func:`dmi._store.capture`."""
-
-    def __call__(self, model, **options):
-        return _capture_facade(model, **options)
-
-
-_capture_package.__class__ = _CallableCapturePackage
-capture = _capture_package
+_LAZY = {
+    "open": "dmi._store",
+    "Store": "dmi._store",
+    "default_home": "dmi._store",
+    "LazyInternal": "dmi._lazy",
+    "ModelSummary": "dmi._values",
+    "RequestSummary": "dmi._values",
+    "HookSummary": "dmi._values",
+    "RequestContents": "dmi._values",
+    "Loss": "dmi._values",
+    "VerifyReport": "dmi._values",
+    "Problem": "dmi._values",
+    "RecoveredPack": "dmi._values",
+}
 
 __all__ = [
     "__version__",
@@ -67,3 +62,39 @@ __all__ = [
     "default_home",
     *_errors.__all__,
 ]
+
+
+class _CallableCapturePackage(_types.ModuleType):
+    """The ``dmi.capture`` package, callable as :func:`dmi._store.capture`."""
+
+    def __call__(self, model, **options):
+        from dmi._store import capture as capture_facade
+
+        return capture_facade(model, **options)
+
+
+class _Facade(_types.ModuleType):
+    """The ``dmi`` module: makes the capture package callable however it gets bound here
+    (the import system binds a subpackage with ``setattr`` on its parent)."""
+
+    def __setattr__(self, name, value):
+        if name == "capture" and isinstance(value, _types.ModuleType):
+            value.__class__ = _CallableCapturePackage
+        super().__setattr__(name, value)
+
+
+def __getattr__(name: str):
+    if name == "capture":
+        return _importlib.import_module("dmi.capture")
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+_sys.modules[__name__].__class__ = _Facade

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dmi.catalog.errors import InvalidArgumentError
+from dmi.storage.errors import InvalidArgumentError
 
 __all__ = ["run_capture", "stored_totals"]
 

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from dmi.catalog.errors import InvalidArgumentError
+from dmi.storage.errors import InvalidArgumentError
 
 __all__ = ["EXPORT_FORMATS", "export_tensor"]
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from dmi.catalog import torch_dtype
-from dmi.catalog.records import GLOBAL_LAYER, RecordEntry
+from dmi.storage import torch_dtype
+from dmi.storage.records import GLOBAL_LAYER, RecordEntry
 
 __all__ = ["LazyInternal"]
 

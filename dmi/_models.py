@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from dmi.catalog.errors import InvalidArgumentError
+from dmi.storage.errors import InvalidArgumentError
 
 __all__ = ["BUILTIN_MODELS", "BuiltinModel", "LoadedModel", "load_model", "byte_tokenizer"]
 

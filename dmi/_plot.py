@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dmi.catalog.errors import InvalidArgumentError
+from dmi.storage.errors import InvalidArgumentError
 
 __all__ = ["NormPlot", "token_norms", "write_norm_plot"]
 

@@ -35,8 +35,9 @@ from dmi._values import (
     RequestSummary,
     VerifyReport,
 )
-from dmi.catalog import PackStore, default_catalog_uri, open_catalog
-from dmi.catalog.errors import (
+from dmi.catalog import default_catalog_uri, open_catalog
+from dmi.storage import PackStore
+from dmi.storage.errors import (
     DuplicateChunkError,
     HookSelectionError,
     InvalidArgumentError,
@@ -44,7 +45,7 @@ from dmi.catalog.errors import (
     PackNotFoundError,
     RecordNotFoundError,
 )
-from dmi.catalog.records import RecordEntry
+from dmi.storage.records import RecordEntry
 from dmi.reader import FooterCache, assemble, load_footer, read_record, read_records
 
 __all__ = ["Store", "open", "capture", "default_home", "PACKS_ENV", "HOME_ENV", "CATALOG_ENV"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dmi.catalog.records import RecordKey
+from dmi.storage.records import RecordKey
 
 __all__ = [
     "ModelSummary",

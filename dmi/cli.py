@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from dmi.catalog.errors import DMIError, InvalidArgumentError
+from dmi.storage.errors import DMIError, InvalidArgumentError
 
 __all__ = ["main"]
 
@@ -341,7 +341,7 @@ def _cmd_recover(args: argparse.Namespace) -> int:
 
 def _cmd_plot(args: argparse.Namespace) -> int:
     from dmi._plot import token_norms, write_norm_plot
-    from dmi.catalog.records import GLOBAL_LAYER
+    from dmi.storage.records import GLOBAL_LAYER
 
     width, height = args.size
     output = args.output or f"{args.request_id}-{args.hook}.png"

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from dmi.catalog.errors import DuplicateChunkError, InvalidArgumentError, ReaderError, RecordNotFoundError, ShardMergeError
-from dmi.catalog.records import GLOBAL_LAYER, RecordEntry
+from dmi.storage.errors import DuplicateChunkError, InvalidArgumentError, ReaderError, RecordNotFoundError, ShardMergeError
+from dmi.storage.records import GLOBAL_LAYER, RecordEntry
 
 __all__ = ["assemble"]
 

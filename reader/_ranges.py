@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dmi.catalog.errors import InvalidArgumentError
-from dmi.catalog.records import ByteRange, RecordEntry
+from dmi.storage.errors import InvalidArgumentError
+from dmi.storage.records import ByteRange, RecordEntry
 
 __all__ = ["DEFAULT_MAX_GAP", "PlannedRead", "plan_reads"]
 

@@ -19,12 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dmi.catalog._codecs import CodecError, checksum, decode
-from dmi.catalog._pack_read import read_pack_index
-from dmi.catalog._pack_format import torch_dtype
-from dmi.catalog._store import PackInput, PackStore
-from dmi.catalog.errors import DuplicateChunkError, PackCorruptError, PackTruncatedError, RecordNotFoundError
-from dmi.catalog.records import PackDescriptor, RecordEntry, RecordKey
+from dmi.storage import CodecError, PackInput, PackStore, checksum, decode, read_pack_index, torch_dtype
+from dmi.storage.errors import DuplicateChunkError, PackCorruptError, PackTruncatedError, RecordNotFoundError
+from dmi.storage.records import PackDescriptor, RecordEntry, RecordKey
 from dmi.reader._footer_cache import FooterCache
 from dmi.reader._ranges import DEFAULT_MAX_GAP, PlannedRead, plan_reads
 

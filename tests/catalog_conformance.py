@@ -14,7 +14,8 @@ import uuid
 import pyarrow as pa
 import pytest
 
-from dmi.catalog import (
+from dmi.catalog import Watermark, open_catalog
+from dmi.storage import (
     ByteRange,
     CatalogUnavailableError,
     InvalidArgumentError,
@@ -31,8 +32,6 @@ from dmi.catalog import (
     SchemaVersionError,
     ServerError,
     ShardGeometry,
-    Watermark,
-    open_catalog,
 )
 from dmi.catalog import _leases
 from dmi.catalog._catalog_backend import unavailable
@@ -94,7 +93,8 @@ class FaultyBackend:
 CRASHING_WRITER = r"""
 import os, signal, sys
 import torch
-from dmi.catalog import LocalPackStore, PackWriter, RecordKey, open_catalog
+from dmi.catalog import open_catalog
+from dmi.storage import LocalPackStore, PackWriter, RecordKey
 
 uri, packs, scope = sys.argv[1:4]
 store = LocalPackStore(packs)
@@ -120,7 +120,7 @@ class RecoveryConformance:
         import subprocess
         import sys
 
-        from dmi.catalog import LeaseHeldError, LocalPackStore
+        from dmi.storage import LeaseHeldError, LocalPackStore
 
         packs = tmp_path / "packs"
         proc = subprocess.run(

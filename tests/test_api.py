@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dmi
-from dmi.catalog import PackStore
+from dmi.storage import PackStore
 from dmi.reader import plan_reads
 
 PROMPTS = ["the quick brown fox", "hi"]

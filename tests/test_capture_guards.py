@@ -9,7 +9,7 @@ import torch
 
 from ._models import MemoryWriter, left_padded_batch, tiny
 from dmi.capture import HOOKS, GROUPS, Schedule, attach, resolve_hooks, resolve_layers
-from dmi.catalog.errors import (
+from dmi.storage.errors import (
     AttachError,
     AttentionImplementationError,
     DrainError,

@@ -61,7 +61,7 @@ def test_config_built_models_get_a_stable_id():
 
 
 def test_unsupported_model_refused_naming_the_supported_ones():
-    from dmi.catalog.errors import AttachError
+    from dmi.storage.errors import AttachError
 
     class Odd(torch.nn.Module):
         config = type("C", (), {"model_type": "bert"})()

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dmi.capture import attach
-from dmi.catalog import PackStore, open_catalog
+from dmi.catalog import open_catalog
+from dmi.storage import PackStore
 from dmi.reader import assemble, read_records
 
 from ._models import MemoryWriter, left_padded_batch, tiny
@@ -115,7 +116,7 @@ def test_drop_policy_counts_every_dropped_record_in_the_catalog(store_and_catalo
 
 
 def test_a_held_publishing_scope_surfaces_and_nothing_is_published(store_and_catalog):
-    from dmi.catalog.errors import DrainError, LeaseHeldError
+    from dmi.storage.errors import DrainError, LeaseHeldError
 
     store, catalog = store_and_catalog
     other = catalog.publisher("capture/held-scope", holder="someone-else")

@@ -10,13 +10,12 @@ import threading
 
 import pytest
 
-from dmi.catalog import (
+from dmi.catalog import default_catalog_uri, open_catalog
+from dmi.storage import (
     BackendNotInstalledError,
     CatalogError,
     CatalogLockedError,
     InvalidIdentifierError,
-    default_catalog_uri,
-    open_catalog,
 )
 from tests.catalog_conformance import CatalogConformance, pack
 
@@ -33,7 +32,8 @@ def test_second_process_gets_a_named_lock_error(tmp_path):
         assert catalog.backend == "chdb"
         code = textwrap.dedent(
             f"""
-            from dmi.catalog import open_catalog, CatalogLockedError
+            from dmi.catalog import open_catalog
+            from dmi.storage import CatalogLockedError
             try:
                 open_catalog({str(directory)!r})
             except CatalogLockedError as exc:

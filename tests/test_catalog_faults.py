@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from dmi.catalog import CatalogUnavailableError, LeaseHeldError, LeaseLostError, QuarantinedError, open_catalog
+from dmi.catalog import open_catalog
+from dmi.storage import CatalogUnavailableError, LeaseHeldError, LeaseLostError, QuarantinedError
 from tests._proxy import CuttingProxy
 from tests.catalog_conformance import pack
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dmi.catalog import CatalogUnavailableError, ServerError, open_catalog
+from dmi.catalog import open_catalog
+from dmi.storage import CatalogUnavailableError, ServerError
 from tests._clickhouse import free_port
 from tests.catalog_conformance import CatalogConformance
 

@@ -295,7 +295,7 @@ def test_a_closed_pipe_ends_quietly(demo):
 def test_capture_then_upkeep(tmp_path):
     """``dmi capture``, then ``recover`` of a crashed writer's pack, a flipped byte found by
     ``verify``, and a deleted pack reported as missing."""
-    from dmi.catalog import PackStore, PackWriter, RecordKey
+    from dmi.storage import PackStore, PackWriter, RecordKey
 
     home = tmp_path / "home"
     result = parsed(dmi("capture", "--model", "tiny-llama", "--prompt", "hello there", "--hooks", "resid_post",

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from dmi.catalog import _codecs
-from dmi.catalog._codecs import CODECS, DEFAULT_CODEC, CodecError, checksum, decode, encode
+from dmi.storage import _codecs
+from dmi.storage._codecs import CODECS, DEFAULT_CODEC, CodecError, checksum, decode, encode
 
 
 def activation_like(tokens=512, hidden=2048, seed=0) -> torch.Tensor:

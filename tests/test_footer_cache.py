@@ -8,7 +8,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from dmi.catalog import InvalidArgumentError, PackStore, PackWriter, RecordKey
+from dmi.storage import InvalidArgumentError, PackStore, PackWriter, RecordKey
 from dmi.reader import FooterCache, load_footer, read_record
 
 

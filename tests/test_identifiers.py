@@ -8,7 +8,8 @@ from urllib.parse import quote
 
 import pytest
 
-from dmi.catalog import InvalidIdentifierError, open_catalog
+from dmi.catalog import open_catalog
+from dmi.storage import InvalidIdentifierError
 from dmi.catalog._sql import bind, quote_identifier, render_literal, validate_identifier, validate_value_id
 
 HOSTILE = [

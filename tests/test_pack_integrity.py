@@ -9,7 +9,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from dmi.catalog import (
+from dmi.storage import (
     PackCorruptError,
     PackError,
     PackFormatError,
@@ -20,7 +20,7 @@ from dmi.catalog import (
     read_pack_descriptor,
     verify_pack,
 )
-from dmi.catalog._pack_format import PACK_SCHEMA, schema_with_metadata
+from dmi.storage._pack_format import PACK_SCHEMA, schema_with_metadata
 from dmi.reader import FooterCache, read_record, read_records
 
 

@@ -8,7 +8,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from dmi.catalog import (
+from dmi.storage import (
     InvalidArgumentError,
     LocalPackStore,
     PackNotFoundError,
@@ -19,7 +19,7 @@ from dmi.catalog import (
     read_pack_descriptor,
     verify_pack,
 )
-from dmi.catalog._store import _LocalPackSink
+from dmi.storage._store import _LocalPackSink
 from dmi.reader import read_record, read_records
 
 KEY = RecordKey("model", "run", "req", "resid_post", 0, 0, 4)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from dmi.catalog import (
+from dmi.storage import (
     CODECS,
     InvalidArgumentError,
     PackError,
@@ -21,7 +21,7 @@ from dmi.catalog import (
     read_pack_descriptor,
     verify_pack,
 )
-from dmi.catalog._pack_format import _DTYPES
+from dmi.storage._pack_format import _DTYPES
 from dmi.reader import read_record, read_records
 
 

@@ -2,7 +2,7 @@
 
 import dmi
 import dmi.catalog
-from dmi.catalog import errors
+from dmi.storage import errors
 
 
 def test_error_root_and_mixins():
@@ -38,12 +38,16 @@ CAPTURE_ALL = [
     "derive_model_id", "resolve_architecture", "SUPPORTED_MODEL_TYPES",
 ]
 
-CATALOG_ALL = [
+STORAGE_ALL = [
     "PHASES", "GLOBAL_LAYER", "RecordKey", "ShardGeometry", "RecordStats", "ByteRange", "RecordMeta", "RecordEntry",
-    "PackDescriptor", "CODECS", "DEFAULT_CODEC", "FORMAT_NAME", "FORMAT_VERSION", "dtype_name", "torch_dtype",
-    "read_pack_descriptor", "verify_pack", "PackStore", "LocalPackStore", "PackInput", "PackSink", "PackWriter",
-    "DEFAULT_MAX_RECORDS", "DEFAULT_MAX_BYTES", "open_catalog", "default_catalog_uri", "CATALOG_ENV", "HOME_ENV",
-    "Catalog", "HookContents", "Publisher", "Watermark",
+    "PackDescriptor", "CODECS", "DEFAULT_CODEC", "CodecError", "checksum", "decode", "FORMAT_NAME",
+    "FORMAT_VERSION", "dtype_name", "torch_dtype", "read_pack_descriptor", "read_pack_index", "verify_pack", "PackStore", "LocalPackStore", "PackInput", "PackSink", "PackWriter",
+    "DEFAULT_MAX_RECORDS", "DEFAULT_MAX_BYTES",
+]
+
+CATALOG_ALL = [
+    "open_catalog", "default_catalog_uri", "CATALOG_ENV", "HOME_ENV", "Catalog", "HookContents", "Publisher",
+    "Watermark", "validate_value_id",
 ]
 
 READER_ALL = [
@@ -59,11 +63,13 @@ def test_dmi_all_is_pinned():
 def test_layer_packages_all_are_pinned():
     import dmi.capture
     import dmi.reader
+    import dmi.storage
 
     assert dmi.capture.__all__ == CAPTURE_ALL
-    assert dmi.catalog.__all__ == [*errors.__all__, *CATALOG_ALL]
+    assert dmi.storage.__all__ == [*errors.__all__, *STORAGE_ALL]
+    assert dmi.catalog.__all__ == CATALOG_ALL
     assert dmi.reader.__all__ == READER_ALL
-    for package in (dmi.capture, dmi.catalog, dmi.reader):
+    for package in (dmi.capture, dmi.catalog, dmi.reader, dmi.storage):
         for name in package.__all__:
             assert hasattr(package, name), (package.__name__, name)
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dmi.catalog import (
+from dmi.storage import (
     GLOBAL_LAYER,
     DuplicateChunkError,
     InvalidArgumentError,
@@ -17,7 +17,7 @@ from dmi.catalog import (
     ShardGeometry,
     ShardMergeError,
 )
-from dmi.catalog.records import ByteRange
+from dmi.storage.records import ByteRange
 from dmi.reader import assemble, read_records
 
 FULL = torch.arange(3 * 12 * 8, dtype=torch.float32).reshape(3, 12, 8)  # [layers, tokens, hidden]

@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 import torch
 
-from dmi.catalog import PackStore, PackWriter, RecordKey
-from dmi.catalog.records import ByteRange, RecordEntry
+from dmi.storage import PackStore, PackWriter, RecordKey
+from dmi.storage.records import ByteRange, RecordEntry
 from dmi.reader import FooterCache, PlannedRead, plan_reads, read_by_key, find_record, read_records
-from dmi.catalog import RecordNotFoundError, DuplicateChunkError
+from dmi.storage import RecordNotFoundError, DuplicateChunkError
 
 
 class CountingStore:

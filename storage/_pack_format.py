@@ -18,8 +18,8 @@ import pyarrow as pa
 import torch
 import zstandard
 
-from dmi.catalog.errors import PackCorruptError, PackFormatError, UnsupportedDtypeError
-from dmi.catalog.records import ByteRange, RecordEntry, RecordKey, RecordMeta, RecordStats, ShardGeometry
+from dmi.storage.errors import PackCorruptError, PackFormatError, UnsupportedDtypeError
+from dmi.storage.records import ByteRange, RecordEntry, RecordKey, RecordMeta, RecordStats, ShardGeometry
 
 __all__ = [
     "FORMAT_NAME",

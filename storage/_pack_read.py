@@ -11,11 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from dmi.catalog._codecs import checksum
-from dmi.catalog._pack_format import FORMAT_VERSION, META_INDEX, check_schema, decode_index
-from dmi.catalog._store import PackInput, PackStore
-from dmi.catalog.errors import PackCorruptError, PackFormatError
-from dmi.catalog.records import PackDescriptor, RecordEntry
+from dmi.storage._codecs import checksum
+from dmi.storage._pack_format import FORMAT_VERSION, META_INDEX, check_schema, decode_index
+from dmi.storage._store import PackInput, PackStore
+from dmi.storage.errors import PackCorruptError, PackFormatError
+from dmi.storage.records import PackDescriptor, RecordEntry
 
 __all__ = ["read_pack_descriptor", "read_pack_index", "verify_pack"]
 

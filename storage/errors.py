@@ -1,6 +1,6 @@
 """Every error DMI raises, in one tree.
 
-The root lives here, in the lowest layer (``dmi.catalog``), so that capture and
+The root lives here, in the lowest layer (``dmi.storage``), so that capture and
 reader share it without importing each other. Third-party exceptions (pyarrow,
 zstandard, chdb, clickhouse-driver, torch) are translated where they cross into
 DMI with ``raise ... from exc``; callers never need to catch a library's own

@@ -25,8 +25,8 @@ from contextlib import suppress
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from dmi.catalog._pack_format import PACK_SUFFIX, is_pack_id
-from dmi.catalog.errors import (
+from dmi.storage._pack_format import PACK_SUFFIX, is_pack_id
+from dmi.storage.errors import (
     InvalidArgumentError,
     PackError,
     PackNotFoundError,

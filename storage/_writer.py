@@ -22,11 +22,11 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from dmi.catalog._codecs import CODECS, DEFAULT_CODEC, checksum, encode
-from dmi.catalog._pack_format import PACK_SCHEMA, FORMAT_VERSION, dtype_name, encode_index, schema_with_metadata, torch_dtype
-from dmi.catalog._store import PackSink, PackStore
-from dmi.catalog.errors import InvalidArgumentError, PackError, PackSealError, UnsupportedDtypeError
-from dmi.catalog.records import ByteRange, PackDescriptor, RecordEntry, RecordKey, RecordMeta, RecordStats, ShardGeometry
+from dmi.storage._codecs import CODECS, DEFAULT_CODEC, checksum, encode
+from dmi.storage._pack_format import PACK_SCHEMA, FORMAT_VERSION, dtype_name, encode_index, schema_with_metadata, torch_dtype
+from dmi.storage._store import PackSink, PackStore
+from dmi.storage.errors import InvalidArgumentError, PackError, PackSealError, UnsupportedDtypeError
+from dmi.storage.records import ByteRange, PackDescriptor, RecordEntry, RecordKey, RecordMeta, RecordStats, ShardGeometry
 
 __all__ = ["PackWriter", "DEFAULT_MAX_RECORDS", "DEFAULT_MAX_BYTES", "DEFAULT_BATCH_BYTES"]
 
