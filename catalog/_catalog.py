@@ -425,6 +425,59 @@ class Catalog:
             table = self._published_records(where, params, columns, tail)
         return _schema.entries_from_table(table) if table.num_rows else []
 
+    def select_records(
+        self,
+        model_id: str,
+        *,
+        run_ids: str | Iterable[str] | None = None,
+        hooks: str | Iterable[str] | None = None,
+        layers: int | Iterable[int] | None = None,
+        phases: str | Iterable[str] | None = None,
+        where: str | None = None,
+        params: dict[str, object] | None = None,
+    ) -> list[RecordEntry]:
+        """Published, unfenced records of ``model_id`` for a training selection, with byte ranges.
+
+        ``run_ids``, ``hooks``, ``phases`` (one or several) and ``layers`` narrow the selection;
+        ``where`` adds the caller's own boolean SQL expression over the columns of
+        ``records_published`` (``"l2_norm < %(cap)s AND request_id LIKE 'eval-%%'"``), whose
+        values travel in ``params`` exactly as in :meth:`sql` (a literal ``%`` is ``%%``).
+        The expression is checked to be one expression (no ``;``, no comments, parentheses
+        balanced outside quotes) so it cannot end or leave the ``SELECT`` it runs in: it can
+        only read. Parameter names starting with ``dmi_`` are reserved. Ordered by run,
+        request, hook, layer, start token, shard rank. Raises ``InvalidArgumentError`` for a
+        malformed selection or fragment, ``ServerError`` when ClickHouse refuses the filter.
+        """
+        conditions = ["model_id = %(dmi_model_id)s"]
+        values: dict[str, object] = {"dmi_model_id": validate_value_id(model_id, "model id")}
+        for column, given, kind in (("run_id", run_ids, str), ("hook", hooks, str), ("phase", phases, str),
+                                    ("layer", layers, int)):
+            items = _as_tuple(given, column + "s", kind)
+            if items is None:
+                continue
+            if not items:
+                return []
+            if kind is str:
+                items = tuple(validate_value_id(item, column.replace("_", " ")) for item in items)
+            values[f"dmi_{column}s"] = items
+            conditions.append(f"{column} IN %(dmi_{column}s)s")
+        if where is not None:
+            conditions.append(f"({_checked_filter(where)})")
+        if params is not None:
+            if not isinstance(params, dict):
+                raise InvalidArgumentError(f"params must be a dict, not {type(params).__name__}")
+            reserved = sorted(name for name in params if not isinstance(name, str) or name.startswith("dmi_"))
+            if reserved:
+                raise InvalidArgumentError(f"parameter names starting with dmi_ are reserved: {reserved}")
+            values.update(params)
+        columns = ", ".join(_schema.RECORD_COLUMNS)
+        table = self._backend.query(
+            f"SELECT {columns} FROM {self._tables['records_published']} WHERE {' AND '.join(conditions)} "
+            "ORDER BY run_id, request_id, hook, layer, start_token, shard_rank, pack_id, record_index",
+            values,
+        )
+        return _schema.entries_from_table(table) if table.num_rows else []
+
     def _visible_pack_ids(self) -> pa.Array:
         """Ids of every published, unfenced pack, recomputed only when visibility may have changed.
 
@@ -478,3 +531,36 @@ class Catalog:
         if params is not None and not isinstance(params, dict):
             raise InvalidArgumentError(f"sql() params must be a dict, not {type(params).__name__}")
         return self._backend.query(query, params)
+
+
+def _checked_filter(fragment: str) -> str:
+    """``fragment`` if it is one SQL expression that cannot end or leave its parentheses.
+
+    Scans outside quoted text (``'...'``, ``"..."``, backticks, with backslash and doubled
+    quote escapes) and refuses ``;``, comments (``--``, ``#``, ``/*``), an unterminated quote
+    and unbalanced parentheses.
+    """
+    if not isinstance(fragment, str) or not fragment.strip():
+        raise InvalidArgumentError(f"where must be a non-empty SQL expression, not {fragment!r}")
+    depth, i, quote = 0, 0, None
+    while i < len(fragment):
+        char = fragment[i]
+        if quote is not None:
+            if char == "\\":
+                i += 1
+            elif char == quote:
+                quote = None
+        elif char in "'\"`":
+            quote = char
+        elif char == ";" or fragment.startswith(("--", "/*"), i) or char == "#":
+            raise InvalidArgumentError(f"where must be one expression, without ';' or comments: {fragment!r}")
+        elif char == "(":
+            depth += 1
+        elif char == ")":
+            depth -= 1
+            if depth < 0:
+                raise InvalidArgumentError(f"where closes a parenthesis it did not open: {fragment!r}")
+        i += 1
+    if quote is not None or depth != 0:
+        raise InvalidArgumentError(f"where has an unterminated quote or parenthesis: {fragment!r}")
+    return fragment

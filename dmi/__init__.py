@@ -43,6 +43,8 @@ _LAZY = {
     "VerifyReport": "dmi._values",
     "Problem": "dmi._values",
     "RecoveredPack": "dmi._values",
+    "TokenLoader": "dmi._loader",
+    "ShuffleQuality": "dmi._loader",
 }
 
 __all__ = [
@@ -59,6 +61,8 @@ __all__ = [
     "VerifyReport",
     "Problem",
     "RecoveredPack",
+    "TokenLoader",
+    "ShuffleQuality",
     "default_home",
     *_errors.__all__,
 ]

@@ -291,6 +291,28 @@ class Store:
 
         return LazyInternal(model_id, request_id, hook, entries, read)
 
+    def loader(self, model_id: str, *, hooks: Any = "resid_post", layers: Any = None, runs: Any = None,
+               phases: Any = None, where: str | None = None, params: dict[str, Any] | None = None,
+               **options: Any) -> Any:
+        """A :class:`dmi.TokenLoader`: shuffled, resumable, sharded batches of token rows for training.
+
+        Selects the published records of ``model_id`` (``hooks``: one name or several;
+        ``layers``: an int or an iterable; ``runs``, ``phases``: one or several; ``where``:
+        your own SQL condition over the ``{records}`` columns, values in ``params`` as
+        ``%(name)s``). ``options``: ``batch_size``, ``dtype``, ``shuffle``, ``seed``,
+        ``shuffle_buffer``, ``layout``, ``with_tokens``, ``normalize``, ``drop_last``,
+        ``on_error``, ``num_workers``, ``rank``/``world_size``, ``prefetch``,
+        ``read_threads``, ``max_gap`` — see ``docs/loader.md``.
+
+        Raises ``RecordNotFoundError`` (nothing selected), ``HookSelectionError``,
+        ``InvalidArgumentError``, ``ReaderError`` / ``DuplicateChunkError`` (features that do
+        not align token by token), ``ServerError`` (ClickHouse refused ``where``).
+        """
+        from dmi._loader import open_loader
+
+        return open_loader(self.catalog, self.packs, model_id, hooks=hooks, layers=layers, runs=runs,
+                           phases=phases, where=where, params=params, **options)
+
     def _assemble(self, entries: list[RecordEntry], *, shard_rank: int | None, merge_shards: bool) -> torch.Tensor:
         tensors = read_records(self.packs, entries, cache=self._footers)
         return assemble(entries, tensors, shard_rank=shard_rank, merge_shards=merge_shards)

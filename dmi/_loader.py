@@ -1,0 +1,387 @@
+"""``store.loader(...)``: shuffled, resumable, sharded batches of token rows for training.
+
+The catalog answers which records a selection holds (:meth:`dmi.catalog.Catalog.select_records`);
+:mod:`dmi._loader_plan` groups them into aligned token units and orders each epoch (a seeded
+permutation of units, each consumer's contiguous share cut into permuted windows of
+``shuffle_buffer`` rows); :mod:`dmi._loader_read` reads each window's records through
+coalesced range reads on background threads while the previous window is consumed. Every
+batch is a pure function of (seed, epoch, consumer, position), which is what makes
+exactly-once, determinism and resume hold. See ``docs/loader.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from dmi._loader_plan import (
+    EpochOrder,
+    Plan,
+    build_plan,
+    n_windows,
+    slot_range,
+    window_permutation,
+    window_slices,
+)
+from dmi._loader_quality import ShuffleQuality, shuffle_quality
+from dmi._loader_read import LAYOUTS, ON_ERROR, RowFormat, Window, WindowReader
+from dmi.reader import DEFAULT_MAX_GAP
+from dmi.storage import PackStore
+from dmi.storage.errors import InvalidArgumentError
+
+__all__ = ["TokenLoader", "ActivationDataset", "ShuffleQuality", "open_loader"]
+
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class LoaderConfig:
+    """Everything that decides which rows a batch holds, and how they are read."""
+
+    batch_size: int
+    shuffle: bool
+    seed: int
+    shuffle_buffer: int
+    drop_last: bool
+    with_tokens: bool
+    fmt: RowFormat
+    on_error: str
+    prefetch: int
+    read_threads: int
+    max_gap: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    """What a consumer hands the loader: a batch and the bookkeeping that makes resume exact."""
+
+    x: torch.Tensor
+    tokens: tuple[tuple[str, str, int], ...] | None
+    slot: int
+    cursor: tuple[int, int]
+    damaged: tuple[str, ...]
+    skipped_rows: int
+
+
+class ActivationDataset(IterableDataset):
+    """The batches of one DDP rank, split over DataLoader workers (``batch_size=None``).
+
+    Worker ``w`` of ``num_workers`` serves consumer slot ``rank * num_workers + w`` of the
+    epoch's order. Used directly, it yields what the loader yields; :class:`TokenLoader`
+    wraps it in a DataLoader and keeps the resume state.
+    """
+
+    def __init__(self, plan: Plan, packs: PackStore, config: LoaderConfig, *, epoch: int, rank: int,
+                 world_size: int, num_workers: int, cursors: tuple[tuple[int, int], ...] | None = None,
+                 rotation: int = 0, bookkeeping: bool = False):
+        super().__init__()
+        self.plan, self.packs, self.config = plan, packs, config
+        self.epoch, self.rank, self.world_size = epoch, rank, world_size
+        self.slots_per_rank = max(1, num_workers)
+        self.cursors = cursors or ((0, 0),) * self.slots_per_rank
+        self.rotation = rotation
+        self.bookkeeping = bookkeeping
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        if info is not None and info.num_workers != self.slots_per_rank:
+            raise InvalidArgumentError(f"this dataset was planned for {self.slots_per_rank} workers, "
+                                       f"the DataLoader runs {info.num_workers}")
+        local = (worker + self.rotation) % self.slots_per_rank
+        for item in _slot_batches(self, local):
+            yield item if self.bookkeeping else _public(item, self.config.with_tokens)
+
+
+def _public(item: _Item, with_tokens: bool) -> Any:
+    return (item.x, item.tokens) if with_tokens else item.x
+
+
+def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
+    """The batches of one consumer slot from its cursor on, windows read ahead on threads."""
+    cfg = ds.config
+    slot, n_slots = ds.rank * ds.slots_per_rank + local, ds.world_size * ds.slots_per_rank
+    order = EpochOrder(ds.plan, seed=cfg.seed, epoch=ds.epoch, shuffle=cfg.shuffle)
+    first, skip = ds.cursors[local]
+    last = n_windows(order.total, slot, n_slots, cfg.shuffle_buffer)
+    io_pool = ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="dmi-loader-io")
+    ahead = ThreadPoolExecutor(cfg.prefetch, thread_name_prefix="dmi-loader-window")
+    reader = WindowReader(ds.plan, ds.packs, cfg.fmt, max_gap=cfg.max_gap, on_error=cfg.on_error, io_pool=io_pool)
+
+    def read(w: int) -> Window:
+        def permutation(n: int):
+            return window_permutation(n, seed=cfg.seed, epoch=ds.epoch, slot=slot, w=w, shuffle=cfg.shuffle)
+
+        return reader.read(window_slices(order, slot, n_slots, cfg.shuffle_buffer, w), permutation)
+
+    pending = deque(ahead.submit(read, w) for w in range(first, min(last, first + cfg.prefetch)))
+    batch = _BatchBuilder(ds.plan, cfg, local)
+    try:
+        for w in range(first, last):
+            window = pending.popleft().result()
+            if w + cfg.prefetch < last:
+                pending.append(ahead.submit(read, w + cfg.prefetch))
+            batch.note_damage(window)
+            pos = skip if w == first else 0
+            while pos < len(window):
+                pos = batch.take(window, pos)
+                if batch.full:
+                    yield batch.emit(_cursor(w, pos, len(window)))
+        if batch.rows and not cfg.drop_last:
+            yield batch.emit((last, 0))
+    finally:
+        for future in pending:
+            future.cancel()
+        ahead.shutdown(wait=True, cancel_futures=True)
+        io_pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _cursor(w: int, pos: int, size: int) -> tuple[int, int]:
+    return (w + 1, 0) if pos >= size else (w, pos)
+
+
+class _BatchBuilder:
+    """Collects rows from consecutive windows into batches of ``batch_size``."""
+
+    def __init__(self, plan: Plan, cfg: LoaderConfig, local: int):
+        self.plan, self.cfg, self.local = plan, cfg, local
+        self.parts: list[tuple[Window, int, int]] = []
+        self.rows = 0
+        self.damaged: list[str] = []
+        self.skipped = 0
+
+    @property
+    def full(self) -> bool:
+        return self.rows == self.cfg.batch_size
+
+    def note_damage(self, window: Window) -> None:
+        self.damaged.extend(window.damaged)
+        self.skipped += window.skipped_rows
+
+    def take(self, window: Window, pos: int) -> int:
+        end = min(len(window), pos + self.cfg.batch_size - self.rows)
+        self.parts.append((window, pos, end))
+        self.rows += end - pos
+        return end
+
+    def emit(self, cursor: tuple[int, int]) -> _Item:
+        xs = [w.x[a:b] for w, a, b in self.parts]
+        x = xs[0] if len(xs) == 1 else torch.cat(xs)
+        tokens = None
+        if self.cfg.with_tokens:
+            units = self.plan.units
+            tokens = tuple((units[u].run_id, units[u].request_id, units[u].start + int(r))
+                           for w, a, b in self.parts for u, r in zip(w.units[a:b], w.rows[a:b]))
+        item = _Item(x, tokens, self.local, cursor, tuple(self.damaged), self.skipped)
+        self.parts, self.rows, self.damaged, self.skipped = [], 0, [], 0
+        return item
+
+
+class TokenLoader:
+    """Batches of token rows over a catalog selection. Made by ``Store.loader``.
+
+    Iterate it for one epoch (the next iteration is the next epoch, reshuffled; an
+    iteration broken off resumes where it stopped). ``state_dict()`` / ``load_state_dict()``
+    resume exactly; ``len()`` is this rank's batch count per epoch (without damage);
+    ``features`` names the feature axis; ``scales`` holds the normalisation factors;
+    ``damaged_records`` / ``skipped_rows`` count what ``on_error="skip"`` left out.
+    """
+
+    def __init__(self, plan: Plan, packs: PackStore, config: LoaderConfig, *, rank: int, world_size: int,
+                 num_workers: int, multiprocessing_context: Any = None):
+        self.plan, self.packs, self.config = plan, packs, config
+        self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
+        self.multiprocessing_context = multiprocessing_context
+        self.features = tuple(f.name for f in plan.features)
+        self.scales = None if config.fmt.scales is None else dict(zip(self.features, config.fmt.scales))
+        self.damaged_records: list[str] = []
+        self.skipped_rows = 0
+        self.set_epoch(0)
+
+    @property
+    def slots_per_rank(self) -> int:
+        return max(1, self.num_workers)
+
+    @property
+    def n_tokens(self) -> int:
+        """Token rows in the whole selection (every rank, one epoch)."""
+        return self.plan.n_tokens
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning at the next iteration."""
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise InvalidArgumentError(f"epoch must be an int >= 0, not {epoch!r}")
+        self.epoch = epoch
+        self._cursors = [(0, 0)] * self.slots_per_rank
+        self._next = 0
+
+    def __len__(self) -> int:
+        n_slots = self.world_size * self.slots_per_rank
+        total = self.plan.n_tokens
+        rounding = math.floor if self.config.drop_last else math.ceil
+        return sum(rounding((hi - lo) / self.config.batch_size) for lo, hi in
+                   (slot_range(total, self.rank * self.slots_per_rank + s, n_slots) for s in range(self.slots_per_rank)))
+
+    def __iter__(self) -> Iterator[Any]:
+        dataset = ActivationDataset(self.plan, self.packs, self.config, epoch=self.epoch, rank=self.rank,
+                                    world_size=self.world_size, num_workers=self.num_workers,
+                                    cursors=tuple(self._cursors), rotation=self._next, bookkeeping=True)
+        if self.num_workers == 0:
+            items = iter(dataset)
+        else:
+            items = iter(DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
+                                    multiprocessing_context=self.multiprocessing_context))
+        for item in items:
+            local = item.slot
+            self._cursors[local] = item.cursor
+            self._next = (local + 1) % self.slots_per_rank
+            self.damaged_records.extend(item.damaged)
+            self.skipped_rows += item.skipped_rows
+            yield _public(item, self.config.with_tokens)
+        self.set_epoch(self.epoch + 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this rank stands: epoch, each worker's position, the next worker in turn."""
+        return {"version": STATE_VERSION, "epoch": self.epoch, "cursors": [list(c) for c in self._cursors],
+                "next": self._next, "fingerprint": self._fingerprint()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: the next batches are those the saving run would have yielded.
+
+        Raises ``InvalidArgumentError`` when the state comes from a loader with another
+        selection, seed, batch size, shuffle buffer, worker count or rank layout.
+        """
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise InvalidArgumentError(f"not a DMI loader state (version {STATE_VERSION}): {state!r:.200}")
+        mine, theirs = self._fingerprint(), state.get("fingerprint")
+        if theirs != mine:
+            differ = sorted(k for k in mine if not isinstance(theirs, dict) or theirs.get(k) != mine[k])
+            raise InvalidArgumentError(f"this state belongs to a different loader (differs in: {', '.join(differ)})")
+        cursors = [tuple(int(v) for v in c) for c in state["cursors"]]
+        self.epoch, self._cursors, self._next = int(state["epoch"]), cursors, int(state["next"])
+
+    def _fingerprint(self) -> dict[str, Any]:
+        c = self.config
+        return {"n_units": len(self.plan.units), "n_tokens": self.plan.n_tokens, "features": list(self.features),
+                "seed": c.seed, "shuffle": c.shuffle, "batch_size": c.batch_size, "shuffle_buffer": c.shuffle_buffer,
+                "drop_last": c.drop_last, "rank": self.rank, "world_size": self.world_size,
+                "num_workers": self.num_workers}
+
+    def shuffle_quality(self, batches: int = 64, *, epoch: int | None = None) -> ShuffleQuality:
+        """How well mixed this loader's batches are, from the plan alone (no payload read):
+        distinct requests and packs per batch against uniform sampling (see ``ShuffleQuality``)."""
+        return shuffle_quality(self.plan, self.config.batch_size, self.config.shuffle_buffer, seed=self.config.seed,
+                               epoch=self.epoch if epoch is None else epoch, shuffle=self.config.shuffle,
+                               slot=self.rank * self.slots_per_rank, n_slots=self.world_size * self.slots_per_rank,
+                               batches=batches)
+
+    def __repr__(self) -> str:
+        return (f"<dmi.TokenLoader {self.plan.n_tokens} tokens x {len(self.features)} features, "
+                f"batch {self.config.batch_size}, epoch {self.epoch}, rank {self.rank}/{self.world_size}>")
+
+
+# ------------------------------------------------------------------------------ construction
+
+
+def open_loader(catalog: Any, packs: PackStore, model_id: str, *, hooks: Any = "resid_post", layers: Any = None,
+                runs: Any = None, phases: Any = None, where: str | None = None, params: dict | None = None,
+                batch_size: int = 4096, dtype: torch.dtype | None = torch.float32, shuffle: bool = True,
+                seed: int = 0, shuffle_buffer: int = 65536, layout: str = "stack", with_tokens: bool = False,
+                normalize: bool = False, drop_last: bool = False, on_error: str = "raise", num_workers: int = 0,
+                rank: int | None = None, world_size: int | None = None, prefetch: int = 2, read_threads: int = 4,
+                max_gap: int = DEFAULT_MAX_GAP, multiprocessing_context: Any = None) -> TokenLoader:
+    """Select, plan and configure a :class:`TokenLoader` (the arguments of ``Store.loader``)."""
+    hook_names = _hook_names(hooks)
+    for name, value, low in (("batch_size", batch_size, 1), ("shuffle_buffer", shuffle_buffer, 1),
+                             ("prefetch", prefetch, 1), ("read_threads", read_threads, 1),
+                             ("num_workers", num_workers, 0), ("seed", seed, 0), ("max_gap", max_gap, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise InvalidArgumentError(f"{name} must be an int >= {low}, not {value!r}")
+    if layout not in LAYOUTS:
+        raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+    if on_error not in ON_ERROR:
+        raise InvalidArgumentError(f"on_error must be one of {ON_ERROR}, not {on_error!r}")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise InvalidArgumentError(f"dtype must be a torch.dtype or None, not {dtype!r}")
+    rank, world_size = _rank_and_world(rank, world_size)
+    entries = catalog.select_records(model_id, run_ids=runs, hooks=hook_names, layers=layers, phases=phases,
+                                     where=where, params=params)
+    plan = build_plan(entries, hook_names or _hook_catalogue())
+    _check_layout(plan, layout, dtype)
+    scales = _unit_norm_scales(plan) if normalize else None
+    config = LoaderConfig(batch_size, bool(shuffle), seed, shuffle_buffer, bool(drop_last), bool(with_tokens),
+                          RowFormat(dtype, scales, layout), on_error, prefetch, read_threads, max_gap)
+    return TokenLoader(plan, packs, config, rank=rank, world_size=world_size, num_workers=num_workers,
+                       multiprocessing_context=multiprocessing_context)
+
+
+def _hook_names(hooks: Any) -> tuple[str, ...] | None:
+    if hooks is None:
+        return None
+    names = (hooks,) if isinstance(hooks, str) else tuple(hooks)
+    catalogue = _hook_catalogue()
+    from dmi.storage.errors import HookSelectionError
+
+    for name in names:
+        if name not in catalogue:
+            raise HookSelectionError(f"unknown hook {name!r}; hooks: {', '.join(catalogue)}")
+    return names
+
+
+def _hook_catalogue() -> tuple[str, ...]:
+    from dmi.capture import HOOKS
+
+    return tuple(HOOKS)
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Explicit ``rank``/``world_size``, else torch.distributed's when initialised, else (0, 1)."""
+    if rank is None and world_size is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+    if rank is None or world_size is None:
+        raise InvalidArgumentError("pass both rank= and world_size=, or neither (torch.distributed decides)")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, world_size)) or not 0 <= rank < world_size:
+        raise InvalidArgumentError(f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}")
+    return rank, world_size
+
+
+def _check_layout(plan: Plan, layout: str, dtype: torch.dtype | None) -> None:
+    features = plan.features
+    if dtype is None and len({f.dtype for f in features}) > 1:
+        raise InvalidArgumentError(f"the features have dtypes {sorted({f.dtype for f in features})}; pass dtype=")
+    if layout == "stack" and len({f.width for f in features}) > 1:
+        widths = {f.name: f.width for f in features}
+        raise InvalidArgumentError(f"layout='stack' needs one width, the features have {widths}; use layout='concat'")
+
+
+def _unit_norm_scales(plan: Plan) -> tuple[float, ...]:
+    """Per feature, the factor that makes the mean squared token norm over the selection 1.
+
+    From the catalog's per-record L2 norms: sum of squared record norms / tokens is the
+    mean squared token norm, so no payload is read.
+    """
+    scales = []
+    for f, feature in enumerate(plan.features):
+        squares, tokens = 0.0, 0
+        for unit in plan.units:
+            for e in unit.records[f]:
+                if e.meta.stats is None:
+                    raise InvalidArgumentError(f"{feature.name}: record {e.meta.key.request_id} at token "
+                                               f"{e.meta.key.start_token} has no statistics; normalize=False")
+                squares += e.meta.stats.l2_norm ** 2
+                tokens += e.meta.key.n_tokens
+        if squares == 0.0:
+            raise InvalidArgumentError(f"{feature.name} is all zeros; it cannot be normalised")
+        scales.append(math.sqrt(tokens / squares))
+    return tuple(scales)

@@ -1,0 +1,127 @@
+"""Reading one loader window: its records through coalesced range reads, as aligned token rows.
+
+A window's records are grouped by pack and each group is read with
+:func:`dmi.reader.read_records` (one coalesced range read per neighbourhood, checksums
+verified, decode in the thread that read it; zstd decoding releases the GIL) on a thread
+pool. A damaged record raises its named ``PackError`` — or, with ``on_error="skip"``, its
+unit's rows are left out of the window and the damage is counted.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dmi._loader_plan import Plan, Slice, slice_rows
+from dmi.reader import FooterCache, read_record, read_records
+from dmi.storage import PackStore
+from dmi.storage.errors import PackError
+from dmi.storage.records import RecordEntry
+
+ON_ERROR = ("raise", "skip")
+LAYOUTS = ("stack", "concat")
+
+
+@dataclass(frozen=True, slots=True)
+class RowFormat:
+    """How token rows leave the loader: dtype, per-feature scale factors, feature layout."""
+
+    dtype: torch.dtype | None
+    scales: tuple[float, ...] | None
+    layout: str
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """A window's rows in emission order, with their (unit, row) origin and what was skipped."""
+
+    x: torch.Tensor
+    units: np.ndarray
+    rows: np.ndarray
+    damaged: tuple[str, ...]
+    skipped_rows: int
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+
+class WindowReader:
+    """Reads windows of one plan from one pack store (one footer cache for the reader's life)."""
+
+    def __init__(self, plan: Plan, packs: PackStore, fmt: RowFormat, *, max_gap: int, on_error: str,
+                 io_pool: Executor):
+        self.plan = plan
+        self.packs = packs
+        self.fmt = fmt
+        self.max_gap = max_gap
+        self.skip = on_error == "skip"
+        self.io_pool = io_pool
+        self.cache = FooterCache()
+
+    def read(self, slices: list[Slice], permutation) -> Window:
+        """The rows of ``slices``, damaged units left out (skip mode), ordered by ``permutation(n)``."""
+        tensors, bad = self._read_records([e for s in slices for group in self.plan.units[s.unit].records for e in group])
+        damaged_units = {s.unit for s in slices if any(e in bad for g in self.plan.units[s.unit].records for e in g)}
+        kept = [s for s in slices if s.unit not in damaged_units]
+        skipped = sum(s.hi - s.lo for s in slices) - sum(s.hi - s.lo for s in kept)
+        x = self._rows(kept, tensors)
+        units, rows = slice_rows(kept)
+        order = permutation(len(units))
+        if len(order):
+            x, units, rows = x[torch.from_numpy(order)], units[order], rows[order]
+        return Window(x, units, rows, tuple(sorted(bad.values())), skipped)
+
+    def _read_records(self, entries: list[RecordEntry]) -> tuple[dict[RecordEntry, torch.Tensor], dict[RecordEntry, str]]:
+        by_pack: dict[str, list[RecordEntry]] = defaultdict(list)
+        for e in entries:
+            by_pack[e.pack_id].append(e)
+        futures = [self.io_pool.submit(self._read_pack, group) for group in by_pack.values()]
+        tensors: dict[RecordEntry, torch.Tensor] = {}
+        bad: dict[RecordEntry, str] = {}
+        for future in futures:
+            got, failed = future.result()
+            tensors.update(got)
+            bad.update(failed)
+        return tensors, bad
+
+    def _read_pack(self, group: list[RecordEntry]) -> tuple[dict, dict]:
+        try:
+            return dict(zip(group, read_records(self.packs, group, max_gap=self.max_gap, cache=self.cache))), {}
+        except PackError:
+            if not self.skip:
+                raise
+        got, failed = {}, {}
+        for e in group:  # find exactly which records are damaged; keep the rest
+            try:
+                got[e] = read_record(self.packs, e, cache=self.cache)
+            except PackError as exc:
+                failed[e] = f"{e.pack_id}: {exc}"
+        return got, failed
+
+    def _rows(self, slices: list[Slice], tensors: dict[RecordEntry, torch.Tensor]) -> torch.Tensor:
+        per_feature = []
+        for f, feature in enumerate(self.plan.features):
+            parts = []
+            for s in slices:
+                records = self.plan.units[s.unit].records[f]
+                flat = [tensors[e].reshape(e.meta.key.n_tokens, feature.width) for e in records]
+                parts.append((flat[0] if len(flat) == 1 else torch.cat(flat))[s.lo : s.hi])
+            per_feature.append(self._convert(f, torch.cat(parts) if parts else self._empty(feature.width, f)))
+        if len(per_feature) == 1:
+            return per_feature[0]
+        return torch.stack(per_feature, dim=1) if self.fmt.layout == "stack" else torch.cat(per_feature, dim=1)
+
+    def _empty(self, width: int, f: int) -> torch.Tensor:
+        from dmi.storage import torch_dtype
+
+        return torch.empty(0, width, dtype=torch_dtype(self.plan.features[f].dtype))
+
+    def _convert(self, f: int, rows: torch.Tensor) -> torch.Tensor:
+        dtype = self.fmt.dtype or rows.dtype
+        if self.fmt.scales is None:
+            return rows.to(dtype)
+        return (rows.to(torch.float32) * self.fmt.scales[f]).to(dtype)

@@ -1,0 +1,283 @@
+"""``store.loader``: selection, token-level exactly-once over epochs, workers and ranks, values
+bit-exact with ``get_internal``, resume equivalence, seed determinism, the SQL filter,
+damaged packs and normalisation.
+
+Records are written with a real PackWriter into real pack files and published into a real
+chDB catalog (one per module: chDB serves one directory per process). Run ``r1`` holds 12
+requests, each a prefill record plus two one-token decode records for ``resid_post``
+(layers 0-2) and one two-token decode record for ``mlp_out`` (layer 1) — so the two hooks
+are chunked differently and must still align. Run ``r2`` reuses three request ids with a
+plain forward pass of ``resid_post`` only.
+"""
+
+from __future__ import annotations
+
+import shutil
+import zlib
+from collections import Counter
+
+import pytest
+import torch
+
+import dmi
+from dmi.storage import PackStore, PackWriter
+from dmi.storage.errors import (
+    InvalidArgumentError,
+    PackCorruptError,
+    ReaderError,
+    RecordNotFoundError,
+)
+from dmi.storage.records import RecordKey
+
+D = 8
+R1 = [(f"q{i:02d}", 3 + i % 5) for i in range(12)]  # (request, prefill tokens); 2 decode tokens each
+R2 = [(f"q{i:02d}", 4) for i in range(3)]
+
+
+def _values(*parts) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(repr(parts).encode()))
+    return torch.randn(1, D, generator=g)
+
+
+def _rows(run, request, hook, layer, start, n) -> torch.Tensor:
+    return torch.cat([_values(run, request, hook, layer, start + i) for i in range(n)])
+
+
+def _write(writer: PackWriter) -> None:
+    def put(run, request, hook, layer, start, n, phase, step=0):
+        key = RecordKey("m", run, request, hook, layer, start, n, step=step, phase=phase)
+        writer.append(key, _rows(run, request, hook, layer, start, n))
+
+    for request, n in R1:
+        for layer in range(3):
+            put("r1", request, "resid_post", layer, 0, n, "prefill")
+            put("r1", request, "resid_post", layer, n, 1, "decode", 1)
+            put("r1", request, "resid_post", layer, n + 1, 1, "decode", 2)
+        put("r1", request, "mlp_out", 1, 0, n, "prefill")
+        put("r1", request, "mlp_out", 1, n, 2, "decode", 1)
+    for request, n in R2:
+        for layer in range(3):
+            put("r2", request, "resid_post", layer, 0, n, "forward")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    home = tmp_path_factory.mktemp("loader-home")
+    with dmi.open(home=home) as opened:
+        descriptors = []
+        with PackWriter(opened.packs, max_records=10, on_seal=descriptors.append) as writer:
+            _write(writer)
+        with opened.catalog.publisher("loader-test") as publisher:
+            publisher.publish(descriptors)
+        yield opened
+
+
+ALL_R1 = {("r1", r, p) for r, n in R1 for p in range(n + 2)}
+ALL = ALL_R1 | {("r2", r, p) for r, n in R2 for p in range(n)}
+
+
+def _epoch(loader) -> list:
+    return list(loader)
+
+
+def _tokens(batches) -> list:
+    return [t for _, tokens in batches for t in tokens]
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x[0], y[0]) and x[1] == y[1] for x, y in zip(a, b))
+
+
+# ------------------------------------------------------------------------------ exactly once
+
+
+def test_every_token_once_per_epoch_aligned_and_bit_exact(store):
+    loader = store.loader("m", hooks=["resid_post", "mlp_out"], layers=[1], runs="r1", batch_size=7,
+                          shuffle_buffer=16, with_tokens=True, seed=3)
+    assert loader.features == ("resid_post.1", "mlp_out.1")
+    epochs = [_epoch(loader), _epoch(loader)]
+    assert loader.epoch == 2
+    for batches in epochs:
+        tokens = _tokens(batches)
+        assert Counter(tokens) == Counter(ALL_R1)  # each (run, request, position) exactly once
+        assert [x.shape for x, _ in batches[:-1]] == [(7, 2, D)] * (len(batches) - 1)
+        assert len(batches) == len(loader) == -(-len(ALL_R1) // 7)
+    assert _tokens(epochs[0]) != _tokens(epochs[1])  # the next epoch is reshuffled
+    full = {(r, h): store.get_internal("m", r, h, layers=1, run_id="r1")[0] for r, _ in R1 for h in ("resid_post", "mlp_out")}
+    for x, tokens in epochs[0]:
+        for row, (_, request, pos) in zip(x, tokens):
+            assert torch.equal(row[0], full[(request, "resid_post")][pos])
+            assert torch.equal(row[1], full[(request, "mlp_out")][pos])
+
+
+def test_ranks_are_disjoint_and_complete(store):
+    per_rank = []
+    for rank in range(3):
+        loader = store.loader("m", layers=[0], batch_size=5, shuffle_buffer=8, with_tokens=True, rank=rank,
+                              world_size=3, seed=1)
+        batches = _epoch(loader)
+        assert len(batches) == len(loader)
+        per_rank.append(_tokens(batches))
+    assert Counter(t for tokens in per_rank for t in tokens) == Counter(ALL)
+    assert max(map(len, per_rank)) - min(map(len, per_rank)) <= 1
+
+
+def test_workers_share_an_epoch_exactly_once_in_rank_order(store):
+    """Two DataLoader workers of one rank yield, interleaved, exactly the batches of two
+    single-worker ranks: the same shares of the same order."""
+    options = dict(layers=[2], batch_size=6, shuffle_buffer=10, with_tokens=True, seed=5)
+    got = _epoch(store.loader("m", num_workers=2, **options))
+    ranks = [_epoch(store.loader("m", rank=r, world_size=2, **options)) for r in range(2)]
+    interleaved = [b for pair in zip(*ranks) for b in pair] + ranks[0][len(ranks[1]):] + ranks[1][len(ranks[0]):]
+    assert _same(got, interleaved)
+    assert Counter(_tokens(got)) == Counter(ALL)
+
+
+# ------------------------------------------------------------------------------ determinism, resume
+
+
+def test_seed_decides_the_order(store):
+    options = dict(layers=[0], batch_size=9, shuffle_buffer=20, with_tokens=True)
+    a, b = _epoch(store.loader("m", seed=11, **options)), _epoch(store.loader("m", seed=11, **options))
+    assert _same(a, b)
+    assert _tokens(a) != _tokens(_epoch(store.loader("m", seed=12, **options)))
+    sequential = _tokens(_epoch(store.loader("m", shuffle=False, **options)))
+    assert sequential == sorted(sequential, key=lambda t: (t[0], t[1], t[2]))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_after_any_batch_yields_what_an_uninterrupted_run_would(store, workers):
+    options = dict(layers=[0, 1], batch_size=8, shuffle_buffer=12, with_tokens=True, seed=7, num_workers=workers)
+    straight = store.loader("m", **options)
+    expected = _epoch(straight) + _epoch(straight)  # two epochs
+    cuts = range(len(expected)) if workers == 0 else (3, len(expected) // 2 + 1)
+    for cut in cuts:
+        first = store.loader("m", **options)
+        seen = []
+        while len(seen) < cut:
+            for batch in first:
+                seen.append(batch)
+                if len(seen) == cut:
+                    break
+        state = first.state_dict()
+        resumed = store.loader("m", **options)
+        resumed.load_state_dict(state)
+        rest = []
+        while len(seen) + len(rest) < len(expected):
+            rest.extend(resumed)
+        assert _same(seen + rest, expected), cut
+
+
+def test_a_state_from_another_loader_is_refused(store):
+    state = store.loader("m", layers=[0], batch_size=8, seed=1).state_dict()
+    other = store.loader("m", layers=[0], batch_size=4, seed=1)
+    with pytest.raises(InvalidArgumentError, match="batch_size"):
+        other.load_state_dict(state)
+    with pytest.raises(InvalidArgumentError, match="not a DMI loader state"):
+        other.load_state_dict({"epoch": 3})
+
+
+# ------------------------------------------------------------------------------ selection
+
+
+def test_sql_filter_with_parameters(store):
+    """The caller's own condition, values as parameters (a quote in a value is just a value)."""
+    loader = store.loader("m", layers=[0], batch_size=50, with_tokens=True,
+                          where="request_id IN %(ids)s AND phase = %(phase)s AND l2_norm > %(floor)s",
+                          params={"ids": ("q01", "q02", "q'x"), "phase": "prefill", "floor": 0.0})
+    assert set(_tokens(_epoch(loader))) == {("r1", r, p) for r, n in R1 if r in ("q01", "q02") for p in range(n)}
+
+
+def test_selection_by_runs_and_phases(store):
+    got = set(_tokens(_epoch(store.loader("m", layers=0, runs=["r2"], batch_size=50, with_tokens=True))))
+    assert got == {("r2", r, p) for r, n in R2 for p in range(n)}
+    decode = set(_tokens(_epoch(store.loader("m", layers=0, phases="decode", batch_size=50, with_tokens=True))))
+    assert decode == {("r1", r, p) for r, n in R1 for p in (n, n + 1)}
+
+
+@pytest.mark.parametrize("fragment", ["1); DROP TABLE x; SELECT (1", "1 -- and the rest", "1 /* c */", "(1",
+                                      "1) OR (1", "'unterminated", "1 # c"])
+def test_filter_fragments_that_could_leave_their_expression_are_refused(store, fragment):
+    with pytest.raises(InvalidArgumentError):
+        store.loader("m", where=fragment)
+
+
+def test_filter_guards_keep_quotes_and_reserved_names(store):
+    # parentheses and comment marks inside quotes are text, not structure
+    loader = store.loader("m", layers=0, where="request_id != ')--;#'", batch_size=50, with_tokens=True)
+    assert set(_tokens(_epoch(loader))) == ALL
+    with pytest.raises(InvalidArgumentError, match="reserved"):
+        store.loader("m", where="model_id = %(dmi_model_id)s", params={"dmi_model_id": "x"})
+
+
+def test_selections_that_cannot_be_served(store):
+    with pytest.raises(RecordNotFoundError):
+        store.loader("m", where="request_id = %(r)s", params={"r": "nope"})
+    with pytest.raises(ReaderError, match="not aligned"):
+        store.loader("m", hooks=["resid_post", "mlp_out"], layers=[1])  # r2 has no mlp_out
+    with pytest.raises(InvalidArgumentError):
+        store.loader("m", batch_size=0)
+
+
+# ------------------------------------------------------------------------------ rows
+
+
+def test_concat_layout_and_dtype(store):
+    loader = store.loader("m", layers=[0, 2], runs="r2", layout="concat", dtype=torch.bfloat16, batch_size=50,
+                          with_tokens=True)
+    [(x, tokens)] = _epoch(loader)
+    assert x.shape == (12, 2 * D) and x.dtype == torch.bfloat16
+    for row, (_, request, pos) in zip(x, tokens):
+        full = store.get_internal("m", request, "resid_post", layers=[0, 2], run_id="r2")
+        assert torch.equal(row, full[:, pos].reshape(-1).to(torch.bfloat16))
+
+
+def test_normalize_from_catalog_statistics(store):
+    loader = store.loader("m", layers=[1], normalize=True, batch_size=1000, dtype=torch.float64)
+    [x] = _epoch(loader)
+    raw = torch.cat([store.get_internal("m", r, "resid_post", layers=1, run_id=run)[0]
+                     for run, reqs in (("r1", R1), ("r2", R2)) for r, _ in reqs]).double()
+    expected = (raw.shape[0] / raw.pow(2).sum()).sqrt()
+    assert loader.scales["resid_post.1"] == pytest.approx(float(expected), rel=1e-5)
+    assert float(x.pow(2).sum(dim=1).mean()) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_shuffle_quality_against_uniform(store):
+    shuffled = store.loader("m", layers=[0], batch_size=8, shuffle_buffer=64).shuffle_quality(batches=5)
+    sequential = store.loader("m", layers=[0], batch_size=8, shuffle=False).shuffle_quality(batches=5)
+    assert shuffled.batches == sequential.batches == 5
+    assert shuffled.ideal_requests_per_batch == sequential.ideal_requests_per_batch > 5
+    assert sequential.requests_per_batch <= 2.0 < shuffled.requests_per_batch
+    assert shuffled.request_ratio > 0.7 > sequential.request_ratio
+
+
+# ------------------------------------------------------------------------------ damage
+
+
+@pytest.fixture
+def damaged(store, tmp_path):
+    """The module's packs copied, with one payload byte of one ``r2`` record flipped."""
+    copy = tmp_path / "packs"
+    shutil.copytree(store.packs.uri.removeprefix("file://"), copy)
+    victim = store.catalog.select_records("m", run_ids="r2", hooks="resid_post", layers=[0])[0]
+    path = copy / PackStore.local(copy).location(victim.pack_id).rsplit("/", 1)[-1]
+    data = bytearray(path.read_bytes())
+    data[victim.payload.offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return dmi.Store(store.catalog, PackStore.local(copy)), victim
+
+
+def test_a_corrupt_pack_surfaces_as_a_named_error(damaged):
+    broken, victim = damaged
+    with pytest.raises(PackCorruptError, match=victim.pack_id):
+        _epoch(broken.loader("m", layers=[0], batch_size=5))
+
+
+def test_skip_mode_counts_what_it_left_out(damaged):
+    broken, victim = damaged
+    loader = broken.loader("m", layers=[0], batch_size=5, on_error="skip", with_tokens=True)
+    tokens = _tokens(_epoch(loader))
+    lost = {("r2", victim.meta.key.request_id, p) for p in range(victim.meta.key.n_tokens)}
+    assert Counter(tokens) == Counter(ALL - lost)
+    assert loader.skipped_rows == len(lost)
+    assert len(loader.damaged_records) == 1 and victim.pack_id in loader.damaged_records[0]
