@@ -222,6 +222,15 @@ class TokenLoader:
         self._cursors = [(0, 0)] * self.slots_per_rank
         self._next = 0
 
+    @property
+    def dataset(self) -> ActivationDataset:
+        """The IterableDataset under this loader, from its current position, for your own
+        ``DataLoader(dataset, batch_size=None, num_workers=loader.num_workers)``; positions
+        consumed that way are not tracked by ``state_dict()``."""
+        return ActivationDataset(self.plan, self.packs, self.config, epoch=self.epoch, rank=self.rank,
+                                 world_size=self.world_size, num_workers=self.num_workers,
+                                 cursors=tuple(self._cursors), rotation=self._next)
+
     def __len__(self) -> int:
         n_slots = self.world_size * self.slots_per_rank
         total = self.plan.n_tokens

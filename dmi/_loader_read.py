@@ -65,7 +65,7 @@ class WindowReader:
     def read(self, slices: list[Slice], permutation) -> Window:
         """The rows of ``slices``, damaged units left out (skip mode), ordered by ``permutation(n)``."""
         tensors, bad = self._read_records([e for s in slices for group in self.plan.units[s.unit].records for e in group])
-        damaged_units = {s.unit for s in slices if any(e in bad for g in self.plan.units[s.unit].records for e in g)}
+        damaged_units = {s.unit for s in slices if bad and any(e in bad for g in self.plan.units[s.unit].records for e in g)}
         kept = [s for s in slices if s.unit not in damaged_units]
         skipped = sum(s.hi - s.lo for s in slices) - sum(s.hi - s.lo for s in kept)
         x = self._rows(kept, tensors)

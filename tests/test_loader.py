@@ -22,6 +22,7 @@ import torch
 import dmi
 from dmi.storage import PackStore, PackWriter
 from dmi.storage.errors import (
+    DuplicateChunkError,
     InvalidArgumentError,
     PackCorruptError,
     ReaderError,
@@ -58,6 +59,9 @@ def _write(writer: PackWriter) -> None:
     for request, n in R2:
         for layer in range(3):
             put("r2", request, "resid_post", layer, 0, n, "forward")
+    for rank in range(2):  # model m2: two tensor-parallel ranks hold the same tokens
+        key = RecordKey("m2", "r1", "s", "resid_post", 0, 0, 4, phase="forward", shard_rank=rank, tp_size=2)
+        writer.append(key, _rows("m2", rank, "resid_post", 0, 0, 4))
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +212,36 @@ def test_filter_guards_keep_quotes_and_reserved_names(store):
     assert set(_tokens(_epoch(loader))) == ALL
     with pytest.raises(InvalidArgumentError, match="reserved"):
         store.loader("m", where="model_id = %(dmi_model_id)s", params={"dmi_model_id": "x"})
+
+
+def test_tokens_held_twice_are_refused_until_one_copy_is_chosen(store):
+    with pytest.raises(DuplicateChunkError, match="shard_rank"):
+        store.loader("m2")
+    [x] = _epoch(store.loader("m2", where="shard_rank = 1", dtype=None, batch_size=10, shuffle=False))
+    assert torch.equal(x, store.get_internal("m2", "s", "resid_post", layers=0, shard_rank=1)[0])
+
+
+def test_rank_and_world_come_from_torch_distributed(store, tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        loader = store.loader("m", layers=[0])
+        assert (loader.rank, loader.world_size) == (0, 1)
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(InvalidArgumentError, match="both"):
+        store.loader("m", rank=1)
+    with pytest.raises(InvalidArgumentError, match="rank < world_size"):
+        store.loader("m", rank=2, world_size=2)
+
+
+def test_the_dataset_under_the_loader_feeds_a_plain_dataloader(store):
+    from torch.utils.data import DataLoader
+
+    loader = store.loader("m", layers=[0], batch_size=6, shuffle_buffer=10, num_workers=2, seed=2)
+    plain = [x for x in DataLoader(loader.dataset, batch_size=None, num_workers=2)]
+    assert all(torch.equal(a, b) for a, b in zip(plain, _epoch(loader), strict=True))
 
 
 def test_selections_that_cannot_be_served(store):
