@@ -1,0 +1,351 @@
+"""Loader benchmark: activations delivered to a training loop, DMI vs what SAE trainers use today.
+
+Workload (issue 14): ``--requests`` requests of ``--tokens`` tokens of one hook/layer at hidden
+size ``--hidden`` (default 2048), stored as ``--gb`` GB (default 2) of bf16 or fp32 activations.
+Every method delivers every token row once, in batches of ``--batch`` rows, in the dtype of
+the run, to a loop that touches each batch (a sum, so nothing is lazily skipped):
+
+* ``dmi shuffled``: ``store.loader(...)`` over raw-codec packs — global unit permutation plus
+  a ``--shuffle-buffer``-row window shuffle, ``--workers`` DataLoader workers
+* ``dmi sequential``: the same loader with ``shuffle=False``
+* ``datasets + mixing buffer`` (SAELens-style): a Hugging Face ``datasets`` folder (Arrow,
+  memory-mapped) read in order, ``--mixing-buffer`` rows at a time, each chunk shuffled into
+  a buffer whose first half is emitted (as SAELens' mixing buffer does). Arrow has no
+  bfloat16, so this cache holds float32 (as SAELens caches do) and converts
+* ``safetensors chunks``: files of ``--chunk`` token rows in capture order (Activault-style
+  megabatches), files in random order, rows shuffled inside each file, ``--workers``
+  DataLoader workers
+* ``cold-read limit``: the pack files read sequentially into one buffer, page cache dropped
+
+Each is timed cold (page cache of its files dropped with ``posix_fadvise(DONTNEED)``) and
+warm (read once before). Shuffle quality: mean distinct requests per batch over the first
+``--quality-batches`` batches, against uniform sampling of the whole selection. Finally a
+tiny SAE (one linear encoder ``d -> 4d``, ReLU, linear decoder, Adam) trains for
+``--sae-steps`` steps on the shuffled DMI loader and on one batch held in memory; the ratio of
+the two step times says whether the loader keeps it compute-bound.
+
+    python bench/bench_loader.py                    # full: 2 GB, d = 2048, bf16 and fp32
+    python bench/bench_loader.py --quick            # 16 requests x 128 tokens x d 256: seconds
+    python bench/bench_loader.py --dtypes bf16 --gb 4 --workers 8
+
+Prints the conditions and one markdown table per dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+import dmi
+from dmi.storage import PackWriter, RecordKey
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def request_rows(r: int, tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """One request's activations: heavy-tailed rows, a few outlier channels (deterministic)."""
+    g = torch.Generator().manual_seed(r)
+    x = torch.randn(tokens, hidden, generator=g) * (1 + torch.rand(tokens, 1, generator=g) * 3)
+    x[:, : max(1, hidden // 256)] *= 20
+    return x.to(dtype)
+
+
+def files_under(root: str) -> list[str]:
+    return [os.path.join(d, f) for d, _, names in os.walk(root) for f in names]
+
+
+def drop_cache(root: str) -> None:
+    for path in files_under(root):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # written pages must be clean to be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def write_dmi(home: str, args, dtype: torch.dtype) -> dmi.Store:
+    store = dmi.open(home=home)
+    sealed = []
+    with PackWriter(store.packs, codec="raw", on_seal=sealed.append) as writer:
+        for r in range(args.requests):
+            key = RecordKey("bench", "run", f"req-{r:06d}", "resid_post", 0, 0, args.tokens, phase="forward")
+            writer.append(key, request_rows(r, args.tokens, args.hidden, dtype))
+    with store.catalog.publisher("bench") as publisher:
+        publisher.publish(sealed)
+    return store
+
+
+def write_datasets(root: str, args) -> None:
+    import datasets
+
+    features = datasets.Features({"x": datasets.Sequence(datasets.Value("float32"), length=args.hidden),
+                                  "request": datasets.Value("int32")})
+
+    def rows():
+        for r in range(args.requests):
+            x = request_rows(r, args.tokens, args.hidden, torch.float32).numpy()
+            for row in x:
+                yield {"x": row, "request": r}
+
+    datasets.Dataset.from_generator(rows, features=features, cache_dir=os.path.join(root, "cache")).save_to_disk(
+        os.path.join(root, "ds"))
+    shutil.rmtree(os.path.join(root, "cache"), ignore_errors=True)
+
+
+def write_safetensors(root: str, args, dtype: torch.dtype) -> None:
+    import safetensors.torch as st
+
+    rows = torch.cat([request_rows(r, args.tokens, args.hidden, dtype) for r in range(args.requests)])
+    request = torch.arange(args.requests, dtype=torch.int32).repeat_interleave(args.tokens)
+    for i, start in enumerate(range(0, rows.shape[0], args.chunk)):
+        st.save_file({"x": rows[start : start + args.chunk].contiguous(), "request": request[start : start + args.chunk]},
+                     os.path.join(root, f"chunk-{i:05d}.safetensors"))
+
+
+# ------------------------------------------------------------------------------ methods
+
+
+def dmi_batches(store: dmi.Store, args, dtype: torch.dtype, shuffle: bool):
+    loader = store.loader("bench", hooks="resid_post", layers=[0], batch_size=args.batch, dtype=dtype,
+                          shuffle=shuffle, shuffle_buffer=args.shuffle_buffer, num_workers=args.workers,
+                          with_tokens=False, read_threads=args.read_threads)
+    return loader, iter(loader)
+
+
+def mixing_buffer_batches(root: str, args, dtype: torch.dtype, requests_out: list | None) -> Iterator[torch.Tensor]:
+    """SAELens-style: in-order chunks, each mixed into a buffer whose first half is emitted."""
+    import datasets
+
+    ds = datasets.load_from_disk(os.path.join(root, "ds")).with_format("torch")
+    g = torch.Generator().manual_seed(0)
+    buffer = torch.empty(0, args.hidden)
+    owners = torch.empty(0, dtype=torch.int32)
+    half = args.mixing_buffer // 2
+
+    def emit(rows, who):
+        for start in range(0, rows.shape[0], args.batch):
+            if requests_out is not None:
+                requests_out.append(who[start : start + args.batch])
+            yield rows[start : start + args.batch].to(dtype)
+
+    for start in range(0, len(ds), half):
+        chunk = ds[start : start + half]
+        buffer, owners = torch.cat([buffer, chunk["x"]]), torch.cat([owners, chunk["request"]])
+        if buffer.shape[0] >= args.mixing_buffer:
+            perm = torch.randperm(buffer.shape[0], generator=g)
+            buffer, owners = buffer[perm], owners[perm]
+            yield from emit(buffer[:half], owners[:half])
+            buffer, owners = buffer[half:], owners[half:]
+    perm = torch.randperm(buffer.shape[0], generator=g)
+    yield from emit(buffer[perm], owners[perm])
+
+
+class ChunkFiles(torch.utils.data.IterableDataset):
+    """safetensors chunk files in random order, rows shuffled within a file, split over workers."""
+
+    def __init__(self, root: str, batch: int, dtype: torch.dtype, with_requests: bool):
+        self.paths = sorted(files_under(root))
+        random.Random(0).shuffle(self.paths)
+        self.batch, self.dtype, self.with_requests = batch, dtype, with_requests
+
+    def __iter__(self):
+        import safetensors.torch as st
+
+        info = torch.utils.data.get_worker_info()
+        mine = self.paths if info is None else self.paths[info.id :: info.num_workers]
+        for path in mine:
+            data = st.load_file(path)
+            perm = torch.randperm(data["x"].shape[0], generator=torch.Generator().manual_seed(len(path)))
+            x, who = data["x"][perm].to(self.dtype), data["request"][perm]
+            for start in range(0, x.shape[0], self.batch):
+                yield (x[start : start + self.batch], who[start : start + self.batch]) if self.with_requests \
+                    else x[start : start + self.batch]
+
+
+def chunk_batches(root: str, args, dtype: torch.dtype, with_requests: bool = False):
+    return iter(torch.utils.data.DataLoader(ChunkFiles(root, args.batch, dtype, with_requests), batch_size=None,
+                                            num_workers=args.workers))
+
+
+def consume(batches) -> tuple[int, float]:
+    """Rows delivered and seconds taken; each batch is touched (summed)."""
+    rows, check = 0, 0.0
+    start = time.perf_counter()
+    for x in batches:
+        rows += x.shape[0]
+        check += float(x[:, :1].float().sum())
+    return rows, time.perf_counter() - start
+
+
+def cold_read_limit(packs_root: str) -> tuple[int, float]:
+    """Bytes of every pack file read sequentially (8 MiB reads into one buffer), cache dropped."""
+    drop_cache(packs_root)
+    buffer = bytearray(8 << 20)
+    view = memoryview(buffer)
+    total = 0
+    start = time.perf_counter()
+    for path in sorted(files_under(packs_root)):
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(view):
+                total += n
+    return total, time.perf_counter() - start
+
+
+# ------------------------------------------------------------------------------ quality
+
+
+def ideal_distinct(sizes: list[int], total: int, batch: int) -> float:
+    log_all = math.lgamma(total + 1) - math.lgamma(total - batch + 1)
+    return sum(1.0 if total - n < batch else
+               1.0 - math.exp(math.lgamma(total - n + 1) - math.lgamma(total - n - batch + 1) - log_all)
+               for n in sizes)
+
+
+def distinct_per_batch(owner_batches: list[torch.Tensor], n: int) -> float:
+    full = [b for b in owner_batches[:n]]
+    return float(np.mean([len(torch.unique(b)) for b in full])) if full else float("nan")
+
+
+# ------------------------------------------------------------------------------ SAE
+
+
+def sae_step_seconds(batches, hidden: int, steps: int) -> float:
+    torch.manual_seed(0)
+    enc, dec = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
+    opt = torch.optim.Adam([*enc.parameters(), *dec.parameters()], lr=1e-4)
+    start, done = None, 0
+    for x in batches:
+        x = x.float()
+        loss = (dec(torch.relu(enc(x))) - x).pow(2).mean() + 1e-3 * torch.relu(enc(x)).abs().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        done += 1
+        if done == 2:
+            start = time.perf_counter()  # first steps warm up allocators
+        if done == steps + 2:
+            break
+    return (time.perf_counter() - start) / max(1, done - 2)
+
+
+# ------------------------------------------------------------------------------ run
+
+
+def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
+    itemsize = dtype.itemsize
+    total_rows = args.requests * args.tokens
+    root = os.path.join(work, name)
+    dmi_home, ds_root, st_root = (os.path.join(root, d) for d in ("dmi", "datasets", "safetensors"))
+    for d in (ds_root, st_root):
+        os.makedirs(d, exist_ok=True)
+    store = write_dmi(dmi_home, args, dtype)
+    write_datasets(ds_root, args)
+    write_safetensors(st_root, args, dtype)
+    packs_root = os.path.join(dmi_home, "packs")
+    limit_bytes, limit_s = cold_read_limit(packs_root)
+    limit = limit_bytes / limit_s
+
+    sizes = [args.tokens] * args.requests
+    ideal = ideal_distinct(sizes, total_rows, args.batch)
+    methods = {
+        "dmi shuffled": (dmi_home, lambda: dmi_batches(store, args, dtype, True)[1]),
+        "dmi sequential": (dmi_home, lambda: dmi_batches(store, args, dtype, False)[1]),
+        "datasets + mixing buffer": (ds_root, lambda: mixing_buffer_batches(ds_root, args, dtype, None)),
+        "safetensors chunks": (st_root, lambda: chunk_batches(st_root, args, dtype)),
+    }
+    quality = {
+        "dmi shuffled": dmi_batches(store, args, dtype, True)[0].shuffle_quality(args.quality_batches).requests_per_batch,
+        "dmi sequential": dmi_batches(store, args, dtype, False)[0].shuffle_quality(args.quality_batches).requests_per_batch,
+    }
+    owners: list = []
+    for _ in mixing_buffer_batches(ds_root, args, dtype, owners):
+        if len(owners) >= args.quality_batches:
+            break
+    quality["datasets + mixing buffer"] = distinct_per_batch(owners, args.quality_batches)
+    owners = [who for i, (_, who) in zip(range(args.quality_batches), chunk_batches(st_root, args, dtype, True))]
+    quality["safetensors chunks"] = distinct_per_batch(owners, args.quality_batches)
+
+    print(f"\n### {name}: {total_rows} token rows x {args.hidden} = {total_rows * args.hidden * itemsize / 1e9:.2f} GB "
+          f"delivered; cold-read limit {limit / 1e9:.2f} GB/s ({limit_bytes / 1e9:.2f} GB of packs)\n")
+    print("| method | cache | tokens/s | GB/s | x cold-read limit | requests/batch (ideal "
+          f"{ideal:.1f}) |")
+    print("|---|---|---:|---:|---:|---:|")
+    for method, (files, make) in methods.items():
+        for cache in ("cold", "warm"):
+            if cache == "cold":
+                drop_cache(files)
+            else:
+                consume(make())
+            rows, seconds = consume(make())
+            if rows != total_rows:
+                raise SystemExit(f"{method} delivered {rows} rows, not {total_rows}")
+            rate = rows * args.hidden * itemsize / seconds
+            print(f"| {method} | {cache} | {rows / seconds:,.0f} | {rate / 1e9:.2f} | {rate / limit:.2f} | "
+                  f"{quality[method]:.1f} |")
+    print(f"| cold-read limit | cold | {total_rows / limit_s:,.0f} | {limit / 1e9:.2f} | 1.00 | - |")
+
+    held = next(iter(dmi_batches(store, args, dtype, True)[1]))
+    fed = sae_step_seconds(dmi_batches(store, args, dtype, True)[1], args.hidden, args.sae_steps)
+    compute = sae_step_seconds(iter([held] * (args.sae_steps + 2)), args.hidden, args.sae_steps)
+    print(f"\nSAE d={args.hidden}->{4 * args.hidden}, batch {args.batch}: {fed * 1e3:.1f} ms/step fed by the shuffled "
+          f"DMI loader, {compute * 1e3:.1f} ms/step on one batch in memory (ratio {fed / compute:.2f}; "
+          "1.0 = compute-bound)")
+    store.close()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="16 requests x 128 tokens x d 256, seconds")
+    parser.add_argument("--gb", type=float, default=2.0, help="GB of activations per dtype (sets --requests)")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--tokens", type=int, default=512, help="tokens per request")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=4096)
+    parser.add_argument("--shuffle-buffer", type=int, default=65536)
+    parser.add_argument("--mixing-buffer", type=int, default=65536)
+    parser.add_argument("--chunk", type=int, default=16384, help="token rows per safetensors file")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--read-threads", type=int, default=4)
+    parser.add_argument("--quality-batches", type=int, default=16)
+    parser.add_argument("--sae-steps", type=int, default=20)
+    parser.add_argument("--dtypes", default="bf16,fp32")
+    parser.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.tokens, args.hidden, args.batch = 16, 128, 256, 256
+        args.shuffle_buffer = args.mixing_buffer = 1024
+        args.chunk, args.sae_steps, args.quality_batches = 512, 5, 4
+    work = tempfile.mkdtemp(prefix="dmi-bench-loader-", dir=args.dir)
+    print(f"# bench_loader: {platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}, torch "
+          f"{torch.__version__}, work dir {work}")
+    try:
+        for name in args.dtypes.split(","):
+            dtype = DTYPES[name]
+            requests = args.requests or max(1, round(args.gb * 1e9 / (args.tokens * args.hidden * dtype.itemsize)))
+            run = argparse.Namespace(**{**vars(args), "requests": requests})
+            print(f"\nconditions: {run.requests} requests x {run.tokens} tokens, d = {run.hidden}, batch "
+                  f"{run.batch}, DMI shuffle buffer {run.shuffle_buffer} rows and {run.workers} workers x "
+                  f"{run.read_threads} read threads, mixing buffer {run.mixing_buffer} rows, safetensors chunks of "
+                  f"{run.chunk} rows and {run.workers} workers, raw-codec packs")
+            run_dtype(name, dtype, run, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
