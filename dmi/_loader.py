@@ -109,7 +109,7 @@ def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
     cfg = ds.config
     slot, n_slots = ds.rank * ds.slots_per_rank + local, ds.world_size * ds.slots_per_rank
     order = EpochOrder(ds.plan, seed=cfg.seed, epoch=ds.epoch, shuffle=cfg.shuffle)
-    first, skip = ds.cursors[local]
+    first, consumed = ds.cursors[local]
     last = n_windows(order.total, slot, n_slots, cfg.shuffle_buffer)
     io_pool = ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="dmi-loader-io")
     ahead = ThreadPoolExecutor(cfg.prefetch, thread_name_prefix="dmi-loader-window")
@@ -117,9 +117,10 @@ def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
 
     def read(w: int) -> Window:
         def permutation(n: int):
-            return window_permutation(n, seed=cfg.seed, epoch=ds.epoch, slot=slot, w=w, shuffle=cfg.shuffle)
+            return window_permutation(n, seed=cfg.seed, epoch=ds.epoch, slot=slot, w=w, shuffle=True)
 
-        return reader.read(window_slices(order, slot, n_slots, cfg.shuffle_buffer, w), permutation)
+        return reader.read(window_slices(order, slot, n_slots, cfg.shuffle_buffer, w),
+                           permutation if cfg.shuffle else None)
 
     pending = deque(ahead.submit(read, w) for w in range(first, min(last, first + cfg.prefetch)))
     batch = _BatchBuilder(ds.plan, cfg, local)
@@ -129,7 +130,7 @@ def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
             if w + cfg.prefetch < last:
                 pending.append(ahead.submit(read, w + cfg.prefetch))
             batch.note_damage(window)
-            pos = skip if w == first else 0
+            pos = consumed if w == first else 0
             while pos < len(window):
                 pos = batch.take(window, pos)
                 if batch.full:

@@ -10,6 +10,7 @@ unit's rows are left out of the window and the damage is counted.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -62,16 +63,17 @@ class WindowReader:
         self.io_pool = io_pool
         self.cache = FooterCache()
 
-    def read(self, slices: list[Slice], permutation) -> Window:
-        """The rows of ``slices``, damaged units left out (skip mode), ordered by ``permutation(n)``."""
+    def read(self, slices: list[Slice], permutation: Callable[[int], np.ndarray] | None) -> Window:
+        """The rows of ``slices``, damaged units left out (skip mode), reordered by
+        ``permutation(n_rows)`` (``None``: kept in stream order, no copy)."""
         tensors, bad = self._read_records([e for s in slices for group in self.plan.units[s.unit].records for e in group])
         damaged_units = {s.unit for s in slices if bad and any(e in bad for g in self.plan.units[s.unit].records for e in g)}
         kept = [s for s in slices if s.unit not in damaged_units]
         skipped = sum(s.hi - s.lo for s in slices) - sum(s.hi - s.lo for s in kept)
         x = self._rows(kept, tensors)
         units, rows = slice_rows(kept)
-        order = permutation(len(units))
-        if len(order):
+        if permutation is not None and len(units):
+            order = permutation(len(units))
             x, units, rows = x[torch.from_numpy(order)], units[order], rows[order]
         return Window(x, units, rows, tuple(sorted(bad.values())), skipped)
 
