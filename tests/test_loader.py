@@ -315,3 +315,25 @@ def test_skip_mode_counts_what_it_left_out(damaged):
     assert Counter(tokens) == Counter(ALL - lost)
     assert loader.skipped_rows == len(lost)
     assert len(loader.damaged_records) == 1 and victim.pack_id in loader.damaged_records[0]
+
+
+# ------------------------------------------------------------------------------ server catalog
+
+
+@pytest.mark.live
+def test_the_loader_over_a_clickhouse_server(clickhouse_uri, tmp_path):
+    """The selection query and its filter on a real server (the oldest supported ClickHouse)."""
+    from dmi.catalog import open_catalog
+
+    served = dmi.Store(open_catalog(clickhouse_uri), PackStore.local(tmp_path / "packs"))
+    with served:
+        descriptors = []
+        with PackWriter(served.packs, max_records=10, on_seal=descriptors.append) as writer:
+            _write(writer)
+        with served.catalog.publisher("loader-live") as publisher:
+            publisher.publish(descriptors)
+        loader = served.loader("m", layers=[0], batch_size=7, with_tokens=True, num_workers=0,
+                               where="run_id = %(run)s AND n_tokens >= %(n)s", params={"run": "r1", "n": 1})
+        assert Counter(_tokens(_epoch(loader))) == Counter(ALL_R1)
+        with pytest.raises(InvalidArgumentError):
+            served.loader("m", where="1) UNION ALL SELECT (1")
