@@ -137,6 +137,15 @@ def test_workers_share_an_epoch_exactly_once_in_rank_order(store):
     assert Counter(_tokens(got)) == Counter(ALL)
 
 
+def test_drop_last_leaves_out_each_share_s_partial_batch(store):
+    loader = store.loader("m", layers=[0], batch_size=10, num_workers=0, rank=1, world_size=2, drop_last=True,
+                          with_tokens=True)
+    batches = _epoch(loader)
+    share = len(ALL) - len(ALL) // 2  # rank 1 holds the second, larger half
+    assert len(batches) == len(loader) == share // 10
+    assert all(x.shape[0] == 10 for x, _ in batches)
+
+
 # ------------------------------------------------------------------------------ determinism, resume
 
 
@@ -337,3 +346,27 @@ def test_the_loader_over_a_clickhouse_server(clickhouse_uri, tmp_path):
         assert Counter(_tokens(_epoch(loader))) == Counter(ALL_R1)
         with pytest.raises(InvalidArgumentError):
             served.loader("m", where="1) UNION ALL SELECT (1")
+
+
+# ------------------------------------------------------------------------------ export
+
+
+def test_export_writes_one_epoch_as_shards_with_a_token_index(store, tmp_path):
+    import json
+
+    import pyarrow.parquet as pq
+    from safetensors.torch import load_file
+
+    loader = store.loader("m", layers=[0], runs="r2", batch_size=5, with_tokens=True, seed=4)
+    expected = _epoch(store.loader("m", layers=[0], runs="r2", batch_size=5, with_tokens=True, seed=4))
+    manifest = json.loads(loader.export(tmp_path / "out").read_text())
+    assert manifest["rows"] == 12 and manifest["features"] == ["resid_post.0"] and manifest["dtype"] == "torch.float32"
+    shards = [load_file(tmp_path / "out" / s["file"])["x"] for s in manifest["shards"]]
+    assert all(torch.equal(got, x) for got, (x, _) in zip(shards, expected, strict=True))
+    index = pq.read_table(tmp_path / "out" / "tokens.parquet").to_pylist()
+    assert [(r["run_id"], r["request_id"], r["position"]) for r in index] == _tokens(expected)
+    assert loader.epoch == 1
+    with pytest.raises(InvalidArgumentError, match="not empty"):
+        loader.export(tmp_path / "out")
+    with pytest.raises(InvalidArgumentError, match="numpy cannot hold"):
+        store.loader("m", layers=[0], dtype=torch.bfloat16).export(tmp_path / "npy", suffix=".npy")
