@@ -34,6 +34,7 @@ Prints the conditions and one markdown table per dtype.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import platform
@@ -326,6 +327,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bf16,fp32")
     parser.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
     args = parser.parse_args()
+    if importlib.util.find_spec("datasets") is None:
+        raise SystemExit("the SAELens-style peer needs Hugging Face datasets: pip install datasets")
     if args.quick:
         args.requests, args.tokens, args.hidden, args.batch = 16, 128, 256, 256
         args.shuffle_buffer = args.mixing_buffer = 1024
