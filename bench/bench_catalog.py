@@ -34,9 +34,9 @@ import pyarrow.compute as pc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dmi.catalog import open_catalog
-from dmi.storage import (
-    # noqa: E402     ByteRange,
+from dmi.catalog import open_catalog  # noqa: E402
+from dmi.storage import (  # noqa: E402
+    ByteRange,
     PackDescriptor,
     RecordEntry,
     RecordKey,
