@@ -33,7 +33,6 @@ from dmi.storage import (
     ServerError,
     ShardGeometry,
 )
-from dmi.catalog import _leases
 from dmi.catalog._catalog_backend import unavailable
 
 HUGE_CHECKSUM = 2**64 - 12345
@@ -135,7 +134,7 @@ class RecoveryConformance:
             assert catalog.requests("m") == ["published"]
             with pytest.raises(LeaseHeldError, match="crashy"):
                 catalog.recover(store, scope="writer-scope")  # the dead writer's lease is still live
-            state = _leases.read_state(catalog, "writer-scope")
+            state = catalog.lease_state("writer-scope")
             assert state.holder == "crashy"
             time.sleep(max(0.0, state.expires_at - time.time()) + 0.1)
             outcomes: dict[str, object] = {}
