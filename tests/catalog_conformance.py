@@ -14,7 +14,7 @@ import uuid
 import pyarrow as pa
 import pytest
 
-from dmi.catalog import Watermark, open_catalog
+from dmi.catalog import HookContents, ModelTotals, RequestTotals, Watermark, open_catalog
 from dmi.storage import (
     ByteRange,
     CatalogUnavailableError,
@@ -312,6 +312,34 @@ class CatalogConformance(RecoveryConformance):
         assert catalog.find_records("gpt2", run_id="run-2") == []
         with pytest.raises(InvalidArgumentError):
             catalog.find_records("gpt2", layers=["1"])
+
+    def test_summaries_count_each_published_record_once(self, catalog):
+        a = pack(entries=[entry("", i, request="r1", layer=i % 2, start=4 * (i // 2)) for i in range(4)])
+        b = pack(entries=[entry("", 0, run="run-2", request="r1", hook="logits", layer=-1, shape=(4, 97)),
+                          entry("", 1, run="run-2", request="r2")])
+        hidden = pack(entries=[entry("", 0, model="ghost")])
+        with catalog.publisher("s", holder="h") as pub:
+            pub.publish([a, b])
+            pub.publish([a])  # published twice: counted once
+        catalog._index([hidden], scope="s", term=1)  # indexed, never published: what a crash leaves
+        assert catalog.model_totals() == [ModelTotals("gpt2", 2, 2, 6, 6 * 64, 64 * (1 + 2 + 3 + 4) + 64 * (1 + 2))]
+        assert catalog.request_totals("gpt2") == [
+            RequestTotals("run-1", "r1", 8, ("resid_post",), 4, 4 * 64, 64 * 10),
+            RequestTotals("run-2", "r1", 4, ("logits",), 1, 64, 64),
+            RequestTotals("run-2", "r2", 4, ("resid_post",), 1, 64, 128),
+        ]
+        assert [r.request_id for r in catalog.request_totals("gpt2", run_id="run-2")] == ["r1", "r2"]
+        assert catalog.request_totals("ghost") == []
+        assert catalog.request_runs("gpt2", "r1") == ["run-1", "run-2"]
+        assert catalog.request_runs("gpt2", "r2") == ["run-2"]
+        assert catalog.request_runs("ghost", "req-1") == []
+        assert catalog.request_contents("gpt2", "r1", run_id="run-1") == {
+            "resid_post": HookContents("resid_post", (0, 1), (0,), (1,), 4, 8, "bfloat16", (8,), 4 * 64, 64 * 10),
+        }
+        assert catalog.request_contents("gpt2", "r1", run_id="run-2")["logits"].feature_shape == (97,)
+        counts = catalog.pack_record_counts([a.pack_id, b.pack_id, hidden.pack_id, a.pack_id])
+        assert counts == {a.pack_id: 4, b.pack_id: 2}
+        assert catalog.pack_record_counts([]) == {}
 
     def test_sql_one_query_for_mean_l2_per_layer(self, catalog):
         desc = pack(entries=[entry("", i, layer=i % 4, request=f"r{i}") for i in range(8)])

@@ -395,3 +395,24 @@ def test_tp_rank_and_size_are_checked(rank, size):
 
     with pytest.raises(InvalidArgumentError, match="tp_"):
         resolve_tp(tiny("llama"), tp_rank=rank, tp_size=size)
+
+
+def test_ring_stamps_every_submitted_slot_also_one_that_filled_mid_step():
+    """A slot handed over because it filled up (not at the end of a step) must carry the
+    copies-done event too, or the drain could read bytes still being copied. The event is a
+    stand-in string: a CUDA event needs a GPU, and the ring only passes it along."""
+    from dmi.capture import Ring
+    from dmi.capture._ring import Entry
+
+    ring = Ring(3, 64, pin=False)
+    handed: list = []
+    stamps = iter(["event-1", "event-2"])
+    ring.connect(handed.append, stamp=lambda: next(stamps))
+    for _ in range(2):  # the second reservation does not fit: the first slot is submitted by the ring
+        slot, offset = ring.reserve(48)
+        slot.entries.append(Entry("resid_post", 0, offset, 48, torch.float32, 12, plan=None))
+    assert [s.event for s in handed] == ["event-1"]
+    ring.submit()  # the end of the step
+    assert [s.event for s in handed] == ["event-1", "event-2"]
+    ring.release(handed[0])
+    assert handed[0].event is None and handed[0].entries == []
