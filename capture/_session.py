@@ -157,7 +157,7 @@ class CaptureSession:
     def flush(self, timeout: float | None = None) -> list:
         """Drain every copied tensor, seal the open pack, publish; re-raise any drain error.
         Returns the pack descriptors published since the previous flush."""
-        self._submit()
+        self.ring.submit()
         out = self.drain.flush(timeout)
         self.published.extend(out)
         return out
@@ -224,7 +224,7 @@ class CaptureSession:
     def _close_call(self):
         self._call = None
         self._plan = None
-        self._submit()
+        self.ring.submit()
 
     # -- hooks ----------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -324,7 +324,7 @@ class CaptureSession:
     def _on_model_post(self, module, args, output):
         t0 = perf_counter()
         self._plan = None
-        self._submit()
+        self.ring.submit()
         self._hook_seconds += perf_counter() - t0
         return None
 
@@ -410,9 +410,6 @@ class CaptureSession:
                 src = src.index_select(0, index)  # a temporary on the side stream
             dst.copy_(src, non_blocking=True)
 
-    def _submit(self) -> None:
-        self.ring.submit()
-
     def _copies_done(self):
         """A CUDA event after every copy queued so far on the side stream (None without one):
         the ring stamps each slot it submits with it, and the drain waits on it."""
@@ -427,7 +424,7 @@ class CaptureSession:
         self._plan = None
         self._remove_hooks()
         try:
-            self._submit()
+            self.ring.submit()
             published = self.drain.close()
             self.published.extend(published)
         finally:
