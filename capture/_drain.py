@@ -91,7 +91,6 @@ class Drain:
         self.error: BaseException | None = None
         self.published: list = []
         self.lost_keys: list[RecordKey] = []
-        self._pending_losses: list[LostRecords] = []
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)

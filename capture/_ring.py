@@ -57,7 +57,6 @@ class Slot:
     used: int = 0
     entries: list = field(default_factory=list)
     event: object = None
-    generation: int = 0
 
     @property
     def capacity(self) -> int:
@@ -73,7 +72,6 @@ class RingStats:
     waits: int = 0
     wait_seconds: float = 0.0
     dropped_tensors: int = 0
-    grown_slots: int = 0
 
 
 class Ring:
@@ -87,7 +85,6 @@ class Ring:
         pin: bool | None = None,
         timeout: float = 60.0,
         drop_policy: str = "wait",
-        on_submit=None,
     ):
         if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
             raise InvalidArgumentError(f"ring_slots must be an int >= 1, got {n_slots!r}")
@@ -102,12 +99,12 @@ class Ring:
         self.timeout = float(timeout)
         self.drop_policy = drop_policy
         self.stats = RingStats()
-        self._on_submit = on_submit  # callable(slot): hands a filled slot to the drain
+        self._on_submit = None  # callable(slot): hands a filled slot to the drain (see connect)
+        self._stamp = None  # callable() -> event or None: marks when a slot's copies are done
         self._slots = [Slot(i, self._alloc(slot_bytes)) for i in range(n_slots)]
         self._free = list(reversed(self._slots))
         self._cond = threading.Condition()
         self._current: Slot | None = None
-        self._closed = False
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8)
@@ -117,9 +114,12 @@ class Ring:
     def n_slots(self) -> int:
         return len(self._slots)
 
-    def free_slots(self) -> int:
-        with self._cond:
-            return len(self._free)
+    def connect(self, on_submit, *, stamp=None) -> None:
+        """Hand every filled slot to ``on_submit(slot)`` (the drain). ``stamp()``, if given, is
+        called as a slot with entries is submitted — whether the step ended or the slot filled
+        up — and its result (e.g. a CUDA event after the copies) becomes ``slot.event``."""
+        self._on_submit = on_submit
+        self._stamp = stamp
 
     # -- producer side (model thread) ---------------------------------------------------------
     def reserve(self, nbytes: int, *, check=None) -> tuple[Slot, int] | None:
@@ -138,7 +138,6 @@ class Ring:
                 return None
             if need > slot.capacity:
                 slot.buffer = self._alloc(need)
-                self.stats.grown_slots += 1
             self._current = slot
         off = slot.used
         slot.used += need
@@ -180,6 +179,8 @@ class Ring:
         if not slot.entries:
             self.release(slot)
             return
+        if self._stamp is not None:
+            slot.event = self._stamp()
         self.stats.submitted_slots += 1
         self._on_submit(slot)
 
@@ -188,13 +189,12 @@ class Ring:
         slot.used = 0
         slot.entries = []
         slot.event = None
-        slot.generation += 1
         with self._cond:
             self._free.append(slot)
             self._cond.notify_all()
 
     def close(self) -> None:
+        """Let go of every slot's buffer (the session is over)."""
         with self._cond:
-            self._closed = True
             self._slots.clear()
             self._free.clear()

@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dmi.storage.errors import InvalidArgumentError
+from dmi.storage.records import PHASES
 
 __all__ = ["Schedule"]
-
-_PHASES = ("prefill", "decode", "forward")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,16 +27,16 @@ class Schedule:
     * ``warmup``: ignore the first ``warmup`` model forwards after attaching.
     """
 
-    phases: tuple[str, ...] = _PHASES
+    phases: tuple[str, ...] = PHASES
     step_stride: int = 1
     request_stride: int = 1
     warmup: int = 0
 
     def __post_init__(self):
         phases = (self.phases,) if isinstance(self.phases, str) else tuple(self.phases)
-        bad = [p for p in phases if p not in _PHASES]
+        bad = [p for p in phases if p not in PHASES]
         if bad or not phases:
-            raise InvalidArgumentError(f"schedule phases {bad or phases!r} invalid; choose from {_PHASES}")
+            raise InvalidArgumentError(f"schedule phases {bad or phases!r} invalid; choose from {PHASES}")
         object.__setattr__(self, "phases", phases)
         for name in ("step_stride", "request_stride"):
             v = getattr(self, name)

@@ -41,6 +41,7 @@ from ._plan import StepPlan
 from ._ring import Entry, Ring
 from ._schedule import Schedule
 from ._selection import Selection, select
+from ._tp import resolve_tp
 
 __all__ = ["attach", "CaptureSession", "derive_model_id"]
 
@@ -156,7 +157,7 @@ class CaptureSession:
     def flush(self, timeout: float | None = None) -> list:
         """Drain every copied tensor, seal the open pack, publish; re-raise any drain error.
         Returns the pack descriptors published since the previous flush."""
-        self._submit()
+        self.ring.submit()
         out = self.drain.flush(timeout)
         self.published.extend(out)
         return out
@@ -223,7 +224,7 @@ class CaptureSession:
     def _close_call(self):
         self._call = None
         self._plan = None
-        self._submit()
+        self.ring.submit()
 
     # -- hooks ----------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -323,7 +324,7 @@ class CaptureSession:
     def _on_model_post(self, module, args, output):
         t0 = perf_counter()
         self._plan = None
-        self._submit()
+        self.ring.submit()
         self._hook_seconds += perf_counter() - t0
         return None
 
@@ -409,21 +410,21 @@ class CaptureSession:
                 src = src.index_select(0, index)  # a temporary on the side stream
             dst.copy_(src, non_blocking=True)
 
-    def _submit(self) -> None:
-        slot = self.ring._current
-        if slot is not None and slot.entries and self._cuda_side_stream is not None:
-            slot.event = cuda_event_for_submission(self._cuda_side_stream)
-        self.ring.submit()
+    def _copies_done(self):
+        """A CUDA event after every copy queued so far on the side stream (None without one):
+        the ring stamps each slot it submits with it, and the drain waits on it."""
+        side = self._cuda_side_stream
+        return None if side is None else cuda_event_for_submission(side)
 
     # -- close ----------------------------------------------------------------------------------
-    def _close(self, error: bool) -> None:
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._plan = None
         self._remove_hooks()
         try:
-            self._submit()
+            self.ring.submit()
             published = self.drain.close()
             self.published.extend(published)
         finally:
@@ -457,16 +458,6 @@ def _model_dtype(model) -> torch.dtype:
         return next(p.dtype for p in model.parameters() if p.is_floating_point())
     except StopIteration:
         return torch.float32
-
-
-def _tp_info(model, tp_rank, tp_size) -> tuple[int, int]:
-    if tp_size is None:
-        tp_size = int(getattr(model, "tp_size", None) or 1)
-    if tp_rank is None:
-        tp_rank = 0
-        if tp_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            tp_rank = torch.distributed.get_rank()
-    return int(tp_rank), int(tp_size)
 
 
 @contextlib.contextmanager
@@ -509,6 +500,9 @@ def attach(
       instead of waiting.
     * ``decode_chunk_steps``: consecutive decode steps of a call are stored as one record per
       (request, hook, layer) covering up to this many tokens (``1``: one record per step).
+    * ``tp_rank`` / ``tp_size``: this process's tensor-parallel shard; by default read from the
+      TP device mesh of a model transformers sharded, else rank 0 of 1 — never the global
+      ``torch.distributed`` rank (see ``dmi.capture._tp``).
     * ``tp_ranks`` / ``pp_ranks``: capture only on these ranks (others attach, capture nothing).
     * ``writer``: a ready pack writer (``append``/``seal``/``close``) instead of one made from
       ``store`` — for tests and custom sinks.
@@ -520,7 +514,8 @@ def attach(
     schedule = Schedule.coerce(schedule)
     model_id = _validate_id("model id", model_id if model_id is not None else derive_model_id(model))
     run_id = _validate_id("run id", run_id if run_id is not None else _new_run_id())
-    tp_rank, tp_size = _tp_info(model, tp_rank, tp_size)
+    tp = resolve_tp(model, tp_rank, tp_size)
+    tp_rank, tp_size = tp.rank, tp.size
     enabled = (tp_ranks is None or tp_rank in set(tp_ranks)) and (pp_ranks is None or pp_rank in set(pp_ranks))
     if isinstance(decode_chunk_steps, bool) or not isinstance(decode_chunk_steps, int) or decode_chunk_steps < 1:
         raise InvalidArgumentError(f"decode_chunk_steps must be an int >= 1, got {decode_chunk_steps!r}")
@@ -553,10 +548,10 @@ def attach(
                       tick=None if publisher is None else publisher.keep_alive,
                       start=None if publisher is None else publisher.start,
                       tick_seconds=lease_seconds / 4, decode_chunk_steps=decode_chunk_steps)
-        ring._on_submit = drain.submit
         session = CaptureSession(model, arch, selection, geometry, model_id=model_id, run_id=run_id,
                                  schedule=schedule, ring=ring, drain=drain, publisher=publisher,
                                  tp_rank=tp_rank, tp_size=tp_size, capture_enabled=enabled)
+        ring.connect(drain.submit, stamp=session._copies_done)
         with _OWNERS_LOCK:
             _OWNERS[owner_key] = session
         session._install()
@@ -581,9 +576,9 @@ def attach(
         try:
             if failed:
                 with contextlib.suppress(Exception):
-                    session._close(error=True)
+                    session._close()
             else:
-                session._close(error=False)
+                session._close()
         finally:
             with _OWNERS_LOCK:
                 _OWNERS.pop(owner_key, None)
@@ -598,8 +593,8 @@ def _make_writer(store, ctx: KeyContext, run_id: str, options: dict | None):
 
 
 class _Publishing:
-    """The session's publisher lease: acquired at attach, kept alive by the drain thread,
-    released at detach. Packs are published as they seal; dropped records are counted in
+    """The session's publisher lease: acquired on the drain thread as it starts, kept alive
+    by it, released at detach. Packs are published as they seal; dropped records are counted in
     the catalog's losses."""
 
     def __init__(self, catalog, scope: str, *, model_id: str, run_id: str, lease_seconds: float = 30.0):

@@ -5,7 +5,7 @@ It sits on :mod:`dmi.storage` (records, the error tree, pack descriptors) and kn
 nothing of capture or the reader. See ``docs/catalog-protocol.md``.
 """
 
-from dmi.catalog._catalog import Catalog, HookContents
+from dmi.catalog._catalog import Catalog, HookContents, ModelTotals, RequestTotals
 from dmi.catalog._factory import CATALOG_ENV, HOME_ENV, default_catalog_uri, open_catalog
 from dmi.catalog._leases import Publisher, Watermark
 from dmi.catalog._sql import validate_value_id
@@ -17,6 +17,8 @@ __all__ = [
     "HOME_ENV",
     "Catalog",
     "HookContents",
+    "ModelTotals",
+    "RequestTotals",
     "Publisher",
     "Watermark",
     "validate_value_id",

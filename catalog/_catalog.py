@@ -17,17 +17,22 @@ import pyarrow.compute as pc
 
 from dmi.catalog import _schema
 from dmi.catalog._catalog_backend import CatalogBackend
-from dmi.catalog._leases import Publisher, Watermark, validate_record_ids
+from dmi.catalog._leases import LeaseState, LeaseTables, Publisher, Watermark, read_state, validate_record_ids
 from dmi.catalog._sql import quote_identifier, validate_identifier, validate_value_id
 from dmi.storage.errors import InvalidArgumentError, InvalidIdentifierError, SchemaVersionError
 from dmi.storage.records import PackDescriptor, RecordEntry
 
-__all__ = ["Catalog", "HookContents"]
+__all__ = ["Catalog", "HookContents", "ModelTotals", "RequestTotals"]
 
 
 @dataclass(frozen=True, slots=True)
 class HookContents:
-    """What one request holds for one hook: its layers, shard ranks and record count."""
+    """What one request holds for one hook, over its published records.
+
+    ``n_tokens`` is the request's token count for the hook (per layer and shard rank);
+    ``feature_shape`` the per-token shape (of the whole tensor, for shards); ``stored_bytes``
+    and ``raw_bytes`` the payload bytes as stored and as captured.
+    """
 
     hook: str
     layers: tuple[int, ...]
@@ -35,6 +40,35 @@ class HookContents:
     tp_sizes: tuple[int, ...]
     n_records: int
     n_tokens: int
+    dtype: str
+    feature_shape: tuple[int, ...]
+    stored_bytes: int
+    raw_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelTotals:
+    """One model id with totals over its published records."""
+
+    model_id: str
+    runs: int
+    requests: int
+    records: int
+    stored_bytes: int
+    raw_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTotals:
+    """One published request: its token count, hooks (sorted by name), records and bytes."""
+
+    run_id: str
+    request_id: str
+    n_tokens: int
+    hooks: tuple[str, ...]
+    records: int
+    stored_bytes: int
+    raw_bytes: int
 
 
 def _as_tuple(value, what: str, kind: type) -> tuple | None:
@@ -127,7 +161,11 @@ class Catalog:
     # ----------------------------------------------------------------- writing
     def publisher(self, scope: str, holder: str | None = None, lease_seconds: float = 30.0) -> Publisher:
         """A publisher for ``scope`` (not yet acquired). ``holder`` defaults to host:pid:random."""
-        return Publisher(self, scope, holder, lease_seconds)
+        return Publisher(LeaseTables(self._backend, self.tables, self._index), scope, holder, lease_seconds)
+
+    def lease_state(self, scope: str) -> LeaseState:
+        """What the catalog says about ``scope``'s publisher lease right now (holder, term, expiry)."""
+        return read_state(LeaseTables(self._backend, self.tables, self._index), validate_value_id(scope, "scope"))
 
     def _index(self, descriptors: Sequence[PackDescriptor], *, scope: str, term: int) -> int:
         """The one write path for index rows. Rows are invisible until a watermark names them.
@@ -355,23 +393,81 @@ class Catalog:
         return table.column("request_id").to_pylist()
 
     def request_contents(self, model_id: str, request_id: str, run_id: str | None = None) -> dict[str, HookContents]:
-        """Hooks of one request, each with its layers, shard ranks and sizes."""
+        """Hooks of one request (by name), each with its layers, shard ranks, tokens, dtype and bytes."""
         where, params = self._filters(model_id=model_id, request_id=request_id, run_id=run_id)
-        sub = self._published_subquery(None, None, params)
         rows = self._backend.query(
             "SELECT hook, groupUniqArray(layer) AS layers, groupUniqArray(shard_rank) AS ranks, "
-            "groupUniqArray(tp_size) AS tps, count() AS n, sum(n_tokens) AS tokens FROM ("
-            f"SELECT hook, layer, shard_rank, tp_size, n_tokens FROM {self._tables['records']} {where} "
-            f"AND pack_id IN ({sub}) LIMIT 1 BY pack_id, record_index) GROUP BY hook ORDER BY hook",
+            "groupUniqArrayArray(tps) AS tps, sum(n) AS n, max(tokens) AS tokens, any(dtype) AS dtype, "
+            "any(feature) AS feature, sum(stored) AS stored, sum(raw) AS raw FROM ("
+            "SELECT hook, layer, shard_rank, groupUniqArray(tp_size) AS tps, count() AS n, sum(n_tokens) AS tokens, "
+            "any(dtype) AS dtype, any(arraySlice(if(length(full_shape) > 0, full_shape, shape), 2)) AS feature, "
+            "sum(payload_length) AS stored, sum(raw_size) AS raw "
+            f"FROM {self._tables['records_published']} {where} GROUP BY hook, layer, shard_rank) "
+            "GROUP BY hook ORDER BY hook",
             params,
         ).to_pylist()
         return {
             r["hook"]: HookContents(
                 r["hook"], tuple(sorted(r["layers"])), tuple(sorted(r["ranks"])), tuple(sorted(r["tps"])),
-                int(r["n"]), int(r["tokens"]),
+                int(r["n"]), int(r["tokens"]), r["dtype"], tuple(int(d) for d in r["feature"]),
+                int(r["stored"]), int(r["raw"]),
             )
             for r in rows
         }
+
+    def model_totals(self) -> list[ModelTotals]:
+        """Every model id with published records, with run, request, record and byte totals."""
+        rows = self._backend.query(
+            "SELECT model_id, uniqExact(run_id) AS runs, uniqExact(request_id) AS requests, count() AS records, "
+            f"sum(payload_length) AS stored, sum(raw_size) AS raw FROM {self._tables['records_published']} "
+            "GROUP BY model_id ORDER BY model_id",
+            {},
+        ).to_pylist()
+        return [
+            ModelTotals(r["model_id"], int(r["runs"]), int(r["requests"]), int(r["records"]), int(r["stored"]),
+                        int(r["raw"]))
+            for r in rows
+        ]
+
+    def request_totals(self, model_id: str, run_id: str | None = None) -> list[RequestTotals]:
+        """The published requests of ``model_id`` (of one run), ordered by run then request.
+
+        ``n_tokens`` is the request's stored token count: the most any (hook, layer, shard
+        rank) holds for it.
+        """
+        where, params = self._filters(model_id=model_id, run_id=run_id)
+        rows = self._backend.query(
+            "SELECT request_id, run_id, max(tokens) AS n_tokens, groupUniqArray(hook) AS hooks, sum(n) AS records, "
+            "sum(stored) AS stored, sum(raw) AS raw FROM ("
+            "SELECT request_id, run_id, hook, layer, shard_rank, sum(n_tokens) AS tokens, count() AS n, "
+            f"sum(payload_length) AS stored, sum(raw_size) AS raw FROM {self._tables['records_published']} {where} "
+            "GROUP BY request_id, run_id, hook, layer, shard_rank) "
+            "GROUP BY request_id, run_id ORDER BY run_id, request_id",
+            params,
+        ).to_pylist()
+        return [
+            RequestTotals(r["run_id"], r["request_id"], int(r["n_tokens"]), tuple(sorted(r["hooks"])),
+                          int(r["records"]), int(r["stored"]), int(r["raw"]))
+            for r in rows
+        ]
+
+    def request_runs(self, model_id: str, request_id: str) -> list[str]:
+        """The runs (sorted) that published records of ``request_id`` for ``model_id``."""
+        where, params = self._filters(model_id=model_id, request_id=request_id)
+        table = self._published_records(where, params, "DISTINCT run_id", "ORDER BY run_id")
+        return table.column("run_id").to_pylist()
+
+    def pack_record_counts(self, pack_ids: Iterable[str]) -> dict[str, int]:
+        """How many published records each of ``pack_ids`` holds (packs with none are left out)."""
+        ids = tuple(dict.fromkeys(validate_value_id(p, "pack id") for p in pack_ids))
+        if not ids:
+            return {}
+        rows = self._backend.query(
+            f"SELECT pack_id, count() AS n FROM {self._tables['records_published']} "
+            "WHERE pack_id IN %(ids)s GROUP BY pack_id",
+            {"ids": ids},
+        ).to_pylist()
+        return {r["pack_id"]: int(r["n"]) for r in rows}
 
     def find_records(
         self,

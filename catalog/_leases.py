@@ -32,14 +32,14 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from dmi.catalog import _schema
+from dmi.catalog._catalog_backend import CatalogBackend
 from dmi.catalog._sql import validate_value_id
 from dmi.storage.errors import (
     CatalogUnavailableError,
@@ -51,10 +51,22 @@ from dmi.storage.errors import (
 )
 from dmi.storage.records import PackDescriptor
 
-if TYPE_CHECKING:
-    from dmi.catalog._catalog import Catalog
+__all__ = ["Publisher", "Watermark", "LeaseState", "LeaseTables"]
 
-__all__ = ["Publisher", "Watermark", "LeaseState"]
+
+@dataclass(frozen=True, slots=True)
+class LeaseTables:
+    """All a :class:`Publisher` needs of its catalog, passed in rather than reached for.
+
+    ``backend`` runs the protocol's statements; ``tables`` maps table names (``leases``,
+    ``fences``, ``watermarks``, ...) to quoted, qualified names; ``index`` is the catalog's
+    one write path for index rows, ``index(descriptors, scope=..., term=...)`` returning the
+    number of records described (rows it writes stay invisible until a watermark names them).
+    """
+
+    backend: CatalogBackend
+    tables: Mapping[str, str]
+    index: Callable[..., int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,9 +124,11 @@ def default_holder() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-def read_state(catalog: Catalog, scope: str) -> LeaseState:
-    t = catalog._tables
-    rows = catalog._backend.query(
+def read_state(target: LeaseTables, scope: str) -> LeaseState:
+    """What the catalog says about ``scope``'s lease now: the highest confirmed term, its
+    holder and expiry, and the highest fence (a successor's fence ends a term at once)."""
+    t = target.tables
+    rows = target.backend.query(
         f"SELECT kind, term, holder, nonce, expires_at, "
         f"(SELECT max(fencing_term) FROM {t['fences']} WHERE scope = %(scope)s) AS max_fence "
         f"FROM {t['leases']} WHERE scope = %(scope)s AND term >= "
@@ -124,7 +138,7 @@ def read_state(catalog: Catalog, scope: str) -> LeaseState:
     if rows:
         max_fence = int(rows[0]["max_fence"] or 0)
     else:  # no lease rows at all: a fence can still exist (its writer's claim was withdrawn)
-        fence = catalog._backend.query(
+        fence = target.backend.query(
             f"SELECT max(fencing_term) AS f FROM {t['fences']} WHERE scope = %(scope)s", {"scope": scope}
         ).to_pylist()
         max_fence = int(fence[0]["f"] or 0) if fence else 0
@@ -154,14 +168,14 @@ class Publisher:
 
     def __init__(
         self,
-        catalog: Catalog,
+        target: LeaseTables,
         scope: str,
         holder: str | None = None,
         lease_seconds: float = 30.0,
         *,
         clock: Callable[[], float] = time.time,
     ):
-        self._catalog = catalog
+        self._target = target
         self.scope = validate_value_id(scope, "scope")
         self.holder = validate_value_id(holder if holder is not None else default_holder(), "holder")
         if not (lease_seconds > 0):
@@ -213,7 +227,7 @@ class Publisher:
     def _write(self, what: str, table: str, data: pa.Table) -> None:
         """A protocol write: an unknown outcome quarantines."""
         try:
-            self._catalog._backend.insert(self._catalog._tables[table], data)
+            self._target.backend.insert(self._target.tables[table], data)
         except CatalogUnavailableError as exc:
             if getattr(exc, "outcome_unknown", True):
                 raise self._quarantine(what, exc) from exc
@@ -275,9 +289,8 @@ class Publisher:
         take over its own live lease (e.g. after a restart or a quarantine); that fences its
         older term like any takeover.
         """
-        backend_tables = self._catalog._tables
         for attempt in range(self.max_attempts):
-            state = read_state(self._catalog, self.scope)
+            state = read_state(self._target, self.scope)
             now = self._clock()
             if state.live(now) and state.holder != self.holder:
                 raise LeaseHeldError(
@@ -288,8 +301,8 @@ class Publisher:
             nonce = uuid.uuid4().hex
             expires = now + self.lease_seconds
             self._write("claim", "leases", self._lease_row(term, "claim", nonce, expires))
-            rivals = self._catalog._backend.query(
-                f"SELECT nonce FROM {backend_tables['leases']} "
+            rivals = self._target.backend.query(
+                f"SELECT nonce FROM {self._target.tables['leases']} "
                 "WHERE scope = %(scope)s AND kind = 'claim' AND term >= %(term)s AND nonce != %(nonce)s",
                 {"scope": self.scope, "term": term, "nonce": nonce},
             )
@@ -300,7 +313,7 @@ class Publisher:
             self._write("confirm", "leases", self._lease_row(term, "confirm", nonce, expires))
             self._quarantined = False
             self._quarantine_cause = None
-            after = read_state(self._catalog, self.scope)
+            after = read_state(self._target, self.scope)
             if after.term != term or after.max_fence > term:
                 # A claimer of a higher term, who read the state before our claim landed,
                 # was also alone: its term supersedes ours at once.
@@ -315,9 +328,9 @@ class Publisher:
         )
 
     def _fence(self, term: int, nonce: str) -> None:
-        t = self._catalog._tables
+        t = self._target.tables
         try:
-            self._catalog._backend.command(
+            self._target.backend.command(
                 f"INSERT INTO {t['fences']} (scope, fencing_term, cut_term, cut_seq, holder, nonce, written_at) "
                 "SELECT %(scope)s, %(term)s, tupleElement(m, 1), tupleElement(m, 2), %(holder)s, %(nonce)s, %(now)s "
                 f"FROM (SELECT max((term, seq)) AS m FROM {t['watermarks']} "
@@ -333,7 +346,7 @@ class Publisher:
     def renew(self) -> float:
         """Extend the lease by ``lease_seconds`` from now; returns the new expiry (Unix time)."""
         self._require_holding()
-        state = read_state(self._catalog, self.scope)
+        state = read_state(self._target, self.scope)
         now = self._clock()
         if not self._still_mine(state, now):
             raise self._lost(state, now)
@@ -350,9 +363,7 @@ class Publisher:
         term, nonce = self._term, self._nonce
         self._drop()
         try:
-            self._catalog._backend.insert(
-                self._catalog._tables["leases"], self._lease_row(term, "release", nonce, 0.0)
-            )
+            self._target.backend.insert(self._target.tables["leases"], self._lease_row(term, "release", nonce, 0.0))
         except CatalogUnavailableError:
             pass  # the lease simply runs out; publishing is already refused locally
 
@@ -373,8 +384,8 @@ class Publisher:
         self._require_holding()
         if self._clock() > self._expires_at - self.lease_seconds / 2:
             self.renew()  # also how an expired or superseded holder is stopped before writing
-        n_records = self._catalog._index(descriptors, scope=self.scope, term=self._term)
-        state = read_state(self._catalog, self.scope)
+        n_records = self._target.index(descriptors, scope=self.scope, term=self._term)
+        state = read_state(self._target, self.scope)
         now = self._clock()
         if not self._still_mine(state, now):
             raise self._lost(state, now)

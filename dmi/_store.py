@@ -35,7 +35,7 @@ from dmi._values import (
     RequestSummary,
     VerifyReport,
 )
-from dmi.catalog import default_catalog_uri, open_catalog
+from dmi.catalog import CATALOG_ENV, HOME_ENV, default_catalog_uri, open_catalog
 from dmi.storage import PackStore
 from dmi.storage.errors import (
     DuplicateChunkError,
@@ -50,8 +50,6 @@ from dmi.reader import FooterCache, assemble, load_footer, read_record, read_rec
 
 __all__ = ["Store", "open", "capture", "default_home", "PACKS_ENV", "HOME_ENV", "CATALOG_ENV"]
 
-HOME_ENV = "DMI_HOME"
-CATALOG_ENV = "DMI_CATALOG"
 PACKS_ENV = "DMI_PACKS"
 _DEFAULT_HOME = Path("~/.local/share/dmi")
 
@@ -186,21 +184,10 @@ class Store:
             query = query.replace("{" + name + "}", qualified)
         return self.catalog.sql(query)
 
-    def _query(self, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
-        """A parameterised query: values travel as parameters, never in the SQL text."""
-        for name, qualified in self.tables.items():
-            sql = sql.replace("{" + name + "}", qualified)
-        return self.catalog.sql(sql, params).to_pylist()
-
     def models(self) -> list[ModelSummary]:
         """Every model id with published records, with run, request, record and byte totals."""
-        rows = self._query(
-            "SELECT model_id, uniqExact(run_id) AS runs, uniqExact(request_id) AS requests, count() AS records, "
-            "sum(payload_length) AS stored, sum(raw_size) AS raw FROM {records} GROUP BY model_id ORDER BY model_id",
-            {},
-        )
-        return [ModelSummary(r["model_id"], int(r["runs"]), int(r["requests"]), int(r["records"]),
-                             int(r["stored"]), int(r["raw"])) for r in rows]
+        return [ModelSummary(t.model_id, t.runs, t.requests, t.records, t.stored_bytes, t.raw_bytes)
+                for t in self.catalog.model_totals()]
 
     def requests(self, model_id: str, *, run_id: str | None = None) -> list[RequestSummary]:
         """The requests of ``model_id`` (of one run if ``run_id``), oldest run first.
@@ -208,24 +195,11 @@ class Store:
         ``n_tokens`` is the request's stored token count (prompt without padding, plus the
         captured decode steps). Raises ``RecordNotFoundError`` for an unknown model id or run.
         """
-        params: dict[str, Any] = {"model_id": model_id}
-        where = "model_id = %(model_id)s"
-        if run_id is not None:
-            params["run_id"] = run_id
-            where += " AND run_id = %(run_id)s"
-        rows = self._query(
-            "SELECT request_id, run_id, max(tokens) AS n_tokens, groupUniqArray(hook) AS hooks, sum(n) AS records, "
-            "sum(stored) AS stored, sum(raw) AS raw FROM ("
-            "SELECT request_id, run_id, hook, layer, shard_rank, sum(n_tokens) AS tokens, count() AS n, "
-            f"sum(payload_length) AS stored, sum(raw_size) AS raw FROM {{records}} WHERE {where} "
-            "GROUP BY request_id, run_id, hook, layer, shard_rank) "
-            "GROUP BY request_id, run_id ORDER BY run_id, request_id",
-            params,
-        )
+        rows = self.catalog.request_totals(model_id, run_id=run_id)
         if not rows:
             self._diagnose(model_id, None, None, run_id=run_id)
-        return [RequestSummary(model_id, r["run_id"], r["request_id"], int(r["n_tokens"]), _hook_order(r["hooks"]),
-                               int(r["records"]), int(r["stored"]), int(r["raw"])) for r in rows]
+        return [RequestSummary(model_id, r.run_id, r.request_id, r.n_tokens, _hook_order(r.hooks), r.records,
+                               r.stored_bytes, r.raw_bytes) for r in rows]
 
     def contents(self, model_id: str, request_id: str, *, run_id: str | None = None) -> RequestContents:
         """What one request holds: per hook its layers, shard ranks, tokens, dtype, bytes; and
@@ -236,21 +210,11 @@ class Store:
         not given.
         """
         run = self._resolve_run(model_id, request_id, run_id)
-        rows = self._query(
-            "SELECT hook, groupUniqArray(layer) AS layers, groupUniqArray(shard_rank) AS ranks, max(tokens) AS n_tokens, "
-            "any(dtype) AS dtype, any(feature) AS feature, sum(n) AS records, sum(stored) AS stored, sum(raw) AS raw "
-            "FROM (SELECT hook, layer, shard_rank, sum(n_tokens) AS tokens, any(dtype) AS dtype, "
-            "any(arraySlice(if(length(full_shape) > 0, full_shape, shape), 2)) AS feature, count() AS n, "
-            "sum(payload_length) AS stored, sum(raw_size) AS raw FROM {records} "
-            "WHERE model_id = %(model_id)s AND request_id = %(request_id)s AND run_id = %(run_id)s "
-            "GROUP BY hook, layer, shard_rank) GROUP BY hook",
-            {"model_id": model_id, "request_id": request_id, "run_id": run},
-        )
+        held = self.catalog.request_contents(model_id, request_id, run_id=run)
         hooks = {
-            r["hook"]: HookSummary(r["hook"], tuple(sorted(r["layers"])), tuple(sorted(r["ranks"])), int(r["n_tokens"]),
-                                   r["dtype"], tuple(int(d) for d in r["feature"]), int(r["records"]),
-                                   int(r["stored"]), int(r["raw"]))
-            for r in rows
+            h.hook: HookSummary(h.hook, h.layers, h.shard_ranks, h.n_tokens, h.dtype, h.feature_shape, h.n_records,
+                                h.stored_bytes, h.raw_bytes)
+            for h in held.values()
         }
         lost = self.catalog.losses(model_id=model_id, run_id=run, request_id=request_id).to_pylist()
         losses = tuple(Loss(r["hook"], int(r["layer"]), int(r["count"]), r["reason"]) for r in lost)
@@ -332,10 +296,7 @@ class Store:
 
     def _resolve_run(self, model_id: str, request_id: str, run_id: str | None) -> str:
         """The one run holding ``request_id``; refuses to guess between several."""
-        params = {"model_id": model_id, "request_id": request_id}
-        runs = [r["run_id"] for r in self._query(
-            "SELECT DISTINCT run_id FROM {records} WHERE model_id = %(model_id)s AND request_id = %(request_id)s "
-            "ORDER BY run_id", params)]
+        runs = self.catalog.request_runs(model_id, request_id)
         if run_id is not None:
             if run_id not in runs:
                 self._diagnose(model_id, request_id, None, run_id=run_id)
@@ -444,9 +405,7 @@ class Store:
         ids = self.catalog.recover(self.packs)
         if not ids:
             return []
-        rows = self._query("SELECT pack_id, count() AS n FROM {records} WHERE pack_id IN %(ids)s GROUP BY pack_id",
-                           {"ids": tuple(ids)})
-        counts = {r["pack_id"]: int(r["n"]) for r in rows}
+        counts = self.catalog.pack_record_counts(ids)
         return [RecoveredPack(pack_id, counts.get(pack_id, 0)) for pack_id in ids]
 
 

@@ -67,9 +67,9 @@ def find_record(store: PackStore, pack_id: str, key: RecordKey, *, cache: Footer
     """The entry for ``key`` in pack ``pack_id``, from the pack's own index."""
     found = load_footer(store, pack_id, cache=cache).by_key.get(key, ())
     if not found:
-        raise RecordNotFoundError(f"pack {pack_id} has no record {_describe_key(key)}")
+        raise RecordNotFoundError(f"pack {pack_id} has no record {key.describe()}")
     if len(found) > 1:
-        raise DuplicateChunkError(f"pack {pack_id} holds {len(found)} records with key {_describe_key(key)}")
+        raise DuplicateChunkError(f"pack {pack_id} holds {len(found)} records with key {key.describe()}")
     return found[0]
 
 
@@ -127,7 +127,7 @@ def _read_range(source: PackInput, rng, entries: list[RecordEntry]) -> torch.Ten
     try:
         source.read_into(rng.offset, buffer.numpy())
     except PackTruncatedError as exc:
-        names = ", ".join(_describe(e) for e in entries[:5]) + (" ..." if len(entries) > 5 else "")
+        names = ", ".join(e.meta.key.describe() for e in entries[:5]) + (" ..." if len(entries) > 5 else "")
         raise PackTruncatedError(f"{exc}; records affected: {names}") from exc
     return buffer
 
@@ -137,11 +137,11 @@ def _decode(entry: RecordEntry, stored: torch.Tensor) -> torch.Tensor:
     meta = entry.meta
     stored_np = stored.numpy()
     if checksum(stored_np) != meta.checksum:
-        raise PackCorruptError(f"pack {entry.pack_id}: record {_describe(entry)} fails its checksum")
+        raise PackCorruptError(f"pack {entry.pack_id}: record {entry.meta.key.describe()} fails its checksum")
     dtype = torch_dtype(meta.dtype)
     if math.prod(meta.shape) * dtype.itemsize != meta.raw_size:
         raise PackCorruptError(
-            f"pack {entry.pack_id}: record {_describe(entry)} claims shape {meta.shape} {meta.dtype} "
+            f"pack {entry.pack_id}: record {entry.meta.key.describe()} claims shape {meta.shape} {meta.dtype} "
             f"but {meta.raw_size} raw bytes"
         )
     if meta.codec == "raw" and stored.storage_offset() % max(dtype.itemsize, 1) == 0 and stored.numel() == meta.raw_size:
@@ -151,7 +151,7 @@ def _decode(entry: RecordEntry, stored: torch.Tensor) -> torch.Tensor:
         try:
             decode(meta.codec, stored_np, raw.numpy(), dtype.itemsize)
         except CodecError as exc:
-            raise PackCorruptError(f"pack {entry.pack_id}: record {_describe(entry)} cannot be decoded: {exc}") from exc
+            raise PackCorruptError(f"pack {entry.pack_id}: record {entry.meta.key.describe()} cannot be decoded: {exc}") from exc
     return raw.view(dtype).reshape(meta.shape)
 
 
@@ -160,14 +160,6 @@ def _check_against_footer(store: PackStore, entries: list[RecordEntry], cache: F
     for e in entries:
         if e not in footer.by_key.get(e.meta.key, ()):
             raise PackCorruptError(
-                f"pack {e.pack_id}: record {_describe(e)} at {e.payload} does not match the pack's "
+                f"pack {e.pack_id}: record {e.meta.key.describe()} at {e.payload} does not match the pack's "
                 f"own index; the catalog row is stale or wrong"
             )
-
-
-def _describe_key(k: RecordKey) -> str:
-    return f"{k.model_id}/{k.run_id}/{k.request_id}/{k.hook}/layer {k.layer}/tokens {k.start_token}+{k.n_tokens}/rank {k.shard_rank}"
-
-
-def _describe(entry: RecordEntry) -> str:
-    return _describe_key(entry.meta.key)

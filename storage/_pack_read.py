@@ -91,7 +91,7 @@ def _scan_rows(pack_id: str, buffer: pa.Buffer, whole: bytearray, entries) -> No
             _check_row(pack_id, entry, batch, row, offset, end - start)
             stored = memoryview(whole)[offset : offset + (end - start)]
             if checksum(stored) != entry.meta.checksum:
-                raise PackCorruptError(f"pack {pack_id}: record {_describe(entry)} fails its checksum")
+                raise PackCorruptError(f"pack {pack_id}: record {entry.meta.key.describe()} fails its checksum")
 
 
 def _check_row(pack_id: str, entry: RecordEntry, batch: pa.RecordBatch, row: int, offset: int, length: int) -> None:
@@ -108,7 +108,7 @@ def _check_row(pack_id: str, entry: RecordEntry, batch: pa.RecordBatch, row: int
     }
     if observed != expected or (offset, length) != (entry.payload.offset, entry.payload.length):
         raise PackCorruptError(
-            f"pack {pack_id}: row {row} disagrees with index entry {_describe(entry)} "
+            f"pack {pack_id}: row {row} disagrees with index entry {entry.meta.key.describe()} "
             f"(row {observed} at {offset}+{length}, index {expected} at {entry.payload})"
         )
 
@@ -120,8 +120,3 @@ def _open_ipc(source: PackInput) -> pa.ipc.RecordBatchFileReader:
         raise PackCorruptError(
             f"pack {source.pack_id}: not a readable Arrow IPC file (truncated or corrupt): {exc}"
         ) from exc
-
-
-def _describe(entry: RecordEntry) -> str:
-    k = entry.meta.key
-    return f"{k.request_id}/{k.hook}/layer {k.layer}/tokens {k.start_token}+{k.n_tokens}/rank {k.shard_rank}"

@@ -44,6 +44,13 @@ class RecordKey:
     shard_rank: int = 0
     tp_size: int = 1
 
+    def describe(self) -> str:
+        """The key in one line, for error messages: ``model/run/request/hook/layer/tokens/rank``."""
+        return (
+            f"{self.model_id}/{self.run_id}/{self.request_id}/{self.hook}/layer {self.layer}"
+            f"/tokens {self.start_token}+{self.n_tokens}/rank {self.shard_rank}"
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class ShardGeometry:

@@ -14,7 +14,7 @@ import uuid
 import pyarrow as pa
 import pytest
 
-from dmi.catalog import Watermark, open_catalog
+from dmi.catalog import HookContents, ModelTotals, RequestTotals, Watermark, open_catalog
 from dmi.storage import (
     ByteRange,
     CatalogUnavailableError,
@@ -33,7 +33,6 @@ from dmi.storage import (
     ServerError,
     ShardGeometry,
 )
-from dmi.catalog import _leases
 from dmi.catalog._catalog_backend import unavailable
 
 HUGE_CHECKSUM = 2**64 - 12345
@@ -90,6 +89,53 @@ class FaultyBackend:
         return self._inner.insert(table, data)
 
 
+class InterleavingBackend:
+    """Runs ``before()`` once, just before the first lease row of ``kind`` is inserted.
+
+    Stands in for a rival's statements landing between two of ours: a real race between
+    two claimers cannot be steered to that exact point, so the rival runs inside it.
+    """
+
+    def __init__(self, inner, kind: str, before):
+        self._inner = inner
+        self._kind = kind
+        self._before = before
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def insert(self, table, data):
+        if self._before is not None and "leases" in table and self._kind in data.column("kind").to_pylist():
+            before, self._before = self._before, None
+            before()
+        return self._inner.insert(table, data)
+
+
+def publisher_on(catalog, backend, scope, holder, lease_seconds=30.0):
+    """A publisher of ``catalog`` whose statements go through ``backend`` (a test wrapper)."""
+    original = catalog._backend
+    catalog._backend = backend
+    try:
+        return catalog.publisher(scope, holder=holder, lease_seconds=lease_seconds)
+    finally:
+        catalog._backend = original
+
+
+def fence_without_confirm(catalog, scope, holder):
+    """Run a successor's claim and fence for real, then fail its confirm (certainly not landed).
+
+    What a successor that crashed (or lost its connection) between fence and confirm leaves:
+    a fence of a higher term and no confirm for it. Returns the successor's term.
+    """
+    faulty = FaultyBackend(catalog._backend)
+    successor = publisher_on(catalog, faulty, scope, holder)
+    faulty.arm("leases", landed=False, kind="confirm")
+    with pytest.raises(CatalogUnavailableError):
+        successor.acquire()
+    assert successor.term is None and not successor.quarantined
+    return catalog.lease_state(scope).max_fence
+
+
 CRASHING_WRITER = r"""
 import os, signal, sys
 import torch
@@ -135,7 +181,7 @@ class RecoveryConformance:
             assert catalog.requests("m") == ["published"]
             with pytest.raises(LeaseHeldError, match="crashy"):
                 catalog.recover(store, scope="writer-scope")  # the dead writer's lease is still live
-            state = _leases.read_state(catalog, "writer-scope")
+            state = catalog.lease_state("writer-scope")
             assert state.holder == "crashy"
             time.sleep(max(0.0, state.expires_at - time.time()) + 0.1)
             outcomes: dict[str, object] = {}
@@ -266,6 +312,34 @@ class CatalogConformance(RecoveryConformance):
         assert catalog.find_records("gpt2", run_id="run-2") == []
         with pytest.raises(InvalidArgumentError):
             catalog.find_records("gpt2", layers=["1"])
+
+    def test_summaries_count_each_published_record_once(self, catalog):
+        a = pack(entries=[entry("", i, request="r1", layer=i % 2, start=4 * (i // 2)) for i in range(4)])
+        b = pack(entries=[entry("", 0, run="run-2", request="r1", hook="logits", layer=-1, shape=(4, 97)),
+                          entry("", 1, run="run-2", request="r2")])
+        hidden = pack(entries=[entry("", 0, model="ghost")])
+        with catalog.publisher("s", holder="h") as pub:
+            pub.publish([a, b])
+            pub.publish([a])  # published twice: counted once
+        catalog._index([hidden], scope="s", term=1)  # indexed, never published: what a crash leaves
+        assert catalog.model_totals() == [ModelTotals("gpt2", 2, 2, 6, 6 * 64, 64 * (1 + 2 + 3 + 4) + 64 * (1 + 2))]
+        assert catalog.request_totals("gpt2") == [
+            RequestTotals("run-1", "r1", 8, ("resid_post",), 4, 4 * 64, 64 * 10),
+            RequestTotals("run-2", "r1", 4, ("logits",), 1, 64, 64),
+            RequestTotals("run-2", "r2", 4, ("resid_post",), 1, 64, 128),
+        ]
+        assert [r.request_id for r in catalog.request_totals("gpt2", run_id="run-2")] == ["r1", "r2"]
+        assert catalog.request_totals("ghost") == []
+        assert catalog.request_runs("gpt2", "r1") == ["run-1", "run-2"]
+        assert catalog.request_runs("gpt2", "r2") == ["run-2"]
+        assert catalog.request_runs("ghost", "req-1") == []
+        assert catalog.request_contents("gpt2", "r1", run_id="run-1") == {
+            "resid_post": HookContents("resid_post", (0, 1), (0,), (1,), 4, 8, "bfloat16", (8,), 4 * 64, 64 * 10),
+        }
+        assert catalog.request_contents("gpt2", "r1", run_id="run-2")["logits"].feature_shape == (97,)
+        counts = catalog.pack_record_counts([a.pack_id, b.pack_id, hidden.pack_id, a.pack_id])
+        assert counts == {a.pack_id: 4, b.pack_id: 2}
+        assert catalog.pack_record_counts([]) == {}
 
     def test_sql_one_query_for_mean_l2_per_layer(self, catalog):
         desc = pack(entries=[entry("", i, layer=i % 4, request=f"r{i}") for i in range(8)])
@@ -440,6 +514,54 @@ class CatalogConformance(RecoveryConformance):
             )
             assert reader.find_records("gpt2") == []
             assert catalog.find_records("gpt2") == []
+
+    def test_a_successors_fence_alone_ends_the_holders_term(self, catalog):
+        """The fence clause of the holder's still-mine check: a successor that fenced but never
+        confirmed has still ended the term, so the holder must not publish into the cut."""
+        a = catalog.publisher("s", holder="A", lease_seconds=30)
+        a.acquire()
+        a.publish([pack(request="before")])
+        assert fence_without_confirm(catalog, "s", holder="A") == 2  # a restarted "A" that failed to confirm
+        state = catalog.lease_state("s")
+        assert (state.term, state.holder, state.max_fence) == (1, "A", 2)  # term 1 is still the confirmed one
+        with pytest.raises(LeaseLostError, match="successor took over"):
+            a.publish([pack(request="after-fence")])
+        assert a.term is None
+        rows = catalog.sql(f"SELECT term, seq FROM {catalog.tables['watermarks']} ORDER BY term, seq").to_pylist()
+        assert rows == [{"term": 1, "seq": 1}]  # refused before its watermark was written
+
+    def test_a_fenced_lease_is_not_live_and_is_taken_over_at_once(self, catalog):
+        """The fence clause of the lease state's liveness: a confirmed, unexpired term that a
+        higher fence cut is over, so another holder may claim without waiting for expiry."""
+        a = catalog.publisher("s", holder="A", lease_seconds=30)
+        a.acquire()
+        fence_without_confirm(catalog, "s", holder="A")
+        state = catalog.lease_state("s")
+        assert state.expires_at > time.time() and not state.released
+        assert not state.live(time.time())
+        c = catalog.publisher("s", holder="C", lease_seconds=30)
+        assert c.acquire() == 3  # above the fence's term, not refused as "held by 'A'"
+        c.publish([pack(request="by-c")])
+        assert {e.meta.key.request_id for e in catalog.find_records("gpt2")} == {"by-c"}
+
+    @pytest.mark.parametrize("rival_confirms", [True, False], ids=["rival-confirmed", "rival-fenced-only"])
+    def test_a_claim_overtaken_before_its_confirm_is_refused(self, catalog, rival_confirms):
+        """The "overtaken at once" check after a claim: a rival that read the state before our
+        claim landed is alone at a higher term; once it has fenced (and maybe confirmed) our
+        confirm must not make us a holder."""
+        def rival():
+            if rival_confirms:
+                catalog.publisher("s", holder="B", lease_seconds=30).acquire()
+            else:
+                fence_without_confirm(catalog, "s", holder="B")
+
+        a = publisher_on(catalog, InterleavingBackend(catalog._backend, "confirm", rival), "s", holder="A")
+        with pytest.raises(LeaseHeldError, match="overtaken at once by term 2"):
+            a.acquire()
+        assert a.term is None
+        with pytest.raises(LeaseError, match="acquire"):
+            a.publish([pack(request="by-a")])
+        assert catalog.find_records("gpt2") == []
 
     def test_renewal_keeps_the_lease(self, catalog):
         a = catalog.publisher("s", holder="A", lease_seconds=2.0)

@@ -286,3 +286,133 @@ def test_drain_error_surfaces_on_the_model_thread_before_more_is_copied():
                 model(ids, attention_mask=mask)  # a direct forward: only the ring's check stands guard
             assert isinstance(e.value.__cause__, RuntimeError)
             assert cap.ring.stats.copies == copies  # nothing more was copied
+
+
+# -- tensor-parallel rank -------------------------------------------------------------------------
+@pytest.fixture
+def process_group(tmp_path):
+    """A real single-process gloo group (world size 1), torn down afterwards."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+class _Mesh:
+    """A 1-D TP mesh where this process is shard ``rank`` of ``size``. A fake: a real mesh with a
+    local rank other than the global rank needs several processes, and in one process the
+    global rank is 0, so only a fake can show that the mesh's rank is used and not the global one."""
+
+    mesh_dim_names = ("tp",)
+    ndim = 1
+
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
+
+    def __getitem__(self, name):
+        assert name == "tp"
+        return self
+
+    def get_local_rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+def test_tp_rank_comes_from_the_tp_mesh_never_the_global_rank(process_group):
+    from dmi.capture._tp import resolve_tp
+
+    model = tiny("llama")
+    model._device_mesh, model._tp_size = _Mesh(1, 2), 2  # what transformers stores on a model it sharded
+    assert process_group.get_rank() == 0
+    got = resolve_tp(model)
+    assert (got.rank, got.size) == (1, 2)
+    ids, mask = left_padded_batch()
+    w = MemoryWriter()
+    with attach(model, hooks="resid_post", writer=w) as cap:
+        cap.forward(ids, attention_mask=mask)
+    assert {(k.shard_rank, k.tp_size) for k, _, _ in w.records} == {(1, 2)}
+
+
+def test_tp_rank_from_real_transformers_meshes(process_group):
+    """The real DeviceMesh objects transformers 5.x stores: the mesh manager, the
+    ("pp", "fsdp", "tp") mesh, and the legacy 1-D TP mesh (world size 1: shard 0 of 1)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.utils import TransformersDeviceMesh
+
+    from dmi.capture._tp import resolve_tp, tp_mesh_of
+
+    dense = init_device_mesh("cpu", (1, 1, 1, 1), mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
+    expert = init_device_mesh("cpu", (1, 1, 1, 1), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+    for stored in (
+        {"_mesh_manager": TransformersDeviceMesh(dense, expert)},
+        {"_device_mesh": dense["pp", "fsdp", "tp"]},
+        {"_device_mesh": init_device_mesh("cpu", (1,))},
+    ):
+        model = tiny("llama")
+        for name, value in stored.items():
+            setattr(model, name, value)
+        mesh = tp_mesh_of(model)
+        assert mesh is not None and mesh.ndim == 1 and mesh.size() == 1, stored
+        got = resolve_tp(model)
+        assert (got.rank, got.size) == (0, 1)
+    assert tp_mesh_of(tiny("llama")) is None
+
+
+def test_tp_rank_explicit_arguments_win_and_default_is_rank_0_of_1(process_group):
+    from dmi.capture._tp import resolve_tp
+
+    model = tiny("llama")
+    assert (resolve_tp(model).rank, resolve_tp(model).size) == (0, 1)
+    model._device_mesh = _Mesh(1, 2)
+    got = resolve_tp(model, tp_rank=3, tp_size=4)
+    assert (got.rank, got.size) == (3, 4)
+    got = resolve_tp(model, tp_rank=0)
+    assert (got.rank, got.size) == (0, 2)  # the size still from the mesh
+
+
+def test_tp_sharded_model_without_a_mesh_is_refused_not_guessed():
+    from dmi.capture._tp import resolve_tp
+
+    model = tiny("llama")
+    model._tp_size = 2  # sharded, but no mesh to say which shard this process holds
+    before = n_hooks(model)
+    with pytest.raises(InvalidArgumentError, match="pass tp_rank="):
+        with attach(model, hooks="resid_post", writer=MemoryWriter()):
+            pass
+    assert n_hooks(model) == before
+    got = resolve_tp(model, tp_rank=1)
+    assert (got.rank, got.size) == (1, 2)
+
+
+@pytest.mark.parametrize("rank, size", [(2, 2), (-1, 2), (True, 2), (0, 0), (0, 1.0), ("0", 1)])
+def test_tp_rank_and_size_are_checked(rank, size):
+    from dmi.capture._tp import resolve_tp
+
+    with pytest.raises(InvalidArgumentError, match="tp_"):
+        resolve_tp(tiny("llama"), tp_rank=rank, tp_size=size)
+
+
+def test_ring_stamps_every_submitted_slot_also_one_that_filled_mid_step():
+    """A slot handed over because it filled up (not at the end of a step) must carry the
+    copies-done event too, or the drain could read bytes still being copied. The event is a
+    stand-in string: a CUDA event needs a GPU, and the ring only passes it along."""
+    from dmi.capture import Ring
+    from dmi.capture._ring import Entry
+
+    ring = Ring(3, 64, pin=False)
+    handed: list = []
+    stamps = iter(["event-1", "event-2"])
+    ring.connect(handed.append, stamp=lambda: next(stamps))
+    for _ in range(2):  # the second reservation does not fit: the first slot is submitted by the ring
+        slot, offset = ring.reserve(48)
+        slot.entries.append(Entry("resid_post", 0, offset, 48, torch.float32, 12, plan=None))
+    assert [s.event for s in handed] == ["event-1"]
+    ring.submit()  # the end of the step
+    assert [s.event for s in handed] == ["event-1", "event-2"]
+    ring.release(handed[0])
+    assert handed[0].event is None and handed[0].entries == []

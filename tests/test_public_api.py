@@ -47,7 +47,8 @@ STORAGE_ALL = [
 ]
 
 CATALOG_ALL = [
-    "open_catalog", "default_catalog_uri", "CATALOG_ENV", "HOME_ENV", "Catalog", "HookContents", "Publisher",
+    "open_catalog", "default_catalog_uri", "CATALOG_ENV", "HOME_ENV", "Catalog", "HookContents", "ModelTotals",
+    "RequestTotals", "Publisher",
     "Watermark", "validate_value_id",
 ]
 

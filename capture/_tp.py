@@ -1,0 +1,78 @@
+"""Which tensor-parallel shard this process captures: its TP rank and the TP degree.
+
+The rank is the process's position in the *tensor-parallel* group, not its global
+``torch.distributed`` rank: under data or pipeline parallelism the two differ (with
+``dp=2, tp=2`` global rank 3 holds TP shard 1). In order of precedence it comes from
+
+1. ``tp_rank=`` / ``tp_size=`` the caller passes (either may be given alone);
+2. the TP device mesh transformers stored on a model it sharded
+   (``distributed_config=DistributedConfig(tp_size=...)``): transformers 5.x keeps a mesh
+   manager (``model._mesh_manager.get_mesh("tp")``) and the ``("pp", "fsdp", "tp")`` mesh
+   (``model._device_mesh``), or — through the legacy tensor-parallel API — a 1-D TP mesh in
+   ``model._device_mesh``. These are transformers' private attributes, read here because
+   the public ``model.tp_size`` gives the degree only, never the rank;
+3. otherwise rank 0 of 1 (an unsharded model).
+
+A model whose ``tp_size`` says it is sharded but whose TP mesh cannot be found is refused
+rather than guessed: pass ``tp_rank=`` and ``tp_size=``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dmi.storage.errors import InvalidArgumentError
+
+__all__ = ["TensorParallelRank", "resolve_tp"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallelRank:
+    """This process's shard: ``rank`` in ``0 .. size - 1`` of a ``size``-way TP group."""
+
+    rank: int
+    size: int
+
+
+def resolve_tp(model, tp_rank: int | None = None, tp_size: int | None = None) -> TensorParallelRank:
+    """The TP rank and size for ``model`` (see the module docstring for the precedence).
+
+    Raises :class:`InvalidArgumentError` for a rank or size that is not an int in range, and
+    for a sharded model whose TP mesh cannot be found when ``tp_rank`` is not given.
+    """
+    _check_int("tp_rank", tp_rank, minimum=0)
+    _check_int("tp_size", tp_size, minimum=1)
+    mesh = None if tp_rank is not None and tp_size is not None else tp_mesh_of(model)
+    if mesh is not None:
+        rank = tp_rank if tp_rank is not None else int(mesh.get_local_rank())
+        size = tp_size if tp_size is not None else int(mesh.size())
+    else:
+        size = tp_size if tp_size is not None else int(getattr(model, "tp_size", None) or 1)
+        if tp_rank is None and size > 1:
+            raise InvalidArgumentError(
+                f"the model is sharded {size} ways for tensor parallelism but its TP device mesh was not "
+                "found, so this process's TP rank is unknown; pass tp_rank= and tp_size= to attach"
+            )
+        rank = tp_rank if tp_rank is not None else 0
+    if rank >= size:
+        raise InvalidArgumentError(f"tp_rank must be below tp_size, got tp_rank={rank} with tp_size={size}")
+    return TensorParallelRank(rank, size)
+
+
+def tp_mesh_of(model):
+    """The 1-D tensor-parallel ``DeviceMesh`` transformers stored on ``model``, or ``None``."""
+    manager = getattr(model, "_mesh_manager", None)
+    if manager is not None:
+        return manager.get_mesh("tp")
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is None:
+        return None
+    names = mesh.mesh_dim_names or ()
+    if "tp" in names:
+        return mesh["tp"]
+    return mesh if mesh.ndim == 1 and not names else None
+
+
+def _check_int(name: str, value, *, minimum: int) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
