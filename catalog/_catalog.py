@@ -18,11 +18,14 @@ import pyarrow.compute as pc
 from dmi.catalog import _schema
 from dmi.catalog._catalog_backend import CatalogBackend
 from dmi.catalog._leases import Publisher, Watermark, validate_record_ids
-from dmi.catalog._sql import quote_identifier, validate_identifier, validate_value_id
-from dmi.storage.errors import InvalidArgumentError, InvalidIdentifierError, SchemaVersionError
+from dmi.catalog._sql import bind, quote_identifier, single_statement, validate_identifier, validate_value_id
+from dmi.storage.errors import InvalidArgumentError, InvalidIdentifierError, SchemaVersionError, ServerError
 from dmi.storage.records import PackDescriptor, RecordEntry
 
 __all__ = ["Catalog", "HookContents"]
+
+#: ClickHouse's error code for a statement refused under ``readonly``.
+READONLY_CODE = 164
 
 
 @dataclass(frozen=True, slots=True)
@@ -465,7 +468,12 @@ class Catalog:
         Values go in ``params`` and are named in the text as ``%(name)s``; the backend
         renders them (driver parameters on a server, one escaping routine on chDB), so a
         value never enters SQL text any other way. With ``params``, a literal ``%`` in the
-        text is written ``%%``.
+        text is written ``%%`` (both backends); a missing parameter, a stray ``%`` or a value
+        with no SQL literal raises InvalidArgumentError.
+
+        Read-only and one statement per call: the statement runs under ClickHouse's own
+        ``readonly=1`` setting (a write, DDL or ``SET`` fails with ServerError code 164,
+        ``READONLY``), and a second statement after a ``;`` raises InvalidArgumentError.
 
         ``records_published`` holds one row per published, unfenced record, with its
         statistics, e.g. the mean L2 norm of ``resid_post`` per layer::
@@ -477,4 +485,14 @@ class Catalog:
             raise InvalidArgumentError("sql() takes a str")
         if params is not None and not isinstance(params, dict):
             raise InvalidArgumentError(f"sql() params must be a dict, not {type(params).__name__}")
-        return self._backend.query(query, params)
+        single_statement(query)
+        bind(query, params)  # every binding problem surfaces here, the same on both backends
+        try:
+            return self._backend.query(query, params, readonly=True)
+        except ServerError as exc:
+            if exc.code != READONLY_CODE:
+                raise
+            raise ServerError(
+                f"sql() is read-only: it runs with ClickHouse's readonly=1 setting, so it cannot change "
+                f"the catalog ({exc})", code=exc.code, name=exc.name,
+            ) from exc

@@ -13,7 +13,8 @@ bare filesystem path)
 ============================================  ===============================================
 
 ``DMI_CATALOG`` may itself hold any of these URIs. Settings (keyword arguments) go to the
-catalog (``table_prefix="dmi_"``) or to the backend (chDB: ``database="dmi"``; server:
+catalog (``table_prefix="dmi_"``) or to the backend (chDB: ``database="dmi"``,
+``lock_timeout=60`` seconds to wait for another process's turn on the directory; server:
 ``connect_timeout``, ``send_receive_timeout``, ``create_database``, and any ClickHouse
 setting). Backends are imported only when used; a missing one raises
 :class:`~dmi.catalog.BackendNotInstalledError` saying what to install.
@@ -89,7 +90,7 @@ def open_catalog(uri: str | os.PathLike[str] | None = None, **settings) -> Catal
 def _open_chdb(path: Path, settings: dict, catalog_settings: dict) -> Catalog:
     from dmi.catalog._chdb import ChdbBackend
 
-    unknown = set(settings) - {"database"}
+    unknown = set(settings) - {"database", "lock_timeout"}
     if unknown:
         raise InvalidArgumentError(f"unknown chDB catalog settings: {sorted(unknown)}")
     return _with_backend(ChdbBackend(path, **settings), catalog_settings)
