@@ -9,6 +9,7 @@ holds the directory, and chDB must never print its own lock error.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -25,10 +26,10 @@ LAYERS = 3  # tiny GPT-2
 PER_BATCH = 3  # requests per forward (left_padded_batch)
 
 
-def _worker(home, model_id, run_id, *, rank=0, size=1, batches=3, step=False) -> subprocess.Popen:
+def _worker(home, model_id, run_id, *, rank=0, size=1, batches=3, step=False, env=None) -> subprocess.Popen:
     args = [str(home), model_id, run_id, str(rank), str(size), str(batches)] + (["step"] if step else [])
     return subprocess.Popen([sys.executable, "-m", "tests._shared_store_worker", *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def _cli(home, *args) -> subprocess.CompletedProcess:
@@ -145,4 +146,36 @@ def test_a_process_holding_dmi_open_does_not_block_a_capture(tmp_path):
             holder.kill()
             holder.communicate()
     assert holder.returncode == 0 and out.split() == ["AFTER", str(2 * PER_BATCH)], out + err
+    _no_raw_errors(err)
+
+
+TIGHT_READER = """
+    import sys
+    from dmi.catalog import open_catalog
+    catalog = open_catalog({catalog!r})
+    print("READING", flush=True)
+    n = 0
+    while not catalog.requests("shared-m") or len(catalog.requests("shared-m")) < {expected}:
+        catalog.find_records("shared-m", hook="resid_post")
+        n += 1
+    print("DONE", n > 0, flush=True)
+"""
+
+
+def test_a_reader_in_a_tight_loop_does_not_starve_a_capture(tmp_path):
+    """Back-to-back reads share a session; a session busy for long is handed over anyway."""
+    home = tmp_path / "store"
+    dmi.open(home=home).close()
+    code = textwrap.dedent(TIGHT_READER.format(catalog=str(home / "catalog"), expected=2 * PER_BATCH))
+    reader = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "READING", reader.stderr.read()
+        # A capture that waited out a starving reader would fail after this wait.
+        _finish(_worker(home, "shared-m", "run-1", batches=2, env={**os.environ, "DMI_CATALOG_LOCK_TIMEOUT": "30"}))
+        out, err = reader.communicate(timeout=300)
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.communicate()
+    assert reader.returncode == 0 and out.split() == ["DONE", "True"], out + err
     _no_raw_errors(err)
