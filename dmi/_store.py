@@ -64,14 +64,15 @@ def default_home() -> str:
 def open(catalog: str | None = None, packs: str | None = None, *, home: str | os.PathLike[str] | None = None) -> Store:
     """Open a store: the embedded chDB catalog and a local packs directory by default.
 
-    ``catalog``: ``chdb:///path`` (embedded, one process per directory) or
+    ``catalog``: ``chdb:///path`` (embedded, shared by processes that take turns) or
     ``clickhouse://user:password@host:port/database`` (a server). ``packs``: a directory
     or a ``pyarrow.fs`` URI (``s3://bucket/prefix``, ``file:///dir``). ``home``: a
     directory holding both (``home/catalog``, ``home/packs``). See the module docstring
     for the precedence of arguments and environment variables.
 
     Returns an open :class:`Store`; use it as a context manager or call ``close()``.
-    Raises ``CatalogLockedError`` (the chDB directory is held by another process),
+    Raises ``CatalogLockedError`` (another process held the chDB directory for one unit of
+    work past the wait), ``CatalogReadOnlyError`` (the chDB directory is read-only),
     ``CatalogUnavailableError`` (server unreachable), ``BackendNotInstalledError``,
     ``SchemaVersionError``, ``InvalidArgumentError`` (malformed URI).
     """
