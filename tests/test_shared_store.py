@@ -20,8 +20,6 @@ import pytest
 
 import dmi
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
 LAYERS = 3  # tiny GPT-2
 PER_BATCH = 3  # requests per forward (left_padded_batch)
 
