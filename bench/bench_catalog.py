@@ -13,6 +13,12 @@ Workload: ``--records`` index rows in packs of 10,000 records; keys are 1 model,
 (model, request, hook, layer) → 10 records, through ``Catalog.find_records`` (published,
 unfenced, with byte ranges). Publish latency is one ``Publisher.publish`` of one pack of
 10 records (index rows, lease check, watermark).
+
+chDB sessions: the embedded catalog holds a session per unit of catalog work, so several
+processes share one directory. The same point query and publish are timed with one held
+session, back to back (consecutive calls share a session until it is idle), and cold (a
+fresh session each: what a CLI call pays), and a publish loop runs while another process
+runs point queries in a loop (``--session-packs`` packs are indexed first).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import random
 import shutil
 import sqlite3
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -102,7 +109,7 @@ def bench_catalog(uri: str, descriptors, points, publishes: int) -> dict:
             scratch._backend.insert(scratch.tables["records"], table)
             out["arrow_ingest_s"] = time.perf_counter() - t0
             for name in scratch.tables.values():
-                scratch.sql(f"DROP TABLE IF EXISTS {name}")
+                scratch._backend.command(f"DROP TABLE IF EXISTS {name}")  # sql() is read-only
         # End to end: publish every descriptor under a lease (convert + ingest + watermark).
         publisher = catalog.publisher("bench", holder="bench", lease_seconds=600)
         publisher.acquire()
@@ -137,6 +144,100 @@ def bench_catalog(uri: str, descriptors, points, publishes: int) -> dict:
         publisher.release()
     out["rows"] = n
     return out
+
+
+READER_LOOP = """
+import sys, time
+from dmi.catalog import open_catalog
+catalog = open_catalog(sys.argv[1])
+deadline = time.monotonic() + float(sys.argv[2])
+n = 0
+while time.monotonic() < deadline:
+    catalog.find_records("bench-model", "req-000000", "resid_post", layers=0)
+    n += 1
+print(n)
+"""
+
+
+def _timed(op, n: int, before=None) -> list[float]:
+    lat = []
+    for i in range(n):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        op(i)
+        lat.append(time.perf_counter() - t0)
+    return lat
+
+
+def bench_sessions(descriptors, points, publishes: int) -> dict:
+    """chDB: point query and publish latency per session mode, and a reader process in a loop.
+
+    Modes: ``held`` (one session around every operation: one process owns the directory),
+    ``back-to-back`` (the default: sessions close after the idle time, so consecutive calls
+    share one), ``cold`` (the session closed before each operation: a CLI call, a notebook
+    cell after a pause). Contention: this process publishes while another process runs
+    point queries in a loop; the reader's completed queries are counted.
+    """
+    from dmi.catalog import _chdb
+
+    out: dict = {}
+    directory = tempfile.mkdtemp(prefix="catalog-bench-sessions-")
+    uri = f"chdb://{directory}/catalog"
+    small = make_descriptors(publishes * 4 * CHUNKS * len(HOOKS) * LAYERS, prefix="s")[0].records
+    counter = iter(range(10**9))
+
+    def one_pack(_):
+        i = next(counter)
+        pid = f"s{i:06d}"
+        recs = small[(i * 10) % len(small):][:10]
+        return PackDescriptor(pid, f"/packs/{pid}", 1, "bench", 1, time.time(),
+                              tuple(RecordEntry(e.meta, pid, e.payload) for e in recs))
+
+    try:
+        with open_catalog(uri) as catalog:
+            with catalog.publisher("bench", holder="bench", lease_seconds=600) as publisher:
+                for i in range(0, len(descriptors), 10):
+                    publisher.publish(descriptors[i : i + 10])
+
+                def query(i):
+                    request, hook, layer = points[i % len(points)]
+                    catalog.find_records("bench-model", request, hook, layers=layer)
+
+                def publish(i):
+                    publisher.publish([one_pack(i)])
+
+                with catalog._backend.session():
+                    out["held"] = (_timed(query, len(points)), _timed(publish, publishes))
+                out["back-to-back"] = (_timed(query, len(points)), _timed(publish, publishes))
+                cold = _chdb._SESSION.close_now
+                out["cold"] = (_timed(query, len(points), cold), _timed(publish, publishes, cold))
+                seconds = 3.0
+                reader = subprocess.Popen([sys.executable, "-c", READER_LOOP, uri, str(seconds)],
+                                          stdout=subprocess.PIPE, text=True,
+                                          cwd=str(Path(__file__).resolve().parent.parent))
+                time.sleep(1.0)  # let the reader start and enter its loop
+                lat, started = [], time.monotonic()
+                while time.monotonic() - started < seconds - 1.5:
+                    lat += _timed(publish, 1)
+                reads = int(reader.communicate(timeout=120)[0].strip() or 0)
+                out["contention"] = (lat, reads / seconds)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return out
+
+
+def print_sessions(result: dict) -> None:
+    print()
+    print("chDB sessions: latency in ms (p50 / p99) by how the session is held")
+    print()
+    print("| session | point query | publish (1 pack x 10 records) |\n|---|---|---|")
+    for mode in ("held", "back-to-back", "cold"):
+        q, p = result[mode]
+        print(f"| {mode} | {pct(q, 50) * 1e3:.2f} / {pct(q, 99) * 1e3:.2f} | {pct(p, 50) * 1e3:.1f} / {pct(p, 99) * 1e3:.1f} |")
+    lat, reads = result["contention"]
+    print(f"| publish while another process runs point queries in a loop ({reads:.0f} queries/s there) "
+          f"| — | {pct(lat, 50) * 1e3:.1f} / {pct(lat, 99) * 1e3:.1f} ({len(lat)} publishes) |")
 
 
 def bench_sqlite(table: pa.Table, points) -> dict:
@@ -187,6 +288,8 @@ def main(argv=None) -> None:
     parser.add_argument("--publishes", type=int, default=100)
     parser.add_argument("--server", help="clickhouse://user:pw@host:port (default: start the local binary)")
     parser.add_argument("--no-server", action="store_true")
+    parser.add_argument("--session-packs", type=int, default=20,
+                        help="packs of 10,000 records in the chDB session benchmark (default 20)")
     args = parser.parse_args(argv)
 
     import chdb
@@ -210,6 +313,7 @@ def main(argv=None) -> None:
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     print("# " + row("chDB (embedded)", results["chDB (embedded)"]), flush=True)
+    sessions = bench_sessions(descriptors[: args.session_packs], points, args.publishes)
 
     server_label = None
     if not args.no_server:
@@ -230,7 +334,7 @@ def main(argv=None) -> None:
                 with open_catalog(uri) as probe:
                     version = probe.sql("SELECT version() AS v").column("v")[0].as_py()
                     db = probe._backend.database
-                    probe.sql(f"DROP DATABASE IF EXISTS `{db}`")
+                    probe._backend.command(f"DROP DATABASE IF EXISTS `{db}`")
                 server_label = f"server {version} (native protocol, loopback)"
                 results[server_label] = bench_catalog(uri, descriptors, points, args.publishes)
                 print("# " + row(server_label, results[server_label]), flush=True)
@@ -258,6 +362,7 @@ def main(argv=None) -> None:
               f"| {sqlite['point_p50_ms']:.2f} / {sqlite['point_p99_ms']:.2f} | — |")
     print(f"| pyarrow filter, index in memory (no persistence) | — | — | — "
           f"| {arrow['point_p50_ms']:.2f} / {arrow['point_p99_ms']:.2f} | — |")
+    print_sessions(sessions)
 
 
 HEADER = (

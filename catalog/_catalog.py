@@ -18,11 +18,14 @@ import pyarrow.compute as pc
 from dmi.catalog import _schema
 from dmi.catalog._catalog_backend import CatalogBackend
 from dmi.catalog._leases import LeaseState, LeaseTables, Publisher, Watermark, read_state, validate_record_ids
-from dmi.catalog._sql import quote_identifier, validate_identifier, validate_value_id
-from dmi.storage.errors import InvalidArgumentError, InvalidIdentifierError, SchemaVersionError
+from dmi.catalog._sql import bind, quote_identifier, single_statement, validate_identifier, validate_value_id
+from dmi.storage.errors import InvalidArgumentError, InvalidIdentifierError, SchemaVersionError, ServerError
 from dmi.storage.records import PackDescriptor, RecordEntry
 
 __all__ = ["Catalog", "HookContents", "ModelTotals", "RequestTotals"]
+
+#: ClickHouse's error code for a statement refused under ``readonly``.
+READONLY_CODE = 164
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,28 +273,94 @@ class Catalog:
         holder: str | None = None,
         lease_seconds: float = 30.0,
     ) -> list[str]:
-        """Publish sealed packs that no visible watermark names; returns their pack ids.
+        """Re-index and publish every sealed pack the catalog does not fully show; returns their ids.
 
-        Lists ``store.list_packs()``, reads each unpublished pack's descriptor with
-        :func:`dmi.catalog.read_pack_descriptor` and publishes them under a lease on
-        ``scope`` (raises LeaseHeldError while a live writer holds it). Run it for a crashed
-        writer's scope once its lease has expired, or when no writer is running: a pack a
-        live writer sealed but has not published yet would be published by recovery (which
-        is harmless — publishing twice shows each record once).
+        Packs carry their own index, so whatever happened to the catalog — a crash between
+        seal and publish, tables dropped, its directory deleted, index rows lost — every
+        pack in ``store.list_packs()`` that :meth:`packs_to_recover` names is read back
+        (:func:`dmi.storage.read_pack_descriptor`), its missing index rows are written (only
+        the missing ones: each record is published exactly once) and, if no visible
+        watermark names it, it is published under a lease on ``scope`` (raises
+        LeaseHeldError while a live writer holds it). Run it when no writer is running, or
+        for a crashed writer's scope once its lease has expired: a pack a live writer sealed
+        but has not published yet would be published by recovery (harmless — readers see
+        each record once).
         """
         from dmi.storage import read_pack_descriptor  # the storage layer's reader
 
-        published = self.published_pack_ids()
-        candidates = [pack_id for pack_id in store.list_packs() if pack_id not in published]
-        if not candidates:
+        on_disk = list(store.list_packs())
+        if not self.packs_to_recover(on_disk):
             return []
         with self.publisher(scope, holder=holder, lease_seconds=lease_seconds) as publisher:
-            published = self.published_pack_ids()  # again, now that we hold the lease
-            descriptors = [read_pack_descriptor(store, pid) for pid in candidates if pid not in published]
-            if not descriptors:
+            candidates = self.packs_to_recover(on_disk)  # again, now that we hold the lease
+            if not candidates:
                 return []
-            publisher.publish(descriptors)
+            descriptors = [read_pack_descriptor(store, pid) for pid in candidates]
+            self._restore_index_rows(descriptors, scope=scope, term=publisher.term)
+            published = self.published_pack_ids()
+            unpublished = [d for d in descriptors if d.pack_id not in published]
+            if unpublished:
+                publisher.publish(unpublished)
         return [d.pack_id for d in descriptors]
+
+    def packs_to_recover(self, pack_ids: Iterable[str]) -> list[str]:
+        """Of ``pack_ids`` (the packs on disk), those the catalog does not fully show.
+
+        A pack is fully shown when a visible watermark names it, its ``packs`` row exists
+        and it has as many distinct index rows as that row says it holds records. Anything
+        else (never published, tables dropped, catalog deleted, rows lost) is a pack that
+        :meth:`recover` will re-index. Returned in the order given.
+        """
+        ids = tuple(dict.fromkeys(validate_value_id(p, "pack id") for p in pack_ids))
+        if not ids:
+            return []
+        published = self.published_pack_ids()
+        expected = {
+            r["pack_id"]: int(r["n"])
+            for r in self._backend.query(
+                f"SELECT pack_id, max(n_records) AS n FROM {self._tables['packs']} "
+                "WHERE pack_id IN %(ids)s GROUP BY pack_id",
+                {"ids": ids},
+            ).to_pylist()
+        }
+        indexed = {
+            r["pack_id"]: int(r["n"])
+            for r in self._backend.query(
+                f"SELECT pack_id, uniqExact(record_index) AS n FROM {self._tables['records']} "
+                "WHERE pack_id IN %(ids)s GROUP BY pack_id",
+                {"ids": ids},
+            ).to_pylist()
+        }
+        return [
+            p for p in ids
+            if p not in published or p not in expected or indexed.get(p, 0) < expected[p]
+        ]
+
+    def _restore_index_rows(self, descriptors: Sequence[PackDescriptor], *, scope: str, term: int) -> None:
+        """Write the index rows (records and packs) these packs are missing, and no others."""
+        ids = tuple(d.pack_id for d in descriptors)
+        present = {
+            (r["pack_id"], int(r["record_index"]))
+            for r in self._backend.query(
+                f"SELECT DISTINCT pack_id, record_index FROM {self._tables['records']} WHERE pack_id IN %(ids)s",
+                {"ids": ids},
+            ).to_pylist()
+        }
+        indexed_packs = set(
+            self._backend.query(
+                f"SELECT DISTINCT pack_id FROM {self._tables['packs']} WHERE pack_id IN %(ids)s", {"ids": ids}
+            ).column("pack_id").to_pylist()
+        )
+        records = _schema.records_table(descriptors)
+        keys = zip(records.column("pack_id").to_pylist(), records.column("record_index").to_pylist())
+        missing = pa.array([(pack_id, int(index)) not in present for pack_id, index in keys], type=pa.bool_())
+        validate_record_ids(records)
+        self._backend.insert(self._tables["records"], records.filter(missing))
+        fresh = [d for d in descriptors if d.pack_id not in indexed_packs]
+        if fresh:
+            self._backend.insert(
+                self._tables["packs"], _schema.packs_table(fresh, scope=scope, term=term, now=time.time())
+            )
 
     # ----------------------------------------------------------------- visibility
     def _published_subquery(self, scope: str | None, upto: Watermark | None, params: dict) -> str:
@@ -571,6 +640,7 @@ class Catalog:
             f"SELECT {columns} FROM {self._tables['records_published']} WHERE {' AND '.join(conditions)} "
             "ORDER BY run_id, request_id, hook, layer, start_token, shard_rank, pack_id, record_index",
             values,
+            readonly=True,  # the caller's filter runs where ClickHouse itself refuses any write
         )
         return _schema.entries_from_table(table) if table.num_rows else []
 
@@ -614,7 +684,12 @@ class Catalog:
         Values go in ``params`` and are named in the text as ``%(name)s``; the backend
         renders them (driver parameters on a server, one escaping routine on chDB), so a
         value never enters SQL text any other way. With ``params``, a literal ``%`` in the
-        text is written ``%%``.
+        text is written ``%%`` (both backends); a missing parameter, a stray ``%`` or a value
+        with no SQL literal raises InvalidArgumentError.
+
+        Read-only and one statement per call: the statement runs under ClickHouse's own
+        ``readonly=1`` setting (a write, DDL or ``SET`` fails with ServerError code 164,
+        ``READONLY``), and a second statement after a ``;`` raises InvalidArgumentError.
 
         ``records_published`` holds one row per published, unfenced record, with its
         statistics, e.g. the mean L2 norm of ``resid_post`` per layer::
@@ -626,7 +701,17 @@ class Catalog:
             raise InvalidArgumentError("sql() takes a str")
         if params is not None and not isinstance(params, dict):
             raise InvalidArgumentError(f"sql() params must be a dict, not {type(params).__name__}")
-        return self._backend.query(query, params)
+        single_statement(query)
+        bind(query, params)  # every binding problem surfaces here, the same on both backends
+        try:
+            return self._backend.query(query, params, readonly=True)
+        except ServerError as exc:
+            if exc.code != READONLY_CODE:
+                raise
+            raise ServerError(
+                f"sql() is read-only: it runs with ClickHouse's readonly=1 setting, so it cannot change "
+                f"the catalog ({exc})", code=exc.code, name=exc.name,
+            ) from exc
 
 
 def _checked_filter(fragment: str) -> str:

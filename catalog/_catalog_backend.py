@@ -64,8 +64,13 @@ class CatalogBackend(ABC):
         """Run a statement that returns nothing useful (DDL, INSERT ... SELECT)."""
 
     @abstractmethod
-    def query(self, sql: str, params: Mapping[str, object] | None = None) -> pa.Table:
-        """Run a SELECT and return its result as an Arrow table."""
+    def query(self, sql: str, params: Mapping[str, object] | None = None, *, readonly: bool = False) -> pa.Table:
+        """Run a SELECT and return its result as an Arrow table.
+
+        ``readonly=True`` runs it under ClickHouse's own ``readonly=1`` setting (user SQL):
+        any statement that writes, changes the schema or changes a setting is refused by
+        ClickHouse with code 164 (``READONLY``). The catalog's own statements never set it.
+        """
 
     @abstractmethod
     def insert(self, table: str, data: pa.Table) -> None:

@@ -1,17 +1,35 @@
-"""Embedded backend: chDB (ClickHouse in-process) on a directory.
+"""Embedded backend: chDB (ClickHouse in-process) on a directory, shared between processes.
 
 chDB facts this backend is built around:
 
-* **One process per directory.** The embedded server takes a file lock on
-  ``<directory>/status``; a second process gets a generic "Error initializing
-  EmbeddedServer". We probe the lock after such a failure and raise
-  :class:`~dmi.catalog.CatalogLockedError` naming the directory and what to do.
-* **One directory per process.** The embedded server is process-wide. Opening the same
-  directory again shares one connection (reference counted); opening a *different*
-  directory while one is open raises :class:`~dmi.catalog.CatalogError` saying which one
-  is open. Close every catalog on it first, or use a ClickHouse server.
-* **One statement at a time.** Every call goes through one process-wide lock, so many
-  threads can share a catalog (parameterised queries on one shared session are not
+* **The embedded server locks its directory** (``flock`` on ``<directory>/status``) for as
+  long as a session is open, and it is process-wide: one directory at a time per process.
+  A second process that asks chDB for a locked directory gets an error, and chDB prints a
+  raw ``Code: 76 ... Cannot lock file`` line of its own.
+* **Opening is cheap**: a session on an existing directory opens, answers and closes in
+  tens of milliseconds, and sessions of several processes alternate cleanly.
+
+So a session is held **per unit of catalog work**, not per process (:class:`_EmbeddedSession`):
+
+* Every statement runs inside :meth:`_EmbeddedSession.use`, which opens a session on the
+  directory if none is open, and re-enters it otherwise. When the outermost use ends the
+  session stays open for :data:`IDLE_CLOSE_SECONDS` (back-to-back calls such as a query then
+  a byte-range lookup share one session), then a background thread closes it. A session
+  busy for longer than :data:`MAX_HOLD_SECONDS` is closed at the end of its current use and
+  not reopened for :data:`YIELD_SECONDS`, so a reader in a tight loop cannot starve a
+  capture in another process (nor the other way round).
+* Processes take turns through DMI's own lock, ``flock`` on ``<directory>/dmi.lock``, taken
+  before chDB is asked and released after chDB has closed. Before opening, the flock chDB
+  itself takes on ``<directory>/status`` is tried too (non-blocking), so a process that is
+  not DMI holding the directory is waited for as well. chDB is therefore never asked for a
+  locked directory and never prints its own lock error. The wait is bounded
+  (``lock_timeout``, default :data:`LOCK_TIMEOUT_SECONDS`); then
+  :class:`~dmi.storage.CatalogLockedError` names the directory.
+* **One directory at a time per process**, no longer one per process: catalogs on
+  different directories may be open in one process at once; each unit of work switches
+  the process's embedded server to its directory (closing an idle session on another).
+* **One unit of work at a time per process.** Every use holds one process-wide lock, so
+  many threads can share a catalog (parameterised queries on one shared session are not
   otherwise safe to interleave).
 * Arrow inserts use chDB's ``Python(<name>)`` table function, which reads a pyarrow table
   from the calling frame's local variables without copying it through SQL text.
@@ -19,22 +37,40 @@ chDB facts this backend is built around:
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import errno
 import fcntl
 import os
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pyarrow as pa
 
 from dmi.catalog._catalog_backend import CatalogBackend, server_error_from_message
 from dmi.catalog._sql import bind, quote_identifier, validate_identifier
-from dmi.storage.errors import BackendNotInstalledError, CatalogError, CatalogLockedError
+from dmi.storage.errors import (
+    BackendNotInstalledError,
+    CatalogError,
+    CatalogLockedError,
+    CatalogReadOnlyError,
+    InvalidArgumentError,
+)
 
-_registry_lock = threading.Lock()
-_open: dict[str, object] = {"path": None, "conn": None, "refs": 0}
-_statement_lock = threading.RLock()
+#: How long an idle session stays open after its last statement (seconds).
+IDLE_CLOSE_SECONDS = 0.2
+#: A session busy this long is closed at the end of its current use, to let others in.
+MAX_HOLD_SECONDS = 1.0
+#: After such a forced close, this process waits this long before reopening.
+YIELD_SECONDS = 0.05
+#: How long a unit of work waits for another process's session by default.
+LOCK_TIMEOUT_SECONDS = 60.0
+#: How often a waiting process tries the lock again.
+POLL_SECONDS = 0.005
+
+LOCK_FILE = "dmi.lock"
 
 
 def _import_chdb():
@@ -48,100 +84,249 @@ def _import_chdb():
     return _chdb
 
 
-def _locked_by_other_process(directory: Path) -> bool:
-    status = directory / "status"
-    if not status.exists():
-        return False
-    try:
-        fd = os.open(status, os.O_RDWR)
-    except OSError:
-        return False
+def _try_flock(fd: int) -> bool:
+    """Take an exclusive flock on ``fd`` without waiting; False when another holds it."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
-        return exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK)
-    else:
+        if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            return False
+        raise
+    return True
+
+
+def _status_free(directory: Path) -> bool:
+    """Whether chDB's own lock (flock on ``<directory>/status``) is free right now."""
+    try:
+        fd = os.open(directory / "status", os.O_RDONLY)
+    except FileNotFoundError:
+        return True  # chDB removes the file when its session closes
+    try:
+        if not _try_flock(fd):
+            return False
         fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
+        return True
     finally:
         os.close(fd)
 
 
-def _acquire_connection(directory: Path):
-    chdb = _import_chdb()
-    key = str(directory)
-    with _registry_lock:
-        if _open["path"] is not None:
-            if _open["path"] != key:
-                raise CatalogError(
-                    f"this process already has the embedded catalog {_open['path']} open; chDB runs one "
-                    f"database directory per process, so {key} cannot be opened too. Close every catalog "
-                    "on the first directory, use the same directory, or use a ClickHouse server "
-                    "(clickhouse://...)."
-                )
-            _open["refs"] += 1
-            return _open["conn"]
+def _writable(directory: Path) -> bool:
+    """Whether files can be created in ``directory`` (a probe: root ignores mode bits)."""
+    if not os.access(directory, os.W_OK):
+        return False
+    probe = directory / f".dmi-write-probe-{os.getpid()}-{threading.get_ident()}"
+    try:
+        probe.touch()
+        probe.unlink()
+    except OSError:
+        return False
+    return True
+
+
+def read_only_error(directory: Path) -> CatalogReadOnlyError:
+    """The one-line error for a catalog directory this process cannot write to."""
+    return CatalogReadOnlyError(
+        f"the embedded catalog directory {directory} is read-only (read-only filesystem or no "
+        "write permission); the embedded catalog (chDB) must write to its directory even to read. "
+        "Copy the store to a writable place, or serve its catalog from a ClickHouse server."
+    )
+
+
+def _open_lock_file(directory: Path) -> int:
+    try:
         directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise read_only_error(directory) from exc
+        raise CatalogError(f"cannot create the embedded catalog directory {directory}: {exc}") from exc
+    if not _writable(directory):
+        raise read_only_error(directory)
+    try:
+        return os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise CatalogError(f"cannot open the lock file of the embedded catalog {directory}: {exc}") from exc
+
+
+class _EmbeddedSession:
+    """The process's one chDB session, opened per unit of work and shared by its threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # held for a whole unit of work
+        self._depth = 0
+        self._key: tuple[Path, bool] | None = None
+        self._conn = None
+        self._lock_fd: int | None = None
+        self._opened_at = 0.0
+        self._last_used = 0.0
+        self._reopen_after = 0.0
+        self._closer: threading.Thread | None = None
+        self._wake = threading.Event()
+
+    @contextlib.contextmanager
+    def use(self, directory: Path, lock_timeout: float, readonly: bool = False) -> Iterator[object]:
+        """Yield an open connection to ``directory`` for one unit of work (re-entrant).
+
+        ``readonly`` opens the session with ClickHouse's ``readonly=1`` setting (for user
+        SQL); a session is reused only by work that wants the same directory and mode.
+        """
+        key = (directory, readonly)
+        with self._lock:
+            if self._conn is None or self._key != key:
+                if self._depth:
+                    raise CatalogError(
+                        f"a unit of catalog work on {self._key[0]} cannot run one on {directory} inside it"
+                    )
+                self._close()
+                self._open(key, lock_timeout)
+            self._depth += 1
+            try:
+                yield self._conn
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._finish_use()
+
+    def _finish_use(self) -> None:
+        now = time.monotonic()
+        self._last_used = now
+        if now - self._opened_at >= MAX_HOLD_SECONDS:
+            self._close()
+            self._reopen_after = time.monotonic() + YIELD_SECONDS
+        else:
+            self._wake.set()
+
+    def _open(self, key: tuple[Path, bool], lock_timeout: float) -> None:
+        directory, readonly = key
+        chdb = _import_chdb()
+        pause = self._reopen_after - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+        fd = _open_lock_file(directory)
         try:
-            conn = chdb.connect(key)
-        except Exception as exc:
-            if _locked_by_other_process(directory):
+            self._wait_for_turn(fd, directory, lock_timeout)
+            try:
+                conn = chdb.connect(str(directory) + ("?readonly=1" if readonly else ""))
+            except Exception as exc:
+                raise server_error_from_message(str(exc)) from exc
+        except BaseException:
+            os.close(fd)  # closing the descriptor releases our flock
+            raise
+        self._key, self._conn, self._lock_fd = key, conn, fd
+        self._opened_at = time.monotonic()
+        self._start_closer()
+
+    @staticmethod
+    def _wait_for_turn(fd: int, directory: Path, lock_timeout: float) -> None:
+        deadline = time.monotonic() + lock_timeout
+        while True:
+            if _try_flock(fd):
+                if _status_free(directory):
+                    return
+                fcntl.flock(fd, fcntl.LOCK_UN)  # someone other than DMI holds chDB's lock
+            if time.monotonic() >= deadline:
                 raise CatalogLockedError(
-                    f"the embedded catalog directory {key} is in use by another process (chDB allows one "
-                    "process per directory). Stop that process, or open the catalog from it, or give this "
-                    "process its own directory (DMI_CATALOG=/other/dir or open_catalog('chdb:///other/dir')), "
-                    "or use a ClickHouse server for several processes."
-                ) from exc
-            raise server_error_from_message(str(exc)) from exc
-        _open.update(path=key, conn=conn, refs=1)
-        return conn
+                    f"the embedded catalog directory {directory} stayed in use by another process for "
+                    f"{lock_timeout:g} s (DMI processes take turns on it, one unit of catalog work at a "
+                    "time). Wait for that process, raise the wait with open_catalog(..., lock_timeout=...), "
+                    "or use a ClickHouse server for many busy processes."
+                )
+            time.sleep(POLL_SECONDS)
+
+    def _close(self) -> None:
+        conn, fd = self._conn, self._lock_fd
+        self._key, self._conn, self._lock_fd = None, None, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001 - closing must not raise; the lock goes below
+                pass
+        if fd is not None:
+            os.close(fd)
+
+    def _start_closer(self) -> None:
+        if self._closer is None or not self._closer.is_alive():
+            self._closer = threading.Thread(target=self._close_when_idle, name="dmi-chdb-idle-close", daemon=True)
+            self._closer.start()
+
+    def _close_when_idle(self) -> None:
+        """Background: close the session once no unit of work has used it for a while."""
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            while True:
+                with self._lock:
+                    if self._conn is None:
+                        break
+                    idle = time.monotonic() - self._last_used
+                    if self._depth == 0 and idle >= IDLE_CLOSE_SECONDS:
+                        self._close()
+                        break
+                time.sleep(max(IDLE_CLOSE_SECONDS - idle, POLL_SECONDS))
+
+    def forget(self) -> None:
+        """In a forked child: drop the parent's session without closing it (it is the parent's)."""
+        self._lock = threading.RLock()
+        self._depth = 0
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # the parent's flock stays: it holds its own descriptor
+        self._key, self._conn, self._lock_fd, self._closer = None, None, None, None
+        self._wake = threading.Event()
+
+    def close_now(self) -> None:
+        """Close the session, whatever it is on (process exit)."""
+        with self._lock:
+            self._close()
+
+    def close_if(self, directory: Path) -> None:
+        """Close the session now if it is idle on ``directory`` (a catalog was closed)."""
+        with self._lock:
+            if self._depth == 0 and self._key is not None and self._key[0] == directory:
+                self._close()
 
 
-def _release_connection(directory: Path) -> None:
-    with _registry_lock:
-        if _open["path"] != str(directory):
-            return
-        _open["refs"] -= 1
-        if _open["refs"] > 0:
-            return
-        conn = _open["conn"]
-        _open.update(path=None, conn=None, refs=0)
-    with _statement_lock:
-        try:
-            conn.close()
-        except Exception:  # noqa: BLE001 - closing must not raise
-            pass
+_SESSION = _EmbeddedSession()
+os.register_at_fork(after_in_child=_SESSION.forget)
+atexit.register(_SESSION.close_now)  # chDB crashes at exit with a session still open
 
 
 class ChdbBackend(CatalogBackend):
     kind = "chdb"
 
-    def __init__(self, directory: str | os.PathLike[str], database: str = "dmi"):
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        database: str = "dmi",
+        lock_timeout: float = LOCK_TIMEOUT_SECONDS,
+    ):
         self.directory = Path(directory).expanduser().resolve()
         self.database = validate_identifier(database, "database name")
+        if isinstance(lock_timeout, bool) or not isinstance(lock_timeout, (int, float)) or lock_timeout < 0:
+            raise InvalidArgumentError(f"lock_timeout must be a number of seconds >= 0, not {lock_timeout!r}")
+        self.lock_timeout = float(lock_timeout)
         self.where = f"chdb:///{str(self.directory).lstrip('/')}"
-        self._conn = _acquire_connection(self.directory)
         self._closed = False
-        try:
-            self.command(f"CREATE DATABASE IF NOT EXISTS {quote_identifier(self.database, 'database name')}")
-        except BaseException:
-            self.close()
-            raise
+        self.command(f"CREATE DATABASE IF NOT EXISTS {quote_identifier(self.database, 'database name')}")
 
-    def _run(self, sql: str, fmt: str):
+    @contextlib.contextmanager
+    def session(self, readonly: bool = False) -> Iterator[object]:
+        """One unit of catalog work: every statement inside shares one chDB session."""
         if self._closed:
             raise CatalogError(f"the catalog at {self.where} is closed")
-        with _statement_lock:
+        with _SESSION.use(self.directory, self.lock_timeout, readonly) as conn:
+            yield conn
+
+    def _run(self, sql: str, fmt: str, readonly: bool = False):
+        with self.session(readonly) as conn:
             try:
-                return self._conn.query(sql, fmt, params={})
+                return conn.query(sql, fmt, params={})
             except RuntimeError as exc:
                 raise server_error_from_message(str(exc)) from None
 
     def command(self, sql: str, params: Mapping[str, object] | None = None) -> None:
         self._run(bind(sql, params), "CSV")
 
-    def query(self, sql: str, params: Mapping[str, object] | None = None) -> pa.Table:
-        result = self._run(bind(sql, params), "Arrow")
+    def query(self, sql: str, params: Mapping[str, object] | None = None, *, readonly: bool = False) -> pa.Table:
+        result = self._run(bind(sql, params), "Arrow", readonly)
         data = result.bytes()
         if not data:
             return pa.table({})
@@ -150,14 +335,12 @@ class ChdbBackend(CatalogBackend):
     def insert(self, table: str, data: pa.Table) -> None:
         if data.num_rows == 0:
             return
-        if self._closed:
-            raise CatalogError(f"the catalog at {self.where} is closed")
         columns = ", ".join(quote_identifier(name, "column name") for name in data.column_names)
         dmi_arrow_input = data  # noqa: F841 - read by chDB's Python() table function
         sql = f"INSERT INTO {table} ({columns}) SELECT {columns} FROM Python(dmi_arrow_input)"
-        with _statement_lock:
+        with self.session() as conn:
             try:
-                self._conn.query(sql, "CSV", params={})
+                conn.query(sql, "CSV", params={})
             except RuntimeError as exc:
                 raise server_error_from_message(str(exc)) from None
 
@@ -165,4 +348,4 @@ class ChdbBackend(CatalogBackend):
         if self._closed:
             return
         self._closed = True
-        _release_connection(self.directory)
+        _SESSION.close_if(self.directory)

@@ -13,7 +13,9 @@ bare filesystem path)
 ============================================  ===============================================
 
 ``DMI_CATALOG`` may itself hold any of these URIs. Settings (keyword arguments) go to the
-catalog (``table_prefix="dmi_"``) or to the backend (chDB: ``database="dmi"``; server:
+catalog (``table_prefix="dmi_"``) or to the backend (chDB: ``database="dmi"``,
+``lock_timeout=60`` seconds to wait for another process's turn on the directory, default
+``$DMI_CATALOG_LOCK_TIMEOUT``; server:
 ``connect_timeout``, ``send_receive_timeout``, ``create_database``, and any ClickHouse
 setting). Backends are imported only when used; a missing one raises
 :class:`~dmi.catalog.BackendNotInstalledError` saying what to install.
@@ -29,10 +31,12 @@ from dmi.catalog._catalog import Catalog
 from dmi.catalog._sql import validate_identifier
 from dmi.storage.errors import InvalidArgumentError
 
-__all__ = ["open_catalog", "default_catalog_uri", "CATALOG_ENV", "HOME_ENV"]
+__all__ = ["open_catalog", "default_catalog_uri", "CATALOG_ENV", "HOME_ENV", "LOCK_TIMEOUT_ENV"]
 
 CATALOG_ENV = "DMI_CATALOG"
 HOME_ENV = "DMI_HOME"
+#: Seconds an embedded catalog waits for another process's turn, when ``lock_timeout`` is not given.
+LOCK_TIMEOUT_ENV = "DMI_CATALOG_LOCK_TIMEOUT"
 
 
 def default_catalog_uri() -> str:
@@ -89,9 +93,15 @@ def open_catalog(uri: str | os.PathLike[str] | None = None, **settings) -> Catal
 def _open_chdb(path: Path, settings: dict, catalog_settings: dict) -> Catalog:
     from dmi.catalog._chdb import ChdbBackend
 
-    unknown = set(settings) - {"database"}
+    unknown = set(settings) - {"database", "lock_timeout"}
     if unknown:
         raise InvalidArgumentError(f"unknown chDB catalog settings: {sorted(unknown)}")
+    wait = os.environ.get(LOCK_TIMEOUT_ENV)
+    if "lock_timeout" not in settings and wait:
+        try:
+            settings["lock_timeout"] = float(wait)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"{LOCK_TIMEOUT_ENV}={wait!r} is not a number of seconds") from exc
     return _with_backend(ChdbBackend(path, **settings), catalog_settings)
 
 

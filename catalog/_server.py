@@ -151,8 +151,11 @@ class ServerBackend(CatalogBackend):
     def command(self, sql: str, params: Mapping[str, object] | None = None) -> None:
         self._execute(sql, dict(params) if params else None)
 
-    def query(self, sql: str, params: Mapping[str, object] | None = None) -> pa.Table:
-        rows, columns = self._execute(sql, dict(params) if params else None, with_column_types=True, columnar=True)
+    def query(self, sql: str, params: Mapping[str, object] | None = None, *, readonly: bool = False) -> pa.Table:
+        settings = {"readonly": 1} if readonly else None
+        rows, columns = self._execute(
+            sql, dict(params) if params else None, with_column_types=True, columnar=True, settings=settings
+        )
         names = [name for name, _ in columns]
         if not rows:
             rows = [[] for _ in columns]

@@ -29,7 +29,7 @@ import re
 import unicodedata
 from collections.abc import Mapping
 
-from dmi.storage.errors import InvalidIdentifierError
+from dmi.storage.errors import InvalidArgumentError, InvalidIdentifierError
 
 __all__ = [
     "MAX_IDENTIFIER_LENGTH",
@@ -39,6 +39,7 @@ __all__ = [
     "validate_value_id",
     "render_literal",
     "bind",
+    "single_statement",
 ]
 
 MAX_IDENTIFIER_LENGTH = 128
@@ -140,23 +141,108 @@ def render_literal(value: object) -> str:
         if isinstance(value, list):
             return f"[{inner}]"
         if not value:
-            raise ValueError("an empty tuple has no SQL literal; callers skip empty IN lists")
+            raise InvalidArgumentError("an empty tuple has no SQL literal (an IN list needs at least one value)")
         return f"({inner})"
-    raise TypeError(f"cannot render a {type(value).__name__} as a SQL literal")
+    raise InvalidArgumentError(
+        f"cannot pass a {type(value).__name__} as a SQL parameter; use None, bool, int, float, str, "
+        "or a list or tuple of them"
+    )
 
 
-_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+_PERCENT = re.compile(r"%\((\w+)\)s|%%|%")
 
 
 def bind(sql: str, params: Mapping[str, object] | None) -> str:
-    """Substitute ``%(name)s`` placeholders with rendered literals (chDB's binding)."""
+    """Substitute ``%(name)s`` placeholders with rendered literals (chDB's binding).
+
+    With ``params``, the text follows Python's (and clickhouse-driver's) pyformat rules on
+    both backends: ``%(name)s`` is a value, ``%%`` a literal ``%``, and any other ``%`` an
+    error. Without ``params`` the text is left as it is. Every binding problem (a missing
+    parameter, a stray ``%``, a value with no literal) is an InvalidArgumentError.
+    """
     if not params:
         return sql
+    if not isinstance(params, Mapping):
+        raise InvalidArgumentError(f"SQL parameters must be a dict, not {type(params).__name__}")
 
     def replace(match: re.Match[str]) -> str:
-        name = match.group(1)
+        text, name = match.group(0), match.group(1)
+        if text == "%%":
+            return "%"
+        if name is None:
+            position = match.start()
+            raise InvalidArgumentError(
+                f"stray '%' at character {position} of a statement with parameters: write a literal "
+                "'%' as '%%', and a value as %(name)s"
+            )
         if name not in params:
-            raise KeyError(f"statement needs parameter {name!r}")
+            raise InvalidArgumentError(f"the statement names the parameter {name!r}, which params does not have")
         return render_literal(params[name])
 
-    return _PLACEHOLDER.sub(replace, sql)
+    return _PERCENT.sub(replace, sql)
+
+
+_QUOTES = {"'": "'", '"': '"', "`": "`"}
+
+
+def _skip_quoted(sql: str, start: int) -> int:
+    """Index just past the quoted string or identifier opening at ``start``."""
+    quote = sql[start]
+    i = start + 1
+    while i < len(sql):
+        char = sql[i]
+        if char == "\\":
+            i += 2
+            continue
+        if char == quote:
+            if sql[i + 1 : i + 2] == quote:  # a doubled quote stands for itself
+                i += 2
+                continue
+            return i + 1
+        i += 1
+    return len(sql)
+
+
+def _skip_comment(sql: str, start: int) -> int:
+    """Index just past the comment opening at ``start``, or ``start`` if none opens there."""
+    if sql.startswith("--", start) or sql.startswith("#", start):
+        end = sql.find("\n", start)
+        return len(sql) if end < 0 else end + 1
+    if sql.startswith("/*", start):
+        end = sql.find("*/", start + 2)
+        return len(sql) if end < 0 else end + 2
+    return start
+
+
+def single_statement(sql: str) -> str:
+    """Return ``sql`` if it holds one statement (a trailing ``;`` is fine), else raise.
+
+    Semicolons inside strings, quoted identifiers and comments do not count. Used for user
+    SQL (:meth:`dmi.catalog.Catalog.sql`): chDB would otherwise run every statement and
+    return only the last result, the server would refuse with a syntax error.
+    """
+    i, end_of_first = 0, None
+    while i < len(sql):
+        char = sql[i]
+        skipped = _skip_comment(sql, i)
+        if skipped != i:
+            i = skipped
+        elif char in _QUOTES:
+            if end_of_first is not None:
+                break
+            i = _skip_quoted(sql, i)
+        elif char == ";":
+            end_of_first = i if end_of_first is None else end_of_first
+            i += 1
+        elif char.isspace():
+            i += 1
+        elif end_of_first is not None:
+            break
+        else:
+            i += 1
+    else:
+        return sql
+    raise InvalidArgumentError(
+        "one statement per call: the text holds a second statement after the ';' at character "
+        f"{end_of_first}; run each statement in its own call"
+    )

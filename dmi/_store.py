@@ -62,14 +62,15 @@ def default_home() -> str:
 def open(catalog: str | None = None, packs: str | None = None, *, home: str | os.PathLike[str] | None = None) -> Store:
     """Open a store: the embedded chDB catalog and a local packs directory by default.
 
-    ``catalog``: ``chdb:///path`` (embedded, one process per directory) or
+    ``catalog``: ``chdb:///path`` (embedded, shared by processes that take turns) or
     ``clickhouse://user:password@host:port/database`` (a server). ``packs``: a directory
     or a ``pyarrow.fs`` URI (``s3://bucket/prefix``, ``file:///dir``). ``home``: a
     directory holding both (``home/catalog``, ``home/packs``). See the module docstring
     for the precedence of arguments and environment variables.
 
     Returns an open :class:`Store`; use it as a context manager or call ``close()``.
-    Raises ``CatalogLockedError`` (the chDB directory is held by another process),
+    Raises ``CatalogLockedError`` (another process held the chDB directory for one unit of
+    work past the wait), ``CatalogReadOnlyError`` (the chDB directory is read-only),
     ``CatalogUnavailableError`` (server unreachable), ``BackendNotInstalledError``,
     ``SchemaVersionError``, ``InvalidArgumentError`` (malformed URI).
     """
@@ -345,7 +346,8 @@ class Store:
         Each record's stored bytes are checked against its checksum and decoded, and the
         catalog's row is checked against the pack's own index. Returns a report listing
         every bad record by pack and key (``kind`` ``"corrupt"``), every missing pack
-        (``"missing"``), and sealed packs no snapshot has published (run ``recover``).
+        (``"missing"``), and sealed packs on disk the catalog does not fully show — never
+        published, or index rows lost (run ``recover``).
         Raises only for catalog errors; bad packs are reported, not raised.
         ``progress(total_records)`` may return a context manager with ``update(n)``.
         """
@@ -367,8 +369,7 @@ class Store:
                 checked_bytes += sum(e.payload.length for e in entries)
                 if tick is not None:
                     tick.update(len(entries))
-        published = self.catalog.published_pack_ids()
-        unpublished = tuple(sorted(p for p in self.packs.list_packs() if p not in published))
+        unpublished = tuple(sorted(self.unindexed_packs()))
         return VerifyReport(total, len(by_pack), checked_bytes, tuple(problems), unpublished)
 
     def _verify_pack(self, pack_id: str, entries: list[RecordEntry]) -> list[Problem]:
@@ -395,8 +396,16 @@ class Store:
                 problems.append(Problem("corrupt", pack_id, entry.meta.key, str(exc)))
         return problems
 
+    def unindexed_packs(self) -> list[str]:
+        """Sealed packs on disk that the catalog does not fully show (``recover`` re-indexes them)."""
+        return self.catalog.packs_to_recover(self.packs.list_packs())
+
     def recover(self) -> list[RecoveredPack]:
-        """Publish sealed packs that were never published (a crash between seal and publish).
+        """Re-index and publish every sealed pack the catalog does not fully show.
+
+        Packs carry their own index: a crash between seal and publish, catalog tables
+        dropped, the catalog directory deleted or index rows lost are all repaired from
+        the packs on disk, each record published exactly once.
 
         Returns the packs published now (empty when there is nothing to do; running it
         twice publishes nothing the second time). Raises ``LeaseHeldError`` while another

@@ -195,6 +195,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
     with _open_store(args) as store:
         rows = [m.as_dict() for m in store.models()]
+        unindexed = [] if rows else store.unindexed_packs()
     _emit(args, rows, [
         ("model_id", "model", None),
         ("runs", "runs", None),
@@ -204,7 +205,10 @@ def _cmd_models(args: argparse.Namespace) -> int:
         ("raw_bytes", "raw", human_bytes),
         ("ratio", "ratio", lambda r: f"{r:.2f}x"),
     ])
-    if not rows:
+    if unindexed:
+        print(f"dmi: {len(unindexed)} packs on disk are not in the catalog (its tables or directory were lost?): "
+              "run `dmi recover` to index them again", file=sys.stderr)
+    elif not rows:
         _say(args, "(no models yet: try `dmi demo` or `dmi capture`)")
     return EXIT_OK
 
@@ -316,8 +320,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                    f"({human_bytes(report.bytes_checked)})")
         for bad in report.problems:
             print(f"{bad.kind}: pack {bad.pack_id}: {bad.describe()}")
-        if report.unpublished_packs:
-            _say(args, f"{len(report.unpublished_packs)} sealed packs are not published: run `dmi recover`")
+        if report.unpublished_packs:  # said even with --quiet: data the catalog does not show
+            print(f"dmi: {len(report.unpublished_packs)} sealed packs on disk are not (fully) in the catalog: "
+                  "run `dmi recover`", file=sys.stderr)
     if report.problems:
         packs = len({bad.pack_id for bad in report.problems})
         print(f"dmi: error: {len(report.problems)} bad records in {packs} packs", file=sys.stderr)

@@ -20,7 +20,8 @@ exception types. Builtin mix-ins are added where callers naturally expect them.
     │   └── UnsupportedDtypeError (TypeError)
     ├── CatalogError                             the ClickHouse index
     │   ├── CatalogUnavailableError (ConnectionError)   server unreachable / connection lost
-    │   ├── CatalogLockedError                   chDB directory held by another process
+    │   ├── CatalogLockedError                   chDB directory held by another process too long
+    │   ├── CatalogReadOnlyError                 chDB directory on a read-only filesystem
     │   ├── BackendNotInstalledError (ImportError)
     │   ├── ServerError                          ClickHouse answered with an error (code, name)
     │   ├── SchemaVersionError                   catalog written by a newer DMI
@@ -56,6 +57,7 @@ __all__ = [
     "CatalogError",
     "CatalogUnavailableError",
     "CatalogLockedError",
+    "CatalogReadOnlyError",
     "BackendNotInstalledError",
     "ServerError",
     "SchemaVersionError",
@@ -125,7 +127,11 @@ class CatalogUnavailableError(CatalogError, ConnectionError):
 
 
 class CatalogLockedError(CatalogError):
-    """An embedded (chDB) catalog directory is held by another process."""
+    """An embedded (chDB) catalog directory stayed held by another process past the wait."""
+
+
+class CatalogReadOnlyError(CatalogError):
+    """An embedded (chDB) catalog directory cannot be written (chDB writes even to read)."""
 
 
 class BackendNotInstalledError(CatalogError, ImportError):

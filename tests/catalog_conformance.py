@@ -359,6 +359,77 @@ class CatalogConformance(RecoveryConformance):
         with pytest.raises(InvalidArgumentError):
             catalog.sql("SELECT 1", ["not", "a", "dict"])
 
+    def test_sql_percent_percent_is_a_literal_percent_with_params(self, catalog):
+        rows = catalog.sql("SELECT '50%%' AS p, %(v)s AS v", {"v": "x"}).to_pylist()
+        assert rows == [{"p": "50%", "v": "x"}]
+
+    @pytest.mark.parametrize(
+        ("query", "params", "message"),
+        [
+            ("SELECT %(missing)s", {"v": 1}, "'missing'"),
+            ("SELECT '50%' AS p, %(v)s", {"v": 1}, "stray '%'"),
+            ("SELECT %(v)s", {"v": object()}, "cannot pass a object"),
+            ("SELECT 1 IN %(v)s", {"v": ()}, "empty tuple"),
+        ],
+    )
+    def test_sql_binding_problems_are_argument_errors(self, catalog, query, params, message):
+        with pytest.raises(InvalidArgumentError, match=message) as info:
+            catalog.sql(query, params)
+        assert not isinstance(info.value, (KeyError, TypeError))
+
+    @pytest.mark.parametrize(
+        "statement",
+        [
+            "DROP TABLE {records}",
+            "TRUNCATE TABLE {records}",
+            "INSERT INTO {schema} (version, written_at, written_by) VALUES (99, 0, 'x')",
+            "ALTER TABLE {records} DELETE WHERE 1",
+            "CREATE TABLE {db}.evil (x Int8) ENGINE = Memory",
+            "DROP DATABASE {db}",
+            "SET readonly = 0",
+            "SYSTEM DROP MARK CACHE",
+            "SELECT 1 SETTINGS readonly = 0",
+        ],
+    )
+    def test_sql_is_read_only(self, catalog, statement):
+        with catalog.publisher("s", holder="h") as pub:
+            pub.publish([pack()])
+        tables = {name: table for name, table in catalog.tables.items()}
+        text = statement.format(db=tables["records"].split(".")[0], **tables)
+        with pytest.raises(ServerError) as info:
+            catalog.sql(text)
+        assert info.value.code == 164 and info.value.name == "READONLY", info.value
+        assert "read-only" in str(info.value)
+        assert len(catalog.find_records("gpt2")) == 3
+        assert catalog.schema_version() == 1
+        assert catalog.sql("SELECT 1 AS one").to_pylist() == [{"one": 1}]
+
+    @pytest.mark.parametrize(
+        "text",
+        [
+            "SELECT 1; SELECT 2",
+            "SELECT 1;DROP TABLE x",
+            "SELECT ';' AS a; SELECT 2",
+            "SELECT 1 -- comment\n; SELECT 2",
+        ],
+    )
+    def test_sql_refuses_a_second_statement(self, catalog, text):
+        with pytest.raises(InvalidArgumentError, match="one statement per call"):
+            catalog.sql(text)
+
+    @pytest.mark.parametrize(
+        ("text", "expected"),
+        [
+            ("SELECT ';' AS a", ";"),
+            ("SELECT 'it''s;' AS a;", "it's;"),
+            ("SELECT 'a\\';b' AS a ; ", "a';b"),
+            ("SELECT `x;y` AS a FROM (SELECT 'q' AS `x;y`) -- ; not a statement", "q"),
+            ("SELECT /* ; */ 'c' AS a", "c"),
+        ],
+    )
+    def test_sql_semicolons_inside_text_are_not_statements(self, catalog, text, expected):
+        assert catalog.sql(text).to_pylist() == [{"a": expected}]
+
     def test_server_errors_keep_code_and_name(self, catalog):
         with pytest.raises(ServerError) as info:
             catalog.sql("SELEC 1")

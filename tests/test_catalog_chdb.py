@@ -15,6 +15,7 @@ from dmi.storage import (
     BackendNotInstalledError,
     CatalogError,
     CatalogLockedError,
+    InvalidArgumentError,
     InvalidIdentifierError,
 )
 from tests.catalog_conformance import CatalogConformance, pack
@@ -26,45 +27,108 @@ class TestChdbCatalog(CatalogConformance):
         return f"chdb://{tmp_path / 'catalog'}"
 
 
-def test_second_process_gets_a_named_lock_error(tmp_path):
+def _python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout)
+
+
+def _holder(code: str) -> subprocess.Popen:
+    """A process that prints HELD once it holds the directory, then holds it until killed."""
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_held(proc: subprocess.Popen) -> None:
+    line = proc.stdout.readline()
+    assert line.strip() == "HELD", line + proc.stderr.read()
+
+
+OPEN_WITH_SHORT_WAIT = """
+    from dmi.catalog import open_catalog
+    from dmi.storage import CatalogLockedError
+    try:
+        open_catalog({directory!r}, lock_timeout=0.5)
+    except CatalogLockedError as exc:
+        print("LOCKED", exc)
+    else:
+        print("OPENED")
+"""
+
+
+def test_an_open_but_idle_catalog_does_not_lock_out_another_process(tmp_path):
     directory = tmp_path / "held"
     with open_catalog(f"chdb://{directory}") as catalog:
-        assert catalog.backend == "chdb"
-        code = textwrap.dedent(
-            f"""
-            from dmi.catalog import open_catalog
-            from dmi.storage import CatalogLockedError
-            try:
-                open_catalog({str(directory)!r})
-            except CatalogLockedError as exc:
-                print("LOCKED", exc)
-            """
-        )
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "LOCKED" in out.stdout, out.stdout + out.stderr
-    assert str(directory) in out.stdout
-    assert "another process" in out.stdout
-    # Released when the holder closes: the directory opens again, from another process.
-    again = subprocess.run([sys.executable, "-c", code + "\nprint('OPENED')"], capture_output=True, text=True, timeout=120)
-    assert "OPENED" in again.stdout and "LOCKED" not in again.stdout, again.stdout + again.stderr
+        assert catalog.models() == []
+        out = _python(OPEN_WITH_SHORT_WAIT.format(directory=str(directory)))
+        assert out.stdout.strip() == "OPENED", out.stdout + out.stderr
+        assert out.stderr == ""
+        assert catalog.models() == []  # and this process takes its turn again
+
+
+def test_a_unit_of_work_held_too_long_gives_a_named_lock_error_and_no_chdb_line(tmp_path):
+    directory = tmp_path / "busy"
+    holder = _holder(f"""
+        import time
+        from dmi.catalog import open_catalog
+        catalog = open_catalog({str(directory)!r})
+        with catalog._backend.session():  # stands in for a long unit of work
+            print("HELD", flush=True)
+            time.sleep(60)
+    """)
+    try:
+        _wait_held(holder)
+        out = _python(OPEN_WITH_SHORT_WAIT.format(directory=str(directory)))
+    finally:
+        holder.kill()
+        holder.communicate()
+    assert out.stdout.startswith("LOCKED "), out.stdout + out.stderr
+    assert str(directory) in out.stdout and "another process" in out.stdout
+    assert out.stderr == ""  # chDB was never asked, so it printed nothing (no "Code: 76")
+    # Released when the holder dies: the directory opens again, from another process.
+    again = _python(OPEN_WITH_SHORT_WAIT.format(directory=str(directory)))
+    assert again.stdout.strip() == "OPENED", again.stdout + again.stderr
+
+
+def test_chdbs_own_lock_is_waited_for_too(tmp_path):
+    """A process that is not DMI (plain chDB) holds the directory: DMI waits, never asks chDB."""
+    directory = tmp_path / "foreign"
+    open_catalog(f"chdb://{directory}").close()
+    holder = _holder(f"""
+        import time
+        from chdb import _chdb
+        conn = _chdb.connect({str(directory)!r})
+        print("HELD", flush=True)
+        time.sleep(60)
+    """)
+    try:
+        _wait_held(holder)
+        out = _python(OPEN_WITH_SHORT_WAIT.format(directory=str(directory)))
+    finally:
+        holder.kill()
+        holder.communicate()
+    assert out.stdout.startswith("LOCKED "), out.stdout + out.stderr
+    assert out.stderr == ""
 
 
 def test_lock_error_is_a_catalog_error():
     assert issubclass(CatalogLockedError, CatalogError)
 
 
-def test_one_directory_per_process(tmp_path):
-    with open_catalog(f"chdb://{tmp_path / 'a'}") as first:
-        with pytest.raises(CatalogError, match="one database directory per process") as info:
-            open_catalog(f"chdb://{tmp_path / 'b'}")
-        assert str(tmp_path / "a") in str(info.value)
-        # The same directory is fine (shared connection), and so is another database in it.
-        with open_catalog(f"chdb://{tmp_path / 'a'}", database="other-db") as second:
-            assert second.tables["records"].startswith("`other-db`.")
-            assert second.models() == []
-        assert first.models() == []
-    with open_catalog(f"chdb://{tmp_path / 'b'}") as later:
-        assert later.schema_version() == 1
+def test_two_directories_in_one_process_take_turns(tmp_path):
+    with open_catalog(f"chdb://{tmp_path / 'a'}") as first, open_catalog(f"chdb://{tmp_path / 'b'}") as second:
+        with first.publisher("s", holder="h") as publisher:
+            publisher.publish([pack(request="only-in-a")])
+        assert first.requests("gpt2") == ["only-in-a"]
+        assert second.requests("gpt2") == []
+        # The same directory is fine too, and so is another database in it.
+        with open_catalog(f"chdb://{tmp_path / 'a'}", database="other-db") as third:
+            assert third.tables["records"].startswith("`other-db`.")
+            assert third.models() == []
+        assert first.requests("gpt2") == ["only-in-a"]
+
+
+def test_bad_lock_timeout_is_refused(tmp_path):
+    with pytest.raises(InvalidArgumentError, match="lock_timeout"):
+        open_catalog(f"chdb://{tmp_path / 'x'}", lock_timeout="soon")
 
 
 def test_many_threads_share_one_catalog(tmp_path):

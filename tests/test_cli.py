@@ -407,15 +407,21 @@ def test_capture_from_a_model_directory(tmp_path):
 
 
 def test_locked_catalog_is_a_one_line_error(tmp_path):
+    """An open store does not lock others out; a unit of catalog work held past the wait does."""
     home = tmp_path / "locked"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, dmi; s = dmi.open(home=sys.argv[1]); print('ready', flush=True); "
-         "sys.stdin.read(); s.close()", str(home)],
+        [sys.executable, "-c", "import sys, dmi; s = dmi.open(home=sys.argv[1]); print(s.models(), flush=True); "
+         "w = s.catalog._backend.session(); w.__enter__(); print('ready', flush=True); sys.stdin.read(); "
+         "w.__exit__(None, None, None); s.close()", str(home)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     try:
+        assert holder.stdout.readline().strip() == "[]"
         assert holder.stdout.readline().strip() == "ready"
-        assert_one_line_error(dmi("models", home=home), 1, "in use by another process", str(home / "catalog"))
+        proc = subprocess.run([sys.executable, "-m", "dmi.cli", "models", "--home", str(home)], capture_output=True,
+                              text=True, env={**_env(home), "DMI_CATALOG_LOCK_TIMEOUT": "0.5"}, timeout=240)
+        assert_one_line_error(Result(proc.returncode, proc.stdout, proc.stderr), 1, "in use by another process",
+                              str(home / "catalog"))
     finally:
         holder.communicate("", timeout=60)
     assert holder.returncode == 0

@@ -9,8 +9,15 @@ from urllib.parse import quote
 import pytest
 
 from dmi.catalog import open_catalog
-from dmi.storage import InvalidIdentifierError
-from dmi.catalog._sql import bind, quote_identifier, render_literal, validate_identifier, validate_value_id
+from dmi.storage import InvalidArgumentError, InvalidIdentifierError
+from dmi.catalog._sql import (
+    bind,
+    quote_identifier,
+    render_literal,
+    single_statement,
+    validate_identifier,
+    validate_value_id,
+)
 
 HOSTILE = [
     "it's",
@@ -94,8 +101,37 @@ def test_rendered_literals_are_exactly_the_value():
     assert render_literal((1, 2)) == "(1, 2)"
     assert render_literal(["a"]) == "['a']"
     assert bind("x = %(v)s AND y = %(w)s", {"v": "%(w)s", "w": 5}) == "x = '%(w)s' AND y = 5"
-    with pytest.raises(TypeError):
+    assert bind("SELECT '50%%', %(v)s", {"v": 1}) == "SELECT '50%', 1"  # pyformat, as clickhouse-driver
+    assert bind("SELECT '50%%'", None) == "SELECT '50%%'"  # no params: the text as it is, as the driver
+    with pytest.raises(InvalidArgumentError, match="cannot pass a object"):
         render_literal(object())
+    with pytest.raises(InvalidArgumentError, match="'w'"):
+        bind("x = %(w)s", {"v": 1})
+    with pytest.raises(InvalidArgumentError, match="stray"):
+        bind("x LIKE 'a%' AND y = %(v)s", {"v": 1})
+
+
+@pytest.mark.parametrize(
+    ("text", "single"),
+    [
+        ("SELECT 1", True),
+        ("SELECT 1;", True),
+        ("SELECT 1 ; -- done", True),
+        ("SELECT 'a;b', \"c;d\", `e;f` /* ; */", True),
+        ("SELECT 'it''s;'", True),
+        ("SELECT 'a\\';' ;", True),
+        ("SELECT 1; SELECT 2", False),
+        ("SELECT 1;;SELECT 2", False),
+        ("SELECT 1; 'x'", False),
+        ("SELECT 1 /* a */; /* b */ DROP TABLE t", False),
+    ],
+)
+def test_single_statement(text, single):
+    if single:
+        assert single_statement(text) == text
+    else:
+        with pytest.raises(InvalidArgumentError, match="one statement per call"):
+            single_statement(text)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +172,7 @@ def test_legal_names_work_as_databases_and_prefixes_on_chdb(chdb_catalog, name):
         assert f"{name}_records" in tables and f"{name}_leases" in tables
     after = set(chdb_catalog.sql("SELECT name FROM system.databases").column("name").to_pylist())
     assert after - before == {name} or (name in before and after == before)
-    chdb_catalog.sql(f"DROP DATABASE {quote_identifier(name)}")
+    chdb_catalog._backend.command(f"DROP DATABASE {quote_identifier(name)}")  # sql() is read-only
 
 
 @pytest.mark.live
@@ -153,7 +189,7 @@ def test_values_and_names_on_the_server(clickhouse_uri, clickhouse_server):
                 assert other.schema_version() == 1
                 databases = catalog.sql("SELECT name FROM system.databases").column("name").to_pylist()
                 assert name in databases
-                other.sql(f"DROP DATABASE {quote_identifier(name)}")
+                other._backend.command(f"DROP DATABASE {quote_identifier(name)}")  # sql() is read-only
     # The URI path is a database name too: the same refusals apply there.
     for name in ("a`b", "a%25b", "a%5Cb"):
         with pytest.raises(InvalidIdentifierError):
