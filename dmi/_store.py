@@ -265,8 +265,10 @@ class Store:
         ``embed``, ``final_norm``, ``logits``). Tokens are in order: the prompt's real tokens
         (padding was never stored), then one per captured decode step.
 
-        ``layers``: an int, an iterable of ints, a ``range`` or a ``slice`` of layer numbers
-        (``None``: every stored layer). ``shard_rank`` selects one tensor-parallel rank;
+        ``hook``: a catalogue name or a TransformerLens alias (``blocks.3.hook_resid_post``:
+        ``resid_post`` at layer 3, then ``layers`` must be ``None``; see
+        ``dmi.capture.ALIASES``). ``layers``: an int, an iterable of ints, a ``range`` or a
+        ``slice`` of layer numbers (``None``: every stored layer). ``shard_rank`` selects one tensor-parallel rank;
         ``merge_shards=True`` joins the ranks by their recorded geometry.
 
         Raises ``HookSelectionError`` (not a hook name), ``RecordNotFoundError`` (unknown
@@ -274,6 +276,7 @@ class Store:
         ``DuplicateChunkError`` (several runs or ranks hold the same tokens: pass ``run_id``
         or ``shard_rank``), ``ShardMergeError``, ``PackCorruptError``/``PackNotFoundError``.
         """
+        hook, layers = _resolve_alias(hook, layers)
         entries = self._entries(model_id, request_id, hook, layers, shard_rank, run_id)
         return self._assemble(entries, shard_rank=shard_rank, merge_shards=merge_shards)
 
@@ -284,6 +287,7 @@ class Store:
         queried now, payloads are read only when the view is indexed (and only the records
         the index touches). Raises what ``get_internal`` raises, except read errors, which
         surface on indexing."""
+        hook, layers = _resolve_alias(hook, layers)
         entries = self._entries(model_id, request_id, hook, layers, shard_rank, run_id)
 
         def read(selected: list[RecordEntry]) -> torch.Tensor:
@@ -437,6 +441,22 @@ def _check_hook(hook: str) -> None:
     if hook not in HOOKS:
         hint = f" ({hook!r} is a group: read its hooks one by one)" if hook in GROUPS else ""
         raise HookSelectionError(f"unknown hook {hook!r}{hint}; hooks: {', '.join(HOOKS)}")
+
+
+def _resolve_alias(hook: Any, layers: Any) -> tuple[Any, Any]:
+    """A TransformerLens name → its catalogue hook and its one layer; other names unchanged.
+    Raises ``HookSelectionError`` for a TransformerLens name DMI does not capture, and
+    ``InvalidArgumentError`` when ``layers`` is given with an alias (which names its layer)."""
+    from dmi.capture import resolve_alias
+
+    alias = resolve_alias(hook) if isinstance(hook, str) else None
+    if alias is None:
+        return hook, layers
+    if layers is not None:
+        raise InvalidArgumentError(
+            f"{hook!r} names its layer ({alias.layer}); drop layers={layers!r}, or read {alias.hook!r} with layers="
+        )
+    return alias.hook, None if alias.layer < 0 else [alias.layer]
 
 
 def _hook_order(hooks: Iterable[str]) -> tuple[str, ...]:
