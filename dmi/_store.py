@@ -29,6 +29,7 @@ from dmi._values import (
     HookSummary,
     Loss,
     ModelSummary,
+    PhaseSpan,
     Problem,
     RecoveredPack,
     RequestContents,
@@ -254,7 +255,18 @@ class Store:
         }
         lost = self.catalog.losses(model_id=model_id, run_id=run, request_id=request_id).to_pylist()
         losses = tuple(Loss(r["hook"], int(r["layer"]), int(r["count"]), r["reason"]) for r in lost)
-        return RequestContents(model_id, run, request_id, tuple(hooks[h] for h in _hook_order(hooks)), losses)
+        return RequestContents(model_id, run, request_id, tuple(hooks[h] for h in _hook_order(hooks)), losses,
+                               self._phases(model_id, request_id, run))
+
+    def _phases(self, model_id: str, request_id: str, run_id: str) -> tuple[PhaseSpan, ...]:
+        """Each phase's span of the request's token positions, in token order."""
+        rows = self._query(
+            "SELECT phase, min(start_token) AS start, max(start_token + n_tokens) AS stop FROM {records} "
+            "WHERE model_id = %(model_id)s AND request_id = %(request_id)s AND run_id = %(run_id)s "
+            "GROUP BY phase ORDER BY start, stop",
+            {"model_id": model_id, "request_id": request_id, "run_id": run_id},
+        )
+        return tuple(PhaseSpan(r["phase"], int(r["start"]), int(r["stop"])) for r in rows)
 
     # -------------------------------------------------------------------------------- tensors
     def get_internal(self, model_id: str, request_id: str, hook: str, *, layers: Any = None,
