@@ -108,6 +108,12 @@ class RequestContents(_AsDict):
     losses: tuple[Loss, ...] = ()
     phases: tuple[PhaseSpan, ...] = ()
 
+    @property
+    def decode_start(self) -> int | None:
+        """The request's first decode position (the prefill/decode boundary); ``None``
+        when no decode step was captured."""
+        return decode_start(self.phases)
+
     def hook(self, name: str) -> HookSummary:
         """The summary of hook ``name``; ``KeyError`` if the request does not hold it."""
         for summary in self.hooks:

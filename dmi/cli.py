@@ -355,7 +355,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     layers = view.layers if view.per_layer else (GLOBAL_LAYER,)
     drawn = write_norm_plot(norms, layers, output, width=width, height=height,
                             title=f"{args.hook} L2 norm · {args.model_id} · {args.request_id}",
-                            decode_start=_plotted_decode_start(view.phases))
+                            decode_start=view.decode_start or None)
     if args.json:
         _emit_json({"path": drawn.path, "width": drawn.width, "height": drawn.height, "layers": drawn.layers,
                     "n_tokens": drawn.n_tokens, "mean_norm_per_layer": drawn.mean_norm_per_layer,
@@ -364,14 +364,6 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         _say(args, f"wrote {drawn.width}x{drawn.height} plot of {args.hook} "
                    f"({len(drawn.layers)} layers x {drawn.n_tokens} tokens) to {drawn.path}")
     return EXIT_OK
-
-
-def _plotted_decode_start(phases) -> int | None:
-    """The prefill/decode boundary to mark, when both phases are on the plotted axis."""
-    from dmi._values import decode_start
-
-    start = decode_start(phases)
-    return start if start is not None and start > 0 else None
 
 
 # ----------------------------------------------------------------------------- the parser

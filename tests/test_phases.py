@@ -10,7 +10,7 @@ import torch
 
 import dmi
 from dmi._plot import BOUNDARY_COLOR, write_norm_plot
-from dmi._values import PhaseSpan, decode_start
+from dmi._values import PhaseSpan
 from dmi.cli import main
 from dmi.storage.errors import InvalidArgumentError
 
@@ -41,7 +41,7 @@ def test_a_read_says_which_positions_were_prefill_and_which_decode(home, row):
         view = store.lazy("m", rid, "resid_post")
         # one record per decode step (decode_chunk_steps=1): consecutive decode records merge into one span
         assert view.phases == (PhaseSpan("prefill", 0, prompt), PhaseSpan("decode", prompt, prompt + N_NEW - 1))
-        assert decode_start(view.phases) == prompt
+        assert view.decode_start == prompt
         assert view.shape[1] == prompt + N_NEW - 1  # the spans cover the read's token axis exactly
         # a read of one layer keeps the same axis
         assert store.lazy("m", rid, "resid_post", layers=[2]).phases == view.phases
@@ -54,13 +54,15 @@ def test_a_read_says_which_positions_were_prefill_and_which_decode(home, row):
         assert contents.phases == (PhaseSpan("prefill", 0, prompt), PhaseSpan("decode", prompt, prompt + N_NEW - 1))
         tokens = store.get_internal("m", rid, "token_ids")
         assert tokens.shape[0] == contents.phases[-1].stop
+        assert contents.decode_start == prompt and logits.decode_start == 1
         assert contents.as_dict()["phases"][0] == {"phase": "prefill", "start": 0, "stop": prompt}
 
 
 def test_a_scoring_pass_is_one_forward_span(home):
     with dmi.open(home=home) as store:
         assert store.lazy("m", "f0", "resid_post").phases == (PhaseSpan("forward", 0, LENGTHS[0]),)
-        assert decode_start(store.contents("m", "f0").phases) is None
+        assert store.contents("m", "f0").decode_start is None
+        assert store.lazy("m", "f0", "resid_post").decode_start is None
 
 
 def test_show_and_plot_mark_the_boundary(home, tmp_path, capsys):
