@@ -165,8 +165,8 @@ def _select_with_aliases(arch: Architecture, hooks, aliases: list[HookAlias], la
         try:
             parts.append(select(arch, alias.hook, None if alias.layer < 0 else alias.layer,
                                 attn_implementation=attn_implementation))
-        except HookSelectionError as exc:
-            raise HookSelectionError(f"{alias.name} (DMI hook {alias.hook!r}, layer {alias.layer}): {exc}") from exc
+        except (HookSelectionError, AttentionImplementationError) as exc:
+            raise type(exc)(f"{alias.name} (DMI hook {alias.hook!r}, layer {alias.layer}): {exc}") from exc
     merged: dict[str, set[int]] = {}
     for part in parts:
         for name, nums in part.hooks.items():

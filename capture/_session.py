@@ -12,6 +12,7 @@ model's ownership given back. A second attach while the model is owned raises
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import re
@@ -234,6 +235,8 @@ class CaptureSession:
         m = self.model
         self._handles.append(m.register_forward_pre_hook(self._on_model_pre, with_kwargs=True))
         self._handles.append(m.register_forward_hook(self._on_model_post, always_call=True))
+        if callable(getattr(m, "generate", None)):
+            self._handles.append(_GenerateGuard(m))
         for tap in self.arch.taps(self.selection.hooks):
             if tap.module is None:
                 raise AttachError(f"module for {[e.hook for e in tap.emissions]} not found")
@@ -441,6 +444,29 @@ class CaptureSession:
                     self._publisher.close()
             finally:
                 self.ring.close()
+
+
+class _GenerateGuard:
+    """Refuses beam search in a ``model.generate`` called directly inside the ``with`` block,
+    before the model runs: seen only through its forwards, beam rows would be recorded as
+    requests although beam search reorders and forks them every step. Installed as an
+    instance attribute over the class's ``generate``; ``remove()`` restores the original."""
+
+    def __init__(self, model):
+        self._model = model
+        original = model.generate
+
+        @functools.wraps(original)
+        def generate(*args, **kwargs):
+            sequences_per_prompt(getattr(model, "generation_config", None), kwargs)
+            return original(*args, **kwargs)
+
+        self._guard = generate
+        model.generate = generate
+
+    def remove(self) -> None:
+        if vars(self._model).get("generate") is self._guard:
+            del self._model.generate
 
 
 class _OneSpan:

@@ -89,7 +89,7 @@ def test_aliases_and_names_combine_layers_apply_to_names_only():
 @pytest.mark.parametrize("hooks, layers, error, says", [
     ("blocks.9.hook_resid_post", None, HookSelectionError, "blocks.9.hook_resid_post (DMI hook 'resid_post', layer 9)"),
     ("blocks.0.mlp.hook_expert_indices", None, HookSelectionError, "does not exist on model type 'llama'"),
-    ("blocks.0.attn.hook_pattern", None, AttentionImplementationError, "needs eager attention"),
+    ("blocks.0.attn.hook_pattern", None, AttentionImplementationError, "blocks.0.attn.hook_pattern (DMI hook 'attn_pattern', layer 0): 'attn_pattern' needs eager attention"),
     ("blocks.0.ln2.hook_scale", None, HookSelectionError, "blocks.0.ln2.hook_scale"),
     ("blocks.1.hook_resid_post", [0], HookSelectionError, "blocks.1.hook_resid_post name their own layer"),
 ])

@@ -112,3 +112,20 @@ def test_a_batch_the_call_did_not_announce_is_a_named_error_not_an_index_error(m
             cap.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=True,
                          num_return_sequences=PER_PROMPT)
     assert w.records == []
+
+
+def test_beam_search_called_on_the_model_directly_inside_the_block_is_refused_too():
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    forwards = _count_forwards(model)
+    w = MemoryWriter()
+    with attach(model, hooks="resid_post", writer=w):
+        with pytest.raises(UnsupportedGenerationError, match=r"num_beams=2"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, num_beams=2)
+        assert forwards[0] == 0
+        # sampled sequences through model.generate: each row its own request, as always
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=True, num_return_sequences=PER_PROMPT)
+    assert len({k.request_id for k, _, _ in w.records}) == ids.shape[0] * PER_PROMPT
+    assert "generate" not in vars(model)  # detached: the class's own generate again
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=2, num_beams=2)
+    assert out.shape == (ids.shape[0], ids.shape[1] + 2)
