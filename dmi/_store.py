@@ -283,7 +283,8 @@ class Store:
         ``slice`` of layer numbers (``None``: every stored layer). ``shard_rank`` selects one tensor-parallel rank;
         ``merge_shards=True`` joins the ranks by their recorded geometry.
 
-        Raises ``HookSelectionError`` (not a hook name), ``RecordNotFoundError`` (unknown
+        Raises ``HookSelectionError`` (not a hook name, or a TransformerLens name DMI does not
+        capture), ``InvalidArgumentError`` (``layers`` with an alias), ``RecordNotFoundError`` (unknown
         model, request, run, a hook or layers the request does not hold),
         ``DuplicateChunkError`` (several runs or ranks hold the same tokens: pass ``run_id``
         or ``shard_rank``), ``ShardMergeError``, ``PackCorruptError``/``PackNotFoundError``.
@@ -465,8 +466,9 @@ def _resolve_alias(hook: Any, layers: Any) -> tuple[Any, Any]:
     if alias is None:
         return hook, layers
     if layers is not None:
+        what = "a global hook" if alias.layer < 0 else f"layer {alias.layer}"
         raise InvalidArgumentError(
-            f"{hook!r} names its layer ({alias.layer}); drop layers={layers!r}, or read {alias.hook!r} with layers="
+            f"{hook!r} names its layer ({what}); drop layers={layers!r}, or read {alias.hook!r} with layers="
         )
     return alias.hook, None if alias.layer < 0 else [alias.layer]
 
