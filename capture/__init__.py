@@ -10,6 +10,7 @@
 See ``docs/capture.md``.
 """
 
+from ._aliases import ALIASES, HookAlias, resolve_alias
 from ._arch import SUPPORTED_MODEL_TYPES, resolve_architecture
 from ._generate import CaptureResult, prepare_batch
 from ._hooks import GROUPS, HOOKS, HookSpec, ModelGeometry
@@ -38,4 +39,7 @@ __all__ = [
     "derive_model_id",
     "resolve_architecture",
     "SUPPORTED_MODEL_TYPES",
+    "ALIASES",
+    "HookAlias",
+    "resolve_alias",
 ]

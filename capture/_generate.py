@@ -1,4 +1,5 @@
-"""Batches for the generate / forward entry points: left padding, masks, request ids."""
+"""Batches for the generate / forward entry points: left padding, masks, request ids, and
+how many sequences ``generate`` runs per prompt."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from typing import Any
 
 import torch
 
-from dmi.storage.errors import InvalidArgumentError
+from dmi.storage.errors import InvalidArgumentError, UnsupportedGenerationError
 
-__all__ = ["CaptureResult", "prepare_batch", "left_pads"]
+__all__ = ["CaptureResult", "prepare_batch", "left_pads", "sequences_per_prompt"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,3 +78,37 @@ def left_pads(mask: torch.Tensor) -> list[int]:
     if (real == 0).any():
         raise InvalidArgumentError("an attention_mask row has no real token")
     return pads.tolist()
+
+
+def sequences_per_prompt(model_config, generate_kwargs: dict) -> int:
+    """How many batch rows ``model.generate`` runs (and returns) per prompt row.
+
+    Sampling with ``num_return_sequences=n`` repeats every prompt row ``n`` times before
+    the first forward (row ``i * n + j`` is sequence ``j`` of prompt ``i``) and never mixes
+    rows afterwards, so each returned sequence is captured as its own request. Beam search
+    (``num_beams > 1``) reorders and forks its rows at every step — a batch row is not one
+    sequence — so it is refused here, before the model runs, with
+    :class:`UnsupportedGenerationError`. ``model_config`` is the model's
+    ``generation_config``; ``generate_kwargs`` override it as they do in ``generate``.
+    """
+    config = generate_kwargs.get("generation_config") or model_config
+    beams = _setting(config, generate_kwargs, "num_beams")
+    if beams > 1:
+        raise UnsupportedGenerationError(
+            f"beam search (num_beams={beams}) cannot be captured: beams are reordered and forked at "
+            "every step, so no batch row is one sequence. Capture sampling or greedy generation "
+            "(num_beams=1), or capture the returned sequences with session.forward(...)"
+        )
+    return _setting(config, generate_kwargs, "num_return_sequences")
+
+
+def _setting(config, generate_kwargs: dict, name: str) -> int:
+    """A positive int generation setting: the keyword, else the config's, else 1."""
+    value = generate_kwargs.get(name)
+    if value is None:
+        value = getattr(config, name, None)
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}")
+    return value

@@ -4,7 +4,8 @@
 ``"all"``) into catalogue names; an unknown token is an error that lists every valid one —
 never a silent "everything". ``resolve_layers`` turns ``None``, an int, a ``range``, a slice,
 a ``(start, stop)`` pair or an iterable into layer numbers, and refuses a selection that is
-empty or reaches past the model, naming the model's layers.
+empty or reaches past the model, naming the model's layers. TransformerLens names
+(``blocks.3.hook_resid_post``) select their one hook at their one layer (see ``_aliases``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from dmi.storage.errors import AttentionImplementationError, HookSelectionError
 
+from ._aliases import HookAlias, resolve_alias
 from ._arch import Architecture
 from ._hooks import GROUPS, HOOKS
 
@@ -112,7 +114,12 @@ class Selection:
 
 
 def select(arch: Architecture, hooks, layers, *, attn_implementation: str | None) -> Selection:
-    """Resolve hooks and layers against one model; raises before anything is installed."""
+    """Resolve hooks and layers against one model; raises before anything is installed.
+
+    ``layers`` applies to hook and group names; a TransformerLens alias brings its own layer."""
+    aliases = [alias for alias in map(resolve_alias, _tokens(hooks)) if alias is not None]
+    if aliases:
+        return _select_with_aliases(arch, hooks, aliases, layers, attn_implementation=attn_implementation)
     names = resolve_hooks(hooks)
     explicit = _explicit(hooks)
     layer_nums = resolve_layers(layers, arch.n_layers)
@@ -139,4 +146,31 @@ def select(arch: Architecture, hooks, layers, *, attn_implementation: str | None
         raise HookSelectionError(
             f"selection {hooks!r} leaves no hook available on model type {arch.model_type!r}"
         )
+    return Selection(chosen, layer_nums)
+
+
+def _select_with_aliases(arch: Architecture, hooks, aliases: list[HookAlias], layers, *,
+                         attn_implementation: str | None) -> Selection:
+    """The union of the plain names' selection and each alias's (hook, layer), every part
+    checked by :func:`select` itself (availability, eager attention, layer range)."""
+    named = {alias.name for alias in aliases}
+    plain = [token for token in _tokens(hooks) if token not in named]
+    if not plain and layers is not None:
+        raise HookSelectionError(
+            f"layers={layers!r} selects layers of hook names, but {', '.join(sorted(named))} name their own "
+            "layer; drop layers= or add the DMI hook name (e.g. resid_post) it should apply to"
+        )
+    parts = [select(arch, plain, layers, attn_implementation=attn_implementation)] if plain else []
+    for alias in aliases:
+        try:
+            parts.append(select(arch, alias.hook, None if alias.layer < 0 else alias.layer,
+                                attn_implementation=attn_implementation))
+        except (HookSelectionError, AttentionImplementationError) as exc:
+            raise type(exc)(f"{alias.name} (DMI hook {alias.hook!r}, layer {alias.layer}): {exc}") from exc
+    merged: dict[str, set[int]] = {}
+    for part in parts:
+        for name, nums in part.hooks.items():
+            merged.setdefault(name, set()).update(nums)
+    chosen = {name: tuple(sorted(merged[name])) for name in HOOKS if name in merged}
+    layer_nums = tuple(sorted({n for nums in chosen.values() for n in nums if n >= 0}))
     return Selection(chosen, layer_nums)

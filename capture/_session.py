@@ -12,6 +12,7 @@ model's ownership given back. A second attach while the model is owned raises
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import re
@@ -35,7 +36,7 @@ from dmi.storage.errors import (
 
 from ._arch import Architecture, resolve_architecture
 from ._drain import Drain, KeyContext, cuda_event_for_submission
-from ._generate import CaptureResult, left_pads, prepare_batch
+from ._generate import CaptureResult, left_pads, prepare_batch, sequences_per_prompt
 from ._hooks import HOOKS, ModelGeometry
 from ._plan import StepPlan
 from ._ring import Entry, Ring
@@ -133,9 +134,12 @@ class CaptureSession:
     def generate(self, input_ids, attention_mask=None, *, request_ids=None, **generate_kwargs) -> CaptureResult:
         """``model.generate`` with capture. ``input_ids``: a ``[b, t]`` tensor (left-padded, with
         its ``attention_mask``) or a list of prompts' token ids (left-padded for you). Returns
-        the request ids (one per row) and ``model.generate``'s output unchanged."""
+        the request ids (one per returned sequence: ``b × num_return_sequences``, sequence ``j``
+        of prompt ``i`` at ``i * n + j``) and ``model.generate``'s output unchanged. Beam search
+        is refused before the model runs (:class:`UnsupportedGenerationError`)."""
         ids, mask = self._batch(input_ids, attention_mask)
-        call = self._open_call(ids, mask, request_ids, "prefill")
+        per_prompt = sequences_per_prompt(getattr(self.model, "generation_config", None), generate_kwargs)
+        call = self._open_call(ids, mask, request_ids, "prefill", per_prompt)
         try:
             out = self.model.generate(input_ids=ids, attention_mask=mask, **generate_kwargs)
         finally:
@@ -200,15 +204,16 @@ class CaptureSession:
             raise CaptureError("this capture session is closed (its `with` block has exited)")
         self.drain.check()
 
-    def _open_call(self, ids, mask, request_ids, first_phase) -> _Call:
-        b = ids.shape[0]
-        pads = left_pads(mask)
+    def _open_call(self, ids, mask, request_ids, first_phase, per_prompt: int = 1) -> _Call:
+        """One request per row the model will run: each prompt row repeated ``per_prompt`` times."""
+        b = ids.shape[0] * per_prompt
+        pads = [pad for pad in left_pads(mask) for _ in range(per_prompt)]
         if request_ids is None:
             rids = [f"{self.run_id}-{self._n_requests + i:06d}" for i in range(b)]
         else:
             rids = [_validate_id("request id", r) for r in request_ids]
             if len(rids) != b or len(set(rids)) != b:
-                raise InvalidArgumentError(f"need {b} distinct request ids, got {request_ids!r}")
+                raise InvalidArgumentError(f"need {b} distinct request ids (one per returned sequence), got {request_ids!r}")
         call = self._new_call(rids, first_phase)
         call.pads = pads
         self._call = call
@@ -231,6 +236,8 @@ class CaptureSession:
         m = self.model
         self._handles.append(m.register_forward_pre_hook(self._on_model_pre, with_kwargs=True))
         self._handles.append(m.register_forward_hook(self._on_model_post, always_call=True))
+        if callable(getattr(m, "generate", None)):
+            self._handles.append(_GenerateGuard(m))
         for tap in self.arch.taps(self.selection.hooks):
             if tap.module is None:
                 raise AttachError(f"module for {[e.hook for e in tap.emissions]} not found")
@@ -293,6 +300,11 @@ class CaptureSession:
         call = self._call
         if call is None:
             call = self._implicit_call(b, kwargs)
+        elif b != len(call.request_ids):
+            raise CaptureError(
+                f"the model ran {b} rows for a call of {len(call.request_ids)} requests; this generation "
+                "mode changes the batch in a way capture cannot follow"
+            )
         if call.step < 0:
             phase = call.first_phase
             if call.pads is None:
@@ -433,6 +445,29 @@ class CaptureSession:
                     self._publisher.close()
             finally:
                 self.ring.close()
+
+
+class _GenerateGuard:
+    """Refuses beam search in a ``model.generate`` called directly inside the ``with`` block,
+    before the model runs: seen only through its forwards, beam rows would be recorded as
+    requests although beam search reorders and forks them every step. Installed as an
+    instance attribute over the class's ``generate``; ``remove()`` restores the original."""
+
+    def __init__(self, model):
+        self._model = model
+        original = model.generate
+
+        @functools.wraps(original)
+        def generate(*args, **kwargs):
+            sequences_per_prompt(getattr(model, "generation_config", None), kwargs)
+            return original(*args, **kwargs)
+
+        self._guard = generate
+        model.generate = generate
+
+    def remove(self) -> None:
+        if vars(self._model).get("generate") is self._guard:
+            del self._model.generate
 
 
 class _OneSpan:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dmi._values import PhaseSpan, decode_start, phase_spans
 from dmi.storage import torch_dtype
 from dmi.storage.records import GLOBAL_LAYER, RecordEntry
 
@@ -75,6 +76,18 @@ class LazyInternal:
             f"LazyInternal(model_id={self.model_id!r}, request_id={self.request_id!r}, hook={self.hook!r}, "
             f"shape={tuple(self.shape)}, dtype={self.dtype}, records={len(self._entries)})"
         )
+
+    @property
+    def phases(self) -> tuple[PhaseSpan, ...]:
+        """Which positions of the token axis are prefill and which decode (from the index rows;
+        nothing is read): e.g. ``(PhaseSpan("prefill", 0, 7), PhaseSpan("decode", 7, 10))``."""
+        return phase_spans(e.meta.key for e in self._entries)
+
+    @property
+    def decode_start(self) -> int | None:
+        """The first decode position on the token axis (the prefill/decode boundary);
+        ``None`` when the view holds no decode step."""
+        return decode_start(self.phases)
 
     @property
     def records(self) -> int:

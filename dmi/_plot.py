@@ -19,6 +19,7 @@ from dmi.storage.errors import InvalidArgumentError
 __all__ = ["NormPlot", "token_norms", "write_norm_plot"]
 
 _DPI = 100
+BOUNDARY_COLOR = "#ff0000"  # the prefill/decode line: pure red, absent from the viridis heatmap
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,7 @@ class NormPlot:
     layers: tuple[int, ...]
     n_tokens: int
     mean_norm_per_layer: tuple[float, ...]
+    decode_start: int | None = None
 
 
 def token_norms(stacked: torch.Tensor) -> torch.Tensor:
@@ -49,10 +51,13 @@ def write_norm_plot(
     title: str,
     width: int = 1200,
     height: int = 500,
+    decode_start: int | None = None,
 ) -> NormPlot:
     """Write the heatmap (layers × tokens) and the per-layer mean-norm curve to a PNG.
 
-    ``norms`` is ``[len(layers), tokens]``. Returns what was drawn. Raises
+    ``norms`` is ``[len(layers), tokens]``. ``decode_start``: the first decode position on
+    the token axis; a dashed vertical line (``BOUNDARY_COLOR``) is drawn between it and the
+    last prefill position. Returns what was drawn. Raises
     ``InvalidArgumentError`` for a size under 200×150 pixels or norms that do not match
     the layers.
     """
@@ -73,6 +78,8 @@ def write_norm_plot(
     image = heat.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis", origin="lower")
     heat.set_yticks(range(len(layers)), [str(layer) for layer in layers])
     heat.set_xlabel("token position")
+    if decode_start is not None:
+        _mark_decode_start(heat, decode_start, int(values.shape[1]))
     heat.set_ylabel("layer")
     heat.set_title(title, fontsize=10)
     fig.colorbar(image, ax=heat, label="L2 norm")
@@ -95,4 +102,13 @@ def write_norm_plot(
         layers=tuple(int(layer) for layer in layers),
         n_tokens=int(values.shape[1]),
         mean_norm_per_layer=tuple(float(v) for v in per_layer),
+        decode_start=decode_start,
     )
+
+
+def _mark_decode_start(heat, decode_start: int, n_tokens: int) -> None:
+    """The prefill/decode boundary: a dashed line between the two phases' cells."""
+    if not 0 < decode_start < n_tokens:
+        raise InvalidArgumentError(f"decode_start {decode_start} is not inside the {n_tokens} plotted tokens")
+    heat.axvline(decode_start - 0.5, color=BOUNDARY_COLOR, linestyle="--", linewidth=2)
+    heat.set_xlabel("token position (dashed: decode starts)")

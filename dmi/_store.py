@@ -29,6 +29,7 @@ from dmi._values import (
     HookSummary,
     Loss,
     ModelSummary,
+    PhaseSpan,
     Problem,
     RecoveredPack,
     RequestContents,
@@ -219,7 +220,18 @@ class Store:
         }
         lost = self.catalog.losses(model_id=model_id, run_id=run, request_id=request_id).to_pylist()
         losses = tuple(Loss(r["hook"], int(r["layer"]), int(r["count"]), r["reason"]) for r in lost)
-        return RequestContents(model_id, run, request_id, tuple(hooks[h] for h in _hook_order(hooks)), losses)
+        return RequestContents(model_id, run, request_id, tuple(hooks[h] for h in _hook_order(hooks)), losses,
+                               self._phases(model_id, request_id, run))
+
+    def _phases(self, model_id: str, request_id: str, run_id: str) -> tuple[PhaseSpan, ...]:
+        """Each phase's span of the request's token positions, in token order."""
+        rows = self._query(
+            "SELECT phase, min(start_token) AS start, max(start_token + n_tokens) AS stop FROM {records} "
+            "WHERE model_id = %(model_id)s AND request_id = %(request_id)s AND run_id = %(run_id)s "
+            "GROUP BY phase ORDER BY start, stop",
+            {"model_id": model_id, "request_id": request_id, "run_id": run_id},
+        )
+        return tuple(PhaseSpan(r["phase"], int(r["start"]), int(r["stop"])) for r in rows)
 
     # -------------------------------------------------------------------------------- tensors
     def get_internal(self, model_id: str, request_id: str, hook: str, *, layers: Any = None,
@@ -230,15 +242,19 @@ class Store:
         ``embed``, ``final_norm``, ``logits``). Tokens are in order: the prompt's real tokens
         (padding was never stored), then one per captured decode step.
 
-        ``layers``: an int, an iterable of ints, a ``range`` or a ``slice`` of layer numbers
-        (``None``: every stored layer). ``shard_rank`` selects one tensor-parallel rank;
+        ``hook``: a catalogue name or a TransformerLens alias (``blocks.3.hook_resid_post``:
+        ``resid_post`` at layer 3, then ``layers`` must be ``None``; see
+        ``dmi.capture.ALIASES``). ``layers``: an int, an iterable of ints, a ``range`` or a
+        ``slice`` of layer numbers (``None``: every stored layer). ``shard_rank`` selects one tensor-parallel rank;
         ``merge_shards=True`` joins the ranks by their recorded geometry.
 
-        Raises ``HookSelectionError`` (not a hook name), ``RecordNotFoundError`` (unknown
+        Raises ``HookSelectionError`` (not a hook name, or a TransformerLens name DMI does not
+        capture), ``InvalidArgumentError`` (``layers`` with an alias), ``RecordNotFoundError`` (unknown
         model, request, run, a hook or layers the request does not hold),
         ``DuplicateChunkError`` (several runs or ranks hold the same tokens: pass ``run_id``
         or ``shard_rank``), ``ShardMergeError``, ``PackCorruptError``/``PackNotFoundError``.
         """
+        hook, layers = _resolve_alias(hook, layers)
         entries = self._entries(model_id, request_id, hook, layers, shard_rank, run_id)
         return self._assemble(entries, shard_rank=shard_rank, merge_shards=merge_shards)
 
@@ -249,6 +265,7 @@ class Store:
         queried now, payloads are read only when the view is indexed (and only the records
         the index touches). Raises what ``get_internal`` raises, except read errors, which
         surface on indexing."""
+        hook, layers = _resolve_alias(hook, layers)
         entries = self._entries(model_id, request_id, hook, layers, shard_rank, run_id)
 
         def read(selected: list[RecordEntry]) -> torch.Tensor:
@@ -427,6 +444,23 @@ def _check_hook(hook: str) -> None:
     if hook not in HOOKS:
         hint = f" ({hook!r} is a group: read its hooks one by one)" if hook in GROUPS else ""
         raise HookSelectionError(f"unknown hook {hook!r}{hint}; hooks: {', '.join(HOOKS)}")
+
+
+def _resolve_alias(hook: Any, layers: Any) -> tuple[Any, Any]:
+    """A TransformerLens name → its catalogue hook and its one layer; other names unchanged.
+    Raises ``HookSelectionError`` for a TransformerLens name DMI does not capture, and
+    ``InvalidArgumentError`` when ``layers`` is given with an alias (which names its layer)."""
+    from dmi.capture import resolve_alias
+
+    alias = resolve_alias(hook) if isinstance(hook, str) else None
+    if alias is None:
+        return hook, layers
+    if layers is not None:
+        what = "a global hook" if alias.layer < 0 else f"layer {alias.layer}"
+        raise InvalidArgumentError(
+            f"{hook!r} names its layer ({what}); drop layers={layers!r}, or read {alias.hook!r} with layers="
+        )
+    return alias.hook, None if alias.layer < 0 else [alias.layer]
 
 
 def _hook_order(hooks: Iterable[str]) -> tuple[str, ...]:

@@ -6,6 +6,7 @@ pickled and turned into JSON by the CLI without touching the catalog again.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -21,6 +22,9 @@ __all__ = [
     "Problem",
     "VerifyReport",
     "RecoveredPack",
+    "PhaseSpan",
+    "phase_spans",
+    "decode_start",
 ]
 
 
@@ -93,13 +97,22 @@ class Loss(_AsDict):
 
 @dataclass(frozen=True, slots=True)
 class RequestContents(_AsDict):
-    """What one request holds, hook by hook (catalogue order), and what capture dropped."""
+    """What one request holds, hook by hook (catalogue order), what capture dropped, and the
+    request's phases in its own token positions (``phases``: e.g. prefill ``[0, 7)``, decode
+    ``[7, 10)``; each span runs from the phase's first to its last captured position)."""
 
     model_id: str
     run_id: str
     request_id: str
     hooks: tuple[HookSummary, ...]
     losses: tuple[Loss, ...] = ()
+    phases: tuple[PhaseSpan, ...] = ()
+
+    @property
+    def decode_start(self) -> int | None:
+        """The request's first decode position (the prefill/decode boundary); ``None``
+        when no decode step was captured."""
+        return decode_start(self.phases)
 
     def hook(self, name: str) -> HookSummary:
         """The summary of hook ``name``; ``KeyError`` if the request does not hold it."""
@@ -172,3 +185,47 @@ class RecoveredPack(_AsDict):
 
     pack_id: str
     records: int
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseSpan(_AsDict):
+    """Positions ``[start, stop)`` along a read's token axis that one phase produced:
+    ``"prefill"`` (the prompt's forward), ``"decode"`` (one token per generation step) or
+    ``"forward"`` (a scoring pass)."""
+
+    phase: str
+    start: int
+    stop: int
+
+
+def phase_spans(keys: Iterable[RecordKey]) -> tuple[PhaseSpan, ...]:
+    """The phases along the token axis that ``keys`` assemble into, in token order.
+
+    Only the token axis counts: the records of the lowest layer and shard rank, one per
+    start token (every layer and rank of a request covers the same positions). Position
+    ``i`` of the axis is the ``i``-th stored token, so a hook that keeps only some positions
+    (``logits``: the last prompt position, then one per step) is counted in its own
+    positions. Consecutive records of one phase merge into one span.
+    """
+    keys = list(keys)
+    if not keys:
+        return ()
+    first = min((k.layer, k.shard_rank) for k in keys)
+    chunks = {k.start_token: k for k in reversed(keys) if (k.layer, k.shard_rank) == first}
+    spans: list[PhaseSpan] = []
+    position = 0
+    for start in sorted(chunks):
+        key = chunks[start]
+        end = position + key.n_tokens
+        if spans and spans[-1].phase == key.phase:
+            spans[-1] = PhaseSpan(key.phase, spans[-1].start, end)
+        else:
+            spans.append(PhaseSpan(key.phase, position, end))
+        position = end
+    return tuple(spans)
+
+
+def decode_start(spans: Iterable[PhaseSpan]) -> int | None:
+    """Where decoding starts along the token axis (the prefill/decode boundary); ``None``
+    when no decode step is held."""
+    return next((span.start for span in spans if span.phase == "decode"), None)

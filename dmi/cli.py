@@ -239,6 +239,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
         return EXIT_OK
     rows = [h.as_dict() for h in contents.hooks]
     _say(args, f"model {contents.model_id}  request {contents.request_id}  run {contents.run_id}")
+    if contents.phases:
+        _say(args, "token positions: " + ", ".join(f"{p.phase} {p.start}-{p.stop - 1}" for p in contents.phases))
     _emit(args, rows, [
         ("hook", "hook", None),
         ("layers", "layers", _layer_span),
@@ -357,10 +359,12 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     norms = token_norms(tensor if view.per_layer else tensor.unsqueeze(0))
     layers = view.layers if view.per_layer else (GLOBAL_LAYER,)
     drawn = write_norm_plot(norms, layers, output, width=width, height=height,
-                            title=f"{args.hook} L2 norm · {args.model_id} · {args.request_id}")
+                            title=f"{args.hook} L2 norm · {args.model_id} · {args.request_id}",
+                            decode_start=view.decode_start or None)
     if args.json:
         _emit_json({"path": drawn.path, "width": drawn.width, "height": drawn.height, "layers": drawn.layers,
-                    "n_tokens": drawn.n_tokens, "mean_norm_per_layer": drawn.mean_norm_per_layer})
+                    "n_tokens": drawn.n_tokens, "mean_norm_per_layer": drawn.mean_norm_per_layer,
+                    "decode_start": drawn.decode_start})
     else:
         _say(args, f"wrote {drawn.width}x{drawn.height} plot of {args.hook} "
                    f"({len(drawn.layers)} layers x {drawn.n_tokens} tokens) to {drawn.path}")

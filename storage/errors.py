@@ -37,6 +37,7 @@ exception types. Builtin mix-ins are added where callers naturally expect them.
         ├── HookSelectionError (InvalidArgumentError)   unknown hook/group, bad layer range
         ├── AttachError                          model already owned, unsupported model
         ├── AttentionImplementationError         attn_pattern needs eager attention
+        ├── UnsupportedGenerationError (InvalidArgumentError)   beam search: refused before the model runs
         ├── RingFullError (TimeoutError)         producer waited its bound for a free slot
         └── DrainError                           the drain thread failed; cause attached
 """
@@ -73,6 +74,7 @@ __all__ = [
     "HookSelectionError",
     "AttachError",
     "AttentionImplementationError",
+    "UnsupportedGenerationError",
     "RingFullError",
     "DrainError",
 ]
@@ -197,6 +199,10 @@ class AttachError(CaptureError):
 
 class AttentionImplementationError(CaptureError):
     """``attn_pattern`` needs eager attention; the model uses another implementation."""
+
+
+class UnsupportedGenerationError(CaptureError, InvalidArgumentError):
+    """A ``generate`` mode capture cannot record exactly (beam search); refused before the model runs."""
 
 
 class RingFullError(CaptureError, TimeoutError):

@@ -36,7 +36,7 @@ DMI_ALL = [
 CAPTURE_ALL = [
     "attach", "CaptureSession", "CaptureResult", "Schedule", "HOOKS", "GROUPS", "HookSpec", "ModelGeometry",
     "resolve_hooks", "resolve_layers", "Selection", "StepPlan", "RowSpan", "Ring", "prepare_batch",
-    "derive_model_id", "resolve_architecture", "SUPPORTED_MODEL_TYPES",
+    "derive_model_id", "resolve_architecture", "SUPPORTED_MODEL_TYPES", "ALIASES", "HookAlias", "resolve_alias",
 ]
 
 STORAGE_ALL = [
