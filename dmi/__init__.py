@@ -43,6 +43,8 @@ _LAZY = {
     "VerifyReport": "dmi._values",
     "Problem": "dmi._values",
     "RecoveredPack": "dmi._values",
+    "RunSummary": "dmi._values",
+    "DeleteReport": "dmi._values",
 }
 
 __all__ = [
@@ -59,6 +61,8 @@ __all__ = [
     "VerifyReport",
     "Problem",
     "RecoveredPack",
+    "RunSummary",
+    "DeleteReport",
     "default_home",
     *_errors.__all__,
 ]

@@ -29,7 +29,7 @@ def test_facade_reexports_errors():
 
 DMI_ALL = [
     "__version__", "open", "capture", "Store", "LazyInternal", "ModelSummary", "RequestSummary", "HookSummary",
-    "RequestContents", "Loss", "VerifyReport", "Problem", "RecoveredPack", "default_home",
+    "RequestContents", "Loss", "VerifyReport", "Problem", "RecoveredPack", "RunSummary", "DeleteReport", "default_home",
 ]
 
 CAPTURE_ALL = [
@@ -46,7 +46,7 @@ STORAGE_ALL = [
 ]
 
 CATALOG_ALL = [
-    "open_catalog", "default_catalog_uri", "CATALOG_ENV", "HOME_ENV", "Catalog", "HookContents", "Publisher",
+    "open_catalog", "default_catalog_uri", "CATALOG_ENV", "HOME_ENV", "Catalog", "HookContents", "Deletion", "Publisher",
     "Watermark", "validate_value_id",
 ]
 
