@@ -27,8 +27,6 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -36,8 +34,8 @@ from dmi.catalog import _schema
 from dmi.catalog._sql import validate_value_id
 from dmi.storage.errors import PackNotFoundError
 
-if TYPE_CHECKING:
-    from dmi.catalog._catalog import Catalog
+# Every function takes the ``Catalog`` it works on as ``catalog`` (not imported here: the
+# catalog module imports this one, and the contracts forbid an import circle).
 
 __all__ = ["Deletion", "delete_runs", "deletions", "deleted_pack_ids", "purge", "hidden_record_keys", "record_keys"]
 
@@ -58,7 +56,7 @@ class Deletion:
     deleted_at: float
 
 
-def delete_runs(catalog: Catalog, model_id: str, run_id: str | None = None, *, deleted_by: str = "") -> list[Deletion]:
+def delete_runs(catalog, model_id: str, run_id: str | None = None, *, deleted_by: str = "") -> list[Deletion]:
     """Hide every visible record of ``model_id`` (of one run if ``run_id``) in one INSERT.
 
     Returns one :class:`Deletion` per run hidden now, in run order; empty when nothing of
@@ -102,7 +100,7 @@ def delete_runs(catalog: Catalog, model_id: str, run_id: str | None = None, *, d
     return found
 
 
-def deletions(catalog: Catalog, model_id: str | None = None, run_id: str | None = None) -> list[Deletion]:
+def deletions(catalog, model_id: str | None = None, run_id: str | None = None) -> list[Deletion]:
     """Every tombstone (of ``model_id``, of ``run_id``), oldest first."""
     where, params = catalog._filters(model_id=model_id, run_id=run_id)
     rows = catalog._backend.query(
@@ -117,14 +115,14 @@ def deletions(catalog: Catalog, model_id: str | None = None, run_id: str | None 
     ]
 
 
-def _deleted_triples(catalog: Catalog) -> set[tuple[str, str, str]]:
+def _deleted_triples(catalog) -> set[tuple[str, str, str]]:
     rows = catalog._backend.query(
         f"SELECT DISTINCT pack_id, model_id, run_id FROM ({_schema.DELETED_TRIPLES.format(**catalog._tables)})", {}
     ).to_pylist()
     return {(r["pack_id"], r["model_id"], r["run_id"]) for r in rows}
 
 
-def deleted_pack_ids(catalog: Catalog) -> set[str]:
+def deleted_pack_ids(catalog) -> set[str]:
     """Packs deleted on purpose: named by a tombstone, and every record indexed in them hidden.
 
     A pack that still holds a record of a run nobody deleted is not here (its file must
@@ -144,7 +142,7 @@ def deleted_pack_ids(catalog: Catalog) -> set[str]:
     return indexed - still_needed
 
 
-def purge(catalog: Catalog, store) -> list[str]:
+def purge(catalog, store) -> list[str]:
     """Remove the files of deleted packs still in ``store``; returns their ids, sorted.
 
     Safe to run at any time and any number of times: it removes only what
@@ -162,7 +160,7 @@ def purge(catalog: Catalog, store) -> list[str]:
     return removed
 
 
-def hidden_record_keys(catalog: Catalog) -> pa.Array:
+def hidden_record_keys(catalog) -> pa.Array:
     """The :func:`record_keys` of every record a tombstone hides, for point-query filtering."""
     keys = sorted(_KEY_SEPARATOR.join(triple) for triple in _deleted_triples(catalog))
     return pa.array(keys, type=pa.string())
