@@ -403,8 +403,9 @@ class Catalog:
             "SELECT model_id, run_id, request_id, pack_id, payload_length, raw_size "
             f"FROM {self._tables['records']} {where}{joiner}pack_id IN ({sub}) "
             f"AND {_schema.NOT_DELETED.format(**self._tables)} LIMIT 1 BY pack_id, record_index"
-            f") AS visible_records ANY LEFT JOIN (SELECT pack_id, any(sealed_at) AS sealed_at FROM {self._tables['packs']} "
-            "GROUP BY pack_id) AS sealed USING pack_id "
+            ") AS visible_records ANY LEFT JOIN ("
+            f"SELECT pack_id, any(sealed_at) AS sealed_at FROM {self._tables['packs']} GROUP BY pack_id"
+            ") AS sealed USING pack_id "
             "GROUP BY model_id, run_id ORDER BY model_id, run_id",
             params,
         )

@@ -243,7 +243,8 @@ class DeletionCrashConformance:
         if kill_at == "midway":
             assert len(doomed_ids - on_disk) == 1
         with open_catalog(catalog_uri) as catalog:
-            m = {(e.meta.key.run_id, e.meta.key.request_id, e.meta.key.layer, e.pack_id) for e in catalog.find_records("m")}
+            m = {(e.meta.key.run_id, e.meta.key.request_id, e.meta.key.layer, e.pack_id)
+                 for e in catalog.find_records("m")}
             other = {(e.meta.key.run_id, e.meta.key.request_id, e.meta.key.layer, e.pack_id)
                      for e in catalog.find_records("other")}
             kept_rows = {row for row in before if row[0] == "kept"}
@@ -341,7 +342,8 @@ class CatalogConformance(RecoveryConformance, DeletionCrashConformance):
     def test_delete_a_run_hides_it_at_once_and_only_it(self, catalog, catalog_uri):
         """Run r1 alone in one pack, r2 alone in another, both in a third (the pack writer
         allows that): deleting r1 hides every r1 record everywhere, r2 keeps all of its own."""
-        mixed = pack(entries=[entry("", 0, run="r1", request="a", layer=5), entry("", 1, run="r2", request="b", layer=5)])
+        mixed = pack(entries=[entry("", 0, run="r1", request="a", layer=5),
+                              entry("", 1, run="r2", request="b", layer=5)])
         only_r1, only_r2 = pack(run="r1", request="a"), pack(run="r2", request="b")
         with catalog.publisher("s", holder="A") as pub:
             pub.publish([only_r1, only_r2, mixed])
@@ -353,7 +355,9 @@ class CatalogConformance(RecoveryConformance, DeletionCrashConformance):
             ]
             for cat in (reader, catalog):
                 found = cat.find_records("gpt2")
-                assert {(e.meta.key.run_id, e.pack_id) for e in found} == {("r2", only_r2.pack_id), ("r2", mixed.pack_id)}
+                assert {(e.meta.key.run_id, e.pack_id) for e in found} == {
+                    ("r2", only_r2.pack_id), ("r2", mixed.pack_id)
+                }
                 assert len(found) == 4
                 assert cat.find_records("gpt2", run_id="r1") == []
                 assert cat.find_records("gpt2", scope="s") == found
@@ -370,13 +374,18 @@ class CatalogConformance(RecoveryConformance, DeletionCrashConformance):
         assert catalog.models() == [] and catalog.find_records("gpt2") == []
 
     def test_delete_a_whole_model_in_one_tombstone(self, catalog):
+        hostile = "it's `x` %(y)s ../ ; DROP TABLE z"
         with catalog.publisher("s", holder="A") as pub:
-            pub.publish([pack(run="r1"), pack(run="r2"), pack(model="kept", run="r1")])
+            pub.publish([pack(run="r1"), pack(run="r2"), pack(model="kept", run="r1"),
+                         pack(model=hostile, run=hostile)])
+        assert [d.run_id for d in catalog.delete_runs(hostile, hostile)] == [hostile]
+        assert catalog.deletions(model_id=hostile, run_id=hostile)[0].model_id == hostile
         deleted = catalog.delete_runs("gpt2")
         assert [d.run_id for d in deleted] == ["r1", "r2"]
         assert len({d.deletion_id for d in deleted}) == 1
         assert catalog.models() == ["kept"]
-        assert [(d.model_id, d.run_id) for d in catalog.deletions()] == [("gpt2", "r1"), ("gpt2", "r2")]
+        assert sorted((d.model_id, d.run_id) for d in catalog.deletions()) == [("gpt2", "r1"), ("gpt2", "r2"),
+                                                                                (hostile, hostile)]
         assert catalog.deletions(model_id="kept") == []
         assert len(catalog.find_records("kept", run_id="r1")) == 3
 
@@ -386,7 +395,7 @@ class CatalogConformance(RecoveryConformance, DeletionCrashConformance):
             pub.publish([pack(model="other", run="r9")])
         rows = catalog.run_totals("gpt2").to_pylist()
         assert [(r["run_id"], r["requests"], r["records"], r["packs"], r["stored_bytes"], r["raw_bytes"])
-                for r in rows] == [("r1", 2, 6, 2, 6 * 64, 2 * (64 + 128 + 192)), ("r2", 1, 3, 1, 3 * 64, 64 + 128 + 192)]
+                for r in rows] == [("r1", 2, 6, 2, 6 * 64, 2 * 384), ("r2", 1, 3, 1, 3 * 64, 384)]  # raw: 64+128+192
         assert {(r["first_sealed_at"], r["last_sealed_at"]) for r in rows} == {(1700000000.5, 1700000000.5)}
         assert catalog.run_totals().column("model_id").to_pylist() == ["gpt2", "gpt2", "other"]
 

@@ -7,6 +7,7 @@ checked through the facade and the command line, with a tiny Llama captured for 
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -113,7 +114,12 @@ def run_cli(capsys, *argv):
     return rc, out, err
 
 
-def test_cli_runs_and_delete(home, capsys):
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_cli_runs_and_delete(home, capsys, monkeypatch):
     where = ("--home", str(home.path))
     rc, out, err = run_cli(capsys, "runs", "--json", *where)
     assert rc == 0, err
@@ -127,9 +133,16 @@ def test_cli_runs_and_delete(home, capsys):
     # Without --yes and without a terminal to ask on: refused, nothing deleted.
     rc, out, err = run_cli(capsys, "delete", "m", "--run", "drop", *where)
     assert rc == 2 and err.startswith("dmi: error: delete run drop of model m: 12 records") and "--yes" in err
-    rc, out, err = run_cli(capsys, "delete", "m", "--run", "drop", "--yes", *where)
+    # On a terminal it asks; anything but yes keeps the run. (A pytest run has no terminal:
+    # a stdin that says it is one stands in for it.)
+    monkeypatch.setattr(sys, "stdin", Terminal("n\n"))
+    rc, out, err = run_cli(capsys, "delete", "m", "--run", "drop", *where)
+    assert rc == 2 and out.startswith("delete run drop of model m: 12 records") and "not deleted" in err
+    monkeypatch.setattr(sys, "stdin", Terminal("y\n"))
+    rc, out, err = run_cli(capsys, "delete", "m", "--run", "drop", *where)
     assert (rc, err) == (0, "")
-    assert out.splitlines() == ["deleted 1 run of model m (drop): 12 records", "removed 3 pack files"]
+    # (the question, then the answer's newline a terminal would have echoed, then the report)
+    assert out.endswith("? [y/N] deleted 1 run of model m (drop): 12 records\nremoved 3 pack files\n")
     rc, out, err = run_cli(capsys, "delete", "m", "--run", "drop", "--yes", "--json", *where)
     assert rc == 0 and json.loads(out) == {"model_id": "m", "run_ids": [], "records": 0, "packs_removed": [],
                                            "packs_kept": []}
@@ -205,7 +218,8 @@ def test_a_killed_dmi_delete_is_all_or_nothing_and_the_next_one_finishes_it(home
             assert len(doomed & set(store.packs.list_packs())) == (2 if kill_at == "midway" else 3)
     rc, out, err = run_cli(capsys, "delete", "m", "--run", "drop", "--yes", "--home", str(home.path))
     assert rc == 0, err
-    first = "deleted 1 run of model m (drop): 12 records" if kill_at == "before-tombstone" else "nothing to delete: already deleted"
+    first = ("deleted 1 run of model m (drop): 12 records" if kill_at == "before-tombstone"
+             else "nothing to delete: already deleted")
     assert out.splitlines() == [first, f"removed {3 if kill_at != 'midway' else 2} pack files"]
     with dmi.open(home=home.path) as store:
         assert set(store.packs.list_packs()) == kept
