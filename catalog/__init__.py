@@ -6,6 +6,7 @@ nothing of capture or the reader. See ``docs/catalog-protocol.md``.
 """
 
 from dmi.catalog._catalog import Catalog, HookContents, ModelTotals, RequestTotals
+from dmi.catalog._deletion import Deletion
 from dmi.catalog._factory import CATALOG_ENV, HOME_ENV, default_catalog_uri, open_catalog
 from dmi.catalog._leases import Publisher, Watermark
 from dmi.catalog._sql import validate_value_id
@@ -19,6 +20,7 @@ __all__ = [
     "HookContents",
     "ModelTotals",
     "RequestTotals",
+    "Deletion",
     "Publisher",
     "Watermark",
     "validate_value_id",

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dmi.catalog import _schema
+from dmi.catalog import _deletion, _schema
 from dmi.catalog._catalog_backend import CatalogBackend
+from dmi.catalog._deletion import Deletion
 from dmi.catalog._leases import LeaseState, LeaseTables, Publisher, Watermark, read_state, validate_record_ids
 from dmi.catalog._sql import bind, quote_identifier, single_statement, validate_identifier, validate_value_id
 from dmi.storage.errors import InvalidArgumentError, InvalidIdentifierError, SchemaVersionError, ServerError
@@ -104,7 +105,7 @@ class Catalog:
             name: f"{database}.{quote_identifier(self.table_prefix + name, 'table name')}" for name in names
         }
         self._closed = False
-        self._visible_packs: tuple[tuple, pa.Array] | None = None
+        self._visible_packs: tuple[tuple, pa.Array, pa.Array] | None = None
         self._ensure_schema()
 
     # ----------------------------------------------------------------- lifecycle
@@ -145,9 +146,12 @@ class Catalog:
                 f"the catalog at {self._backend.where} has schema version {found}, newer than the "
                 f"{_schema.SCHEMA_VERSION} this DMI understands; upgrade DMI (pip install -U dmi-capture)"
             )
+        if found is not None and found < _schema.SCHEMA_VERSION:
+            for statement in _schema.upgrade_statements(found, self._tables):
+                self._backend.command(statement)
         for statement in ddl[1:]:
             self._backend.command(statement)
-        if found is None:
+        if found is None or found < _schema.SCHEMA_VERSION:
             self._backend.insert(
                 self._tables["schema"],
                 pa.Table.from_pylist(
@@ -263,6 +267,36 @@ class Catalog:
             "ORDER BY model_id, run_id, request_id, hook, layer, reason",
             params,
         )
+
+    # ----------------------------------------------------------------- deletion
+    def delete_runs(self, model_id: str, run_id: str | None = None, *, deleted_by: str = "") -> list[Deletion]:
+        """Make ``model_id`` (one run of it if ``run_id``) invisible to every reader at once.
+
+        Writes one tombstone per run in one INSERT (all runs vanish together, or none) and
+        returns them; empty when nothing of the selection is visible. Pack files are not
+        touched: :meth:`purge_deleted` removes those no other run needs. See
+        ``docs/catalog-protocol.md`` (Deletion).
+        """
+        return _deletion.delete_runs(self, model_id, run_id, deleted_by=deleted_by)
+
+    def deletions(self, model_id: str | None = None, run_id: str | None = None) -> list[Deletion]:
+        """Every tombstone written (of ``model_id``, of ``run_id``), oldest first."""
+        return _deletion.deletions(self, model_id, run_id)
+
+    def deleted_pack_ids(self) -> set[str]:
+        """Packs deleted on purpose: every record indexed in them is hidden by a tombstone.
+
+        Recovery must not re-publish these (re-publishing would not show their records
+        either: tombstones name pack ids). Packs another run still needs are not here.
+        """
+        return _deletion.deleted_pack_ids(self)
+
+    def purge_deleted(self, store) -> list[str]:
+        """Remove from ``store`` the files of :meth:`deleted_pack_ids`; returns the ids removed.
+
+        Idempotent; finishes a deletion that crashed between its tombstone and its files.
+        """
+        return _deletion.purge(self, store)
 
     # ----------------------------------------------------------------- recovery
     def recover(
@@ -442,8 +476,11 @@ class Catalog:
     def _published_records(self, where: str, params: dict, columns: str, tail: str = "") -> pa.Table:
         sub = self._published_subquery(params.pop("_scope", None), params.pop("_upto", None), params)
         joiner = " AND " if where else "WHERE "
+        not_deleted = _schema.NOT_DELETED.format(**self._tables)
         return self._backend.query(
-            f"SELECT {columns} FROM {self._tables['records']} {where}{joiner}pack_id IN ({sub}) {tail}", params
+            f"SELECT {columns} FROM {self._tables['records']} {where}{joiner}pack_id IN ({sub}) "
+            f"AND {not_deleted} {tail}",
+            params,
         )
 
     def models(self) -> list[str]:
@@ -455,6 +492,30 @@ class Catalog:
         where, params = self._filters(model_id=model_id)
         table = self._published_records(where, params, "DISTINCT run_id", "ORDER BY run_id")
         return table.column("run_id").to_pylist()
+
+    def run_totals(self, model_id: str | None = None) -> pa.Table:
+        """One row per visible run (of ``model_id``), ordered by model and run.
+
+        Columns: ``model_id``, ``run_id``, ``requests``, ``records``, ``packs``,
+        ``stored_bytes`` (payload bytes), ``raw_bytes``, ``first_sealed_at`` and
+        ``last_sealed_at`` (Unix seconds: when its first and last pack were sealed).
+        """
+        where, params = self._filters(model_id=model_id)
+        sub = self._published_subquery(None, None, params)
+        joiner = " AND " if where else "WHERE "
+        return self._backend.query(
+            "SELECT model_id, run_id, uniqExact(request_id) AS requests, count() AS records, "
+            "uniqExact(pack_id) AS packs, sum(payload_length) AS stored_bytes, sum(raw_size) AS raw_bytes, "
+            "min(sealed_at) AS first_sealed_at, max(sealed_at) AS last_sealed_at FROM ("
+            "SELECT model_id, run_id, request_id, pack_id, payload_length, raw_size "
+            f"FROM {self._tables['records']} {where}{joiner}pack_id IN ({sub}) "
+            f"AND {_schema.NOT_DELETED.format(**self._tables)} LIMIT 1 BY pack_id, record_index"
+            ") AS visible_records ANY LEFT JOIN ("
+            f"SELECT pack_id, any(sealed_at) AS sealed_at FROM {self._tables['packs']} GROUP BY pack_id"
+            ") AS sealed USING pack_id "
+            "GROUP BY model_id, run_id ORDER BY model_id, run_id",
+            params,
+        )
 
     def requests(self, model_id: str, run_id: str | None = None) -> list[str]:
         where, params = self._filters(model_id=model_id, run_id=run_id)
@@ -582,9 +643,11 @@ class Catalog:
             "LIMIT 1 BY pack_id, record_index"
         )
         if scope is None and upto is None:
-            visible = self._visible_pack_ids()
+            visible, hidden = self._visible_pack_ids()
             table = self._backend.query(f"SELECT {columns} FROM {self._tables['records']} {where} {tail}", params)
             table = table.filter(pc.is_in(table.column("pack_id"), value_set=visible))
+            if len(hidden) and table.num_rows:
+                table = table.filter(pc.invert(pc.is_in(_deletion.record_keys(table), value_set=hidden)))
         else:
             params["_scope"], params["_upto"] = scope, upto
             table = self._published_records(where, params, columns, tail)
@@ -644,27 +707,31 @@ class Catalog:
         )
         return _schema.entries_from_table(table) if table.num_rows else []
 
-    def _visible_pack_ids(self) -> pa.Array:
-        """Ids of every published, unfenced pack, recomputed only when visibility may have changed.
+    def _visible_pack_ids(self) -> tuple[pa.Array, pa.Array]:
+        """Ids of every published, unfenced pack, and the keys of the records tombstones hide
+        (see :func:`dmi.catalog._deletion.record_keys`); recomputed only when visibility may
+        have changed.
 
-        Watermarks and fences are append-only, so their row counts change whenever either
-        does; one cheap query of both counts decides whether the cached set still holds. The
-        point query then reads only the records' key range and filters by this set, instead
-        of evaluating the visibility join on every query.
+        Watermarks, fences and deletions are append-only, so their row counts change
+        whenever any does; one cheap query of the three counts decides whether the cached
+        sets still hold. The point query then reads only the records' key range and
+        filters by them, instead of evaluating the visibility join on every query.
         """
         counts = self._backend.query(
             f"SELECT 'watermarks' AS t, count() AS n FROM {self._tables['watermarks']} "
-            f"UNION ALL SELECT 'fences' AS t, count() AS n FROM {self._tables['fences']}",
+            f"UNION ALL SELECT 'fences' AS t, count() AS n FROM {self._tables['fences']} "
+            f"UNION ALL SELECT 'deletions' AS t, count() AS n FROM {self._tables['deletions']}",
             {},
         ).to_pylist()
         version = tuple(sorted((row["t"], row["n"]) for row in counts))
         cached = self._visible_packs
         if cached is not None and cached[0] == version:
-            return cached[1]
+            return cached[1], cached[2]
         ids = self._backend.query(_schema.PUBLISHED_PACK_IDS.format(**self._tables), {}).column("pack_id")
         visible = pa.array(ids.to_pylist(), type=pa.string())
-        self._visible_packs = (version, visible)
-        return visible
+        hidden = _deletion.hidden_record_keys(self)
+        self._visible_packs = (version, visible, hidden)
+        return visible, hidden
 
     def pack_locations(self, pack_ids: Iterable[str]) -> dict[str, str]:
         """Where each indexed pack lives (its location as the pack store reported it)."""

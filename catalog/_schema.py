@@ -25,10 +25,14 @@ from dmi.storage.records import (
     ShardGeometry,
 )
 
-SCHEMA_VERSION = 1
-"""Bump when a table changes shape; a catalog with a higher version row is refused."""
+SCHEMA_VERSION = 2
+"""Bump when a table changes shape; a catalog with a higher version row is refused.
 
-TABLES = ("schema", "packs", "records", "leases", "fences", "watermarks", "losses")
+Version 2 added ``deletions`` (tombstones) and made ``records_published`` honour them; a
+version-1 catalog is upgraded in place when opened (see :data:`UPGRADES`).
+"""
+
+TABLES = ("schema", "packs", "records", "leases", "fences", "watermarks", "losses", "deletions")
 
 _DDL = {
     "schema": """
@@ -72,6 +76,11 @@ _DDL = {
             model_id String, run_id String, request_id String, hook String, layer Int32,
             count UInt64, reason String, recorded_by String, recorded_at Float64
         ) ENGINE = MergeTree ORDER BY (model_id, run_id, request_id, hook, layer, recorded_at)""",
+    "deletions": """
+        CREATE TABLE IF NOT EXISTS {deletions} (
+            deletion_id String, model_id String, run_id String, pack_ids Array(String),
+            n_records UInt64, deleted_by String, deleted_at Float64
+        ) ENGINE = MergeTree ORDER BY (model_id, run_id, deletion_id)""",
 }
 
 # Watermarks readers may see: not cut off by any fence a later term wrote.
@@ -95,17 +104,39 @@ VISIBLE_WATERMARKS = """
 
 PUBLISHED_PACK_IDS = "SELECT DISTINCT arrayJoin(pack_ids) AS pack_id FROM (" + VISIBLE_WATERMARKS + ")"
 
-# A view over published, unfenced records for raw SQL users (one row per record).
+# Records a tombstone hides: one (pack, model, run) triple per pack a deletion named. A
+# record is hidden iff its own triple is here, so a pack that also holds another run's
+# records keeps showing those.
+DELETED_TRIPLES = "SELECT pack_id, model_id, run_id FROM {deletions} ARRAY JOIN pack_ids AS pack_id"
+NOT_DELETED = "(pack_id, model_id, run_id) NOT IN (" + DELETED_TRIPLES + ")"
+
+# A view over published, unfenced, undeleted records for raw SQL users (one row per record).
 PUBLISHED_RECORDS_VIEW = """
     CREATE VIEW IF NOT EXISTS {records_published} AS
     SELECT * FROM {records}
-    WHERE pack_id IN (""" + PUBLISHED_PACK_IDS + """)
+    WHERE pack_id IN (""" + PUBLISHED_PACK_IDS + """) AND """ + NOT_DELETED + """
     LIMIT 1 BY pack_id, record_index"""
+
+UPGRADES = {
+    2: ["DROP TABLE IF EXISTS {records_published}"],
+}
+"""Statements that bring a catalog of an older version up to a newer one, by the version
+they lead to; run before the (idempotent) CREATE statements re-create what they drop.
+Version 2 re-creates ``records_published`` so that it honours tombstones."""
 
 
 def ddl_statements(names: dict[str, str]) -> list[str]:
     """CREATE statements for every table, formatted with quoted, qualified names."""
     return [_DDL[table].format(**names) for table in TABLES] + [PUBLISHED_RECORDS_VIEW.format(**names)]
+
+
+def upgrade_statements(found: int, names: dict[str, str]) -> list[str]:
+    """What turns a catalog at version ``found`` into one at :data:`SCHEMA_VERSION`."""
+    return [
+        statement.format(**names)
+        for version in range(found + 1, SCHEMA_VERSION + 1)
+        for statement in UPGRADES.get(version, [])
+    ]
 
 
 RECORD_SCHEMA = pa.schema(
@@ -191,6 +222,18 @@ LOSS_SCHEMA = pa.schema(
         ("reason", pa.string()),
         ("recorded_by", pa.string()),
         ("recorded_at", pa.float64()),
+    ]
+)
+
+DELETION_SCHEMA = pa.schema(
+    [
+        ("deletion_id", pa.string()),
+        ("model_id", pa.string()),
+        ("run_id", pa.string()),
+        ("pack_ids", pa.list_(pa.string())),
+        ("n_records", pa.uint64()),
+        ("deleted_by", pa.string()),
+        ("deleted_at", pa.float64()),
     ]
 )
 

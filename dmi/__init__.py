@@ -45,6 +45,8 @@ _LAZY = {
     "RecoveredPack": "dmi._values",
     "TokenLoader": "dmi._loader",
     "ShuffleQuality": "dmi._loader",
+    "RunSummary": "dmi._values",
+    "DeleteReport": "dmi._values",
 }
 
 __all__ = [
@@ -63,6 +65,8 @@ __all__ = [
     "RecoveredPack",
     "TokenLoader",
     "ShuffleQuality",
+    "RunSummary",
+    "DeleteReport",
     "default_home",
     *_errors.__all__,
 ]

@@ -15,6 +15,7 @@ Where things live, by precedence (explicit arguments first, then the environment
 from __future__ import annotations
 
 import os
+import socket
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -26,6 +27,7 @@ import torch
 
 from dmi._lazy import LazyInternal
 from dmi._values import (
+    DeleteReport,
     HookSummary,
     Loss,
     ModelSummary,
@@ -34,6 +36,7 @@ from dmi._values import (
     RecoveredPack,
     RequestContents,
     RequestSummary,
+    RunSummary,
     VerifyReport,
 )
 from dmi.catalog import CATALOG_ENV, HOME_ENV, default_catalog_uri, open_catalog
@@ -190,6 +193,37 @@ class Store:
         """Every model id with published records, with run, request, record and byte totals."""
         return [ModelSummary(t.model_id, t.runs, t.requests, t.records, t.stored_bytes, t.raw_bytes)
                 for t in self.catalog.model_totals()]
+
+    def runs(self, model_id: str | None = None) -> list[RunSummary]:
+        """Every visible run (of ``model_id``), by model then run id, with its capture time
+        span, requests, records, packs and bytes. Raises ``RecordNotFoundError`` for an
+        unknown model id."""
+        rows = self.catalog.run_totals(model_id).to_pylist()
+        if model_id is not None and not rows:
+            self._diagnose(model_id, None, None)
+        return [RunSummary(r["model_id"], r["run_id"], float(r["first_sealed_at"]), float(r["last_sealed_at"]),
+                           int(r["requests"]), int(r["records"]), int(r["packs"]), int(r["stored_bytes"]),
+                           int(r["raw_bytes"])) for r in rows]
+
+    def delete(self, model_id: str, run_id: str | None = None) -> DeleteReport:
+        """Delete every run of ``model_id`` (or one run): invisible to every reader at once,
+        then its pack files removed, except packs another run still has records in.
+
+        Crash-safe: the runs vanish all together or not at all, and files go only after
+        that; a delete interrupted in between is finished by the next ``delete`` (of any
+        model). Deleting what is already deleted returns a report with no runs. Raises
+        ``RecordNotFoundError`` for a model or run that never existed.
+        """
+        finished = self.catalog.purge_deleted(self.packs)
+        deletions = self.catalog.delete_runs(model_id, run_id, deleted_by=f"{socket.gethostname()}:{os.getpid()}")
+        if not deletions:
+            if not finished and not self.catalog.deletions(model_id, run_id):
+                self._diagnose(model_id, None, None, run_id=run_id)
+            return DeleteReport(model_id, (), 0, tuple(finished), ())
+        removed = finished + self.catalog.purge_deleted(self.packs)
+        named = {pack_id for d in deletions for pack_id in d.pack_ids}
+        return DeleteReport(model_id, tuple(d.run_id for d in deletions), sum(d.n_records for d in deletions),
+                            tuple(sorted(removed)), tuple(sorted(named - set(removed))))
 
     def requests(self, model_id: str, *, run_id: str | None = None) -> list[RequestSummary]:
         """The requests of ``model_id`` (of one run if ``run_id``), oldest run first.

@@ -25,6 +25,8 @@ __all__ = [
     "PhaseSpan",
     "phase_spans",
     "decode_start",
+    "RunSummary",
+    "DeleteReport",
 ]
 
 
@@ -229,3 +231,36 @@ def decode_start(spans: Iterable[PhaseSpan]) -> int | None:
     """Where decoding starts along the token axis (the prefill/decode boundary); ``None``
     when no decode step is held."""
     return next((span.start for span in spans if span.phase == "decode"), None)
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary(_AsDict):
+    """One visible run of one model: when it was captured, how much it holds.
+
+    ``first_sealed_at``/``last_sealed_at`` are Unix seconds: when the run's first and last
+    pack were sealed (packs seal as capture goes, so together they span the capture).
+    ``stored_bytes`` are the payload bytes on disk, ``raw_bytes`` before compression.
+    """
+
+    model_id: str
+    run_id: str
+    first_sealed_at: float
+    last_sealed_at: float
+    requests: int
+    records: int
+    packs: int
+    stored_bytes: int
+    raw_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteReport(_AsDict):
+    """What ``Store.delete`` did: the runs hidden now, their records, the pack files removed
+    (including those of an earlier delete that was interrupted), and the packs kept because
+    another run still has records in them."""
+
+    model_id: str
+    run_ids: tuple[str, ...]
+    records: int
+    packs_removed: tuple[str, ...]
+    packs_kept: tuple[str, ...]

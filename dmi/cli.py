@@ -213,6 +213,69 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_runs(args: argparse.Namespace) -> int:
+    from dmi._human import human_bytes, human_count
+
+    with _open_store(args) as store:
+        rows = [r.as_dict() for r in store.runs(args.model_id)]
+    _emit(args, rows, [
+        ("model_id", "model", None),
+        ("run_id", "run", None),
+        ("first_sealed_at", "first (UTC)", _utc_time),
+        ("last_sealed_at", "last (UTC)", _utc_time),
+        ("requests", "requests", human_count),
+        ("records", "records", human_count),
+        ("packs", "packs", human_count),
+        ("stored_bytes", "stored", human_bytes),
+    ])
+    if not rows:
+        _say(args, "(no runs yet: try `dmi demo` or `dmi capture`)")
+    return EXIT_OK
+
+
+def _utc_time(seconds: float) -> str:
+    """Unix seconds → ``'2026-12-01 03:43:50'`` (UTC, to the second)."""
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _cmd_delete(args: argparse.Namespace) -> int:
+    from dmi._human import human_bytes, human_count
+
+    with _open_store(args) as store:
+        targets = [r for r in store.runs() if r.model_id == args.model_id and args.run in (None, r.run_id)]
+        if targets and not args.yes:
+            what = (f"run {args.run} of model {args.model_id}" if args.run is not None
+                    else f"model {args.model_id} ({len(targets)} run{'s' if len(targets) != 1 else ''})")
+            size = (f"{human_count(sum(r.records for r in targets))} records, "
+                    f"{human_bytes(sum(r.stored_bytes for r in targets))} stored")
+            _confirm(f"delete {what}: {size}?")
+        report = store.delete(args.model_id, args.run)
+    if args.json:
+        _emit_json(report.as_dict())
+        return EXIT_OK
+    if report.run_ids:
+        _say(args, f"deleted {len(report.run_ids)} run{'s' if len(report.run_ids) != 1 else ''} of model "
+                   f"{report.model_id} ({', '.join(report.run_ids)}): {human_count(report.records)} records")
+    else:
+        _say(args, "nothing to delete: already deleted")
+    _say(args, f"removed {len(report.packs_removed)} pack file{'s' if len(report.packs_removed) != 1 else ''}")
+    if report.packs_kept:
+        _say(args, f"kept {len(report.packs_kept)} pack file{'s' if len(report.packs_kept) != 1 else ''} "
+                   "that other runs still have records in")
+    return EXIT_OK
+
+
+def _confirm(question: str) -> None:
+    """Ask on the terminal; refuse (an argument error) without one, or on any answer but yes."""
+    if not sys.stdin.isatty():
+        raise InvalidArgumentError(f"{question} pass --yes to delete without being asked (stdin is not a terminal)")
+    answer = input(f"{question} [y/N] ").strip().lower()
+    if answer not in ("y", "yes"):
+        raise InvalidArgumentError("not deleted (answer y to delete, or pass --yes)")
+
+
 def _cmd_requests(args: argparse.Namespace) -> int:
     from dmi._human import human_bytes, human_count
 
@@ -427,6 +490,15 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="attention implementation for a model directory (eager is needed for attn_pattern)")
 
     add("models", _cmd_models, "list the models in the catalog", [tabular])
+
+    runs = add("runs", _cmd_runs, "list the runs: model, capture time, requests, records, packs, bytes", [tabular])
+    runs.add_argument("model_id", nargs="?", help="only this model's runs")
+
+    delete = add("delete", _cmd_delete, "delete a model, or one run of it: hidden from readers at once, "
+                                        "its pack files removed after", [tabular])
+    delete.add_argument("model_id")
+    delete.add_argument("--run", metavar="RUN_ID", help="only this run (default: every run of the model)")
+    delete.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
 
     req = add("requests", _cmd_requests, "list the requests captured for a model", [tabular, selecting])
     req.add_argument("model_id")

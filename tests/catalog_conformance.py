@@ -211,7 +211,123 @@ class RecoveryConformance:
             assert sum(p.count(orphan) for p in published_in) == 1
 
 
-class CatalogConformance(RecoveryConformance):
+CRASHING_DELETER = r"""
+import os, signal, sys
+from dmi.catalog import open_catalog
+from dmi.storage import LocalPackStore, PackStore
+
+uri, packs, kill_at = sys.argv[1:4]
+
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# Stand-ins for a power cut at a chosen point: the process really dies by SIGKILL there.
+catalog = open_catalog(uri)
+insert = catalog._backend.insert
+if kill_at == "before-tombstone":
+    catalog._backend.insert = lambda table, data: die() if "deletions" in table else insert(table, data)
+removed = []
+
+
+def delete(self, pack_id):
+    if kill_at == "after-tombstone" or (kill_at == "midway" and removed):
+        die()
+    PackStore.delete(self, pack_id)
+    removed.append(pack_id)
+
+
+LocalPackStore.delete = delete
+catalog.delete_runs("m", "doomed")
+catalog.purge_deleted(LocalPackStore(packs))
+print("finished", flush=True)
+"""
+
+
+def write_real_packs(packs_dir, runs):
+    """Seal one real pack per ``(model, run, request, n_layers)``; returns the descriptors."""
+    import torch
+
+    from dmi.storage import LocalPackStore, PackWriter
+
+    writer = PackWriter(LocalPackStore(packs_dir), writer_id="test")
+    sealed = []
+    for model, run, request, n_layers in runs:
+        for layer in range(n_layers):
+            writer.append(RecordKey(model, run, request, "resid_post", layer, 0, 3), torch.randn(3, 8))
+        sealed.append(writer.seal())
+    return sealed
+
+
+class DeletionCrashConformance:
+    """Kill a delete by SIGKILL at a chosen point: no other run loses a record, the deleted run
+    is fully visible or fully gone, and a later purge (or delete) finishes the removal."""
+
+    @pytest.mark.parametrize("kill_at", ["before-tombstone", "after-tombstone", "midway"])
+    def test_a_killed_delete_is_all_or_nothing_and_finishes_later(self, catalog_uri, tmp_path, kill_at):
+        import subprocess
+        import sys
+
+        from dmi.storage import LocalPackStore
+
+        packs = tmp_path / "packs"
+        doomed = write_real_packs(packs, [("m", "doomed", "d1", 2), ("m", "doomed", "d2", 3), ("m", "doomed", "d3", 1)])
+        kept = write_real_packs(packs, [("m", "kept", "k1", 2), ("other", "doomed", "o1", 2)])
+        with open_catalog(catalog_uri) as catalog:
+            with catalog.publisher("s", holder="w") as pub:
+                pub.publish(doomed + kept)
+            before = {(e.meta.key.run_id, e.meta.key.request_id, e.meta.key.layer, e.pack_id)
+                      for model in ("m", "other") for e in catalog.find_records(model)}
+        proc = subprocess.run([sys.executable, "-c", CRASHING_DELETER, catalog_uri, str(packs), kill_at],
+                              capture_output=True, text=True, timeout=180)
+        assert proc.returncode == -9, proc.stdout + proc.stderr
+        store = LocalPackStore(packs)
+        doomed_ids = {d.pack_id for d in doomed}
+        on_disk = set(store.list_packs())
+        assert {d.pack_id for d in kept} <= on_disk  # no file another run needs was removed
+        if kill_at == "midway":
+            assert len(doomed_ids - on_disk) == 1
+        with open_catalog(catalog_uri) as catalog:
+            m = {(e.meta.key.run_id, e.meta.key.request_id, e.meta.key.layer, e.pack_id)
+                 for e in catalog.find_records("m")}
+            other = {(e.meta.key.run_id, e.meta.key.request_id, e.meta.key.layer, e.pack_id)
+                     for e in catalog.find_records("other")}
+            kept_rows = {row for row in before if row[0] == "kept"}
+            assert {row for row in m if row[0] == "kept"} == kept_rows
+            assert other == {row for row in before if row[1] == "o1"}  # the same run id in another model
+            doomed_rows = {row for row in m if row[0] == "doomed"}
+            if kill_at == "before-tombstone":  # fully visible: nothing happened
+                assert doomed_rows == {row for row in before if row[0] == "doomed" and row[1] != "o1"}
+                assert catalog.deleted_pack_ids() == set()
+                assert catalog.purge_deleted(store) == []
+                assert set(store.list_packs()) == on_disk
+                assert [d.run_id for d in catalog.delete_runs("m", "doomed")] == ["doomed"]
+            else:  # fully gone, though some files are still there
+                assert doomed_rows == set()
+                assert catalog.runs("m") == ["kept"]
+                assert catalog.deleted_pack_ids() == doomed_ids
+                assert catalog.recover(store) == []  # recovery does not bring deleted packs back
+                assert catalog.runs("m") == ["kept"]
+            lingering = doomed_ids & set(store.list_packs())
+            assert lingering
+            assert set(catalog.purge_deleted(store)) == lingering
+            assert set(store.list_packs()) == {d.pack_id for d in kept}
+            assert catalog.purge_deleted(store) == []
+            assert catalog.runs("m") == ["kept"] and catalog.runs("other") == ["doomed"]
+            assert {(e.meta.key.run_id, e.meta.key.request_id, e.meta.key.layer, e.pack_id)
+                    for e in catalog.find_records("m")} == kept_rows
+
+
+# The version-1 published view, verbatim: an existing catalog of the previous version has it.
+V1_PUBLISHED_RECORDS_VIEW = """
+    CREATE VIEW {records_published} AS
+    SELECT * FROM {records}
+    WHERE pack_id IN (SELECT DISTINCT arrayJoin(pack_ids) AS pack_id FROM (""" + "{visible}" + """))
+    LIMIT 1 BY pack_id, record_index"""
+
+
+class CatalogConformance(RecoveryConformance, DeletionCrashConformance):
     @pytest.fixture
     def catalog_uri(self):  # pragma: no cover - subclasses override
         raise NotImplementedError
@@ -227,11 +343,11 @@ class CatalogConformance(RecoveryConformance):
 
     # ------------------------------------------------------------------ schema
     def test_schema_version_row_and_idempotent_creation(self, catalog, catalog_uri):
-        assert catalog.schema_version() == 1
+        assert catalog.schema_version() == 2
         with self.open_more(catalog_uri) as again:
-            assert again.schema_version() == 1
+            assert again.schema_version() == 2
         rows = catalog.sql(f"SELECT version FROM {catalog.tables['schema']}").column("version").to_pylist()
-        assert rows == [1]
+        assert rows == [2]
 
     def test_newer_schema_is_refused(self, catalog, catalog_uri):
         catalog._backend.insert(
@@ -240,6 +356,94 @@ class CatalogConformance(RecoveryConformance):
         )
         with pytest.raises(SchemaVersionError, match="schema version 99"):
             open_catalog(catalog_uri)
+
+    def test_a_version_1_catalog_is_upgraded_in_place(self, catalog, catalog_uri):
+        """Turn a fresh catalog into what version 1 created (no deletions table, the old view,
+        version row 1), then open it: upgraded, its records kept, deletion honoured."""
+        from dmi.catalog import _schema
+
+        with catalog.publisher("s", holder="A") as pub:
+            pub.publish([pack(run="r1"), pack(run="r2", request="req-2")])
+        t = catalog.tables
+        for name in ("deletions", "records_published", "schema"):
+            catalog._backend.command(f"DROP TABLE {t[name]}")
+        catalog._backend.command(_schema.ddl_statements(t)[0])
+        catalog._backend.insert(t["schema"], pa.table({"version": pa.array([1], pa.uint32()), "written_at": [0.0],
+                                                       "written_by": ["dmi 1"]}))
+        visible = _schema.VISIBLE_WATERMARKS.format(**t)
+        catalog._backend.command(V1_PUBLISHED_RECORDS_VIEW.format(visible=visible, **t))
+        assert catalog.schema_version() == 1
+        with self.open_more(catalog_uri) as upgraded:
+            assert upgraded.schema_version() == _schema.SCHEMA_VERSION == 2
+            assert upgraded.runs("gpt2") == ["r1", "r2"]
+            assert [d.run_id for d in upgraded.delete_runs("gpt2", "r1")] == ["r1"]
+            view = upgraded.sql(f"SELECT DISTINCT run_id FROM {t['records_published']}").column("run_id").to_pylist()
+            assert view == ["r2"]
+            assert upgraded.runs("gpt2") == ["r2"]
+        with self.open_more(catalog_uri) as again:  # upgrading is done once
+            versions = again.sql(f"SELECT version FROM {t['schema']} ORDER BY version").column("version").to_pylist()
+            assert versions == [1, 2]
+
+    # ------------------------------------------------------------------ deletion
+    def test_delete_a_run_hides_it_at_once_and_only_it(self, catalog, catalog_uri):
+        """Run r1 alone in one pack, r2 alone in another, both in a third (the pack writer
+        allows that): deleting r1 hides every r1 record everywhere, r2 keeps all of its own."""
+        mixed = pack(entries=[entry("", 0, run="r1", request="a", layer=5),
+                              entry("", 1, run="r2", request="b", layer=5)])
+        only_r1, only_r2 = pack(run="r1", request="a"), pack(run="r2", request="b")
+        with catalog.publisher("s", holder="A") as pub:
+            pub.publish([only_r1, only_r2, mixed])
+        with self.open_more(catalog_uri) as reader:
+            assert len(reader.find_records("gpt2")) == 8  # the reader has cached what it sees
+            deleted = catalog.delete_runs("gpt2", "r1", deleted_by="me")
+            assert [(d.model_id, d.run_id, d.pack_ids, d.n_records, d.deleted_by) for d in deleted] == [
+                ("gpt2", "r1", tuple(sorted([only_r1.pack_id, mixed.pack_id])), 4, "me")
+            ]
+            for cat in (reader, catalog):
+                found = cat.find_records("gpt2")
+                assert {(e.meta.key.run_id, e.pack_id) for e in found} == {
+                    ("r2", only_r2.pack_id), ("r2", mixed.pack_id)
+                }
+                assert len(found) == 4
+                assert cat.find_records("gpt2", run_id="r1") == []
+                assert cat.find_records("gpt2", scope="s") == found
+                assert cat.runs("gpt2") == ["r2"] and cat.requests("gpt2") == ["b"] and cat.models() == ["gpt2"]
+                assert cat.request_contents("gpt2", "a") == {}
+                assert cat.request_contents("gpt2", "b")["resid_post"].n_records == 4
+                view = cat.sql(f"SELECT run_id, count() AS n FROM {cat.tables['records_published']} GROUP BY run_id")
+                assert view.to_pylist() == [{"run_id": "r2", "n": 4}]
+                assert cat.run_totals().column("run_id").to_pylist() == ["r2"]
+        assert catalog.deleted_pack_ids() == {only_r1.pack_id}  # the mixed pack still holds r2
+        assert catalog.delete_runs("gpt2", "r1") == []  # nothing left to delete
+        catalog.delete_runs("gpt2", "r2")
+        assert catalog.deleted_pack_ids() == {only_r1.pack_id, only_r2.pack_id, mixed.pack_id}
+        assert catalog.models() == [] and catalog.find_records("gpt2") == []
+
+    def test_delete_a_whole_model_in_one_tombstone(self, catalog):
+        hostile = "it's `x` %(y)s ../ ; DROP TABLE z"
+        with catalog.publisher("s", holder="A") as pub:
+            pub.publish([pack(run="r1"), pack(run="r2"), pack(model="kept", run="r1"),
+                         pack(model=hostile, run=hostile)])
+        assert [d.run_id for d in catalog.delete_runs(hostile, hostile)] == [hostile]
+        assert catalog.deletions(model_id=hostile, run_id=hostile)[0].model_id == hostile
+        deleted = catalog.delete_runs("gpt2")
+        assert [d.run_id for d in deleted] == ["r1", "r2"]
+        assert len({d.deletion_id for d in deleted}) == 1
+        assert catalog.models() == ["kept"]
+        assert sorted((d.model_id, d.run_id) for d in catalog.deletions()) == [("gpt2", "r1"), ("gpt2", "r2"),
+                                                                                (hostile, hostile)]
+        assert catalog.deletions(model_id="kept") == []
+        assert len(catalog.find_records("kept", run_id="r1")) == 3
+
+    def test_run_totals(self, catalog):
+        with catalog.publisher("s", holder="A") as pub:
+            pub.publish([pack(run="r1", request="a"), pack(run="r1", request="b"), pack(run="r2")])
+            pub.publish([pack(model="other", run="r9")])
+        rows = catalog.run_totals("gpt2").to_pylist()
+        assert [(r["run_id"], r["requests"], r["records"], r["packs"], r["stored_bytes"], r["raw_bytes"])
+                for r in rows] == [("r1", 2, 6, 2, 6 * 64, 2 * 384), ("r2", 1, 3, 1, 3 * 64, 384)]  # raw: 64+128+192
+        assert {(r["first_sealed_at"], r["last_sealed_at"]) for r in rows} == {(1700000000.5, 1700000000.5)}
+        assert catalog.run_totals().column("model_id").to_pylist() == ["gpt2", "gpt2", "other"]
 
     # ------------------------------------------------------------------ publish and find
     def test_publish_then_find_round_trips_every_field(self, catalog):

@@ -14,7 +14,7 @@ from dmi._human import Progress, human_bytes, human_count, human_seconds, render
 from dmi._plot import token_norms, write_norm_plot
 from dmi.cli import _build_parser, main, parse_layers
 
-COMMANDS = ("demo", "capture", "models", "requests", "show", "get", "sql", "verify", "recover", "plot")
+COMMANDS = ("demo", "capture", "models", "runs", "requests", "show", "get", "sql", "verify", "recover", "delete", "plot")
 
 
 def png_size(path) -> tuple[int, int]:
@@ -47,6 +47,7 @@ def _required(command: str) -> list[str]:
     return {
         "capture": ["--model", "tiny-llama"],
         "requests": ["m"],
+        "delete": ["m"],
         "show": ["m", "r"],
         "get": ["m", "r", "h", "-o", "x.pt"],
         "sql": ["SELECT 1"],

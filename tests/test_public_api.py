@@ -30,7 +30,7 @@ def test_facade_reexports_errors():
 DMI_ALL = [
     "__version__", "open", "capture", "Store", "LazyInternal", "ModelSummary", "RequestSummary", "HookSummary",
     "RequestContents", "Loss", "VerifyReport", "Problem", "RecoveredPack", "TokenLoader", "ShuffleQuality",
-    "default_home",
+    "RunSummary", "DeleteReport", "default_home",
 ]
 
 CAPTURE_ALL = [
@@ -48,7 +48,7 @@ STORAGE_ALL = [
 
 CATALOG_ALL = [
     "open_catalog", "default_catalog_uri", "CATALOG_ENV", "HOME_ENV", "Catalog", "HookContents", "ModelTotals",
-    "RequestTotals", "Publisher",
+    "RequestTotals", "Deletion", "Publisher",
     "Watermark", "validate_value_id",
 ]
 

@@ -1,0 +1,174 @@
+"""Deleting runs and models: tombstones first (invisible at once), pack files after.
+
+A deletion is one append-only row per deleted run in the ``deletions`` table: the model,
+the run, and the packs that held the run's visible records when the deletion was decided.
+It hides exactly the records whose ``(pack_id, model_id, run_id)`` it names, wherever
+records are read (point queries, the published view, summaries), so:
+
+* **invisible at once, all or nothing**: the rows of one deletion (one per run, several for
+  a whole model) go in one INSERT, which ClickHouse lands as one part; before it a reader
+  sees the whole run, after it none of it;
+* **nothing of other runs is touched**: a pack may hold records of several runs (the pack
+  writer accepts any keys; capture writes one run per pack). Its other runs' records stay
+  visible, and its file is removed only once every record indexed in it is hidden;
+* **sticky**: a tombstone names pack ids, so re-publishing a deleted pack (recovery finding
+  its file still on disk) cannot bring its records back, and :func:`deleted_pack_ids` tells
+  recovery which packs were deleted on purpose;
+* **crash-safe**: files are removed only after the tombstone landed; a crash in between
+  leaves files nobody can see, which :func:`purge` (run by every later delete and recover)
+  removes.
+
+A deletion is a snapshot: packs of the run published after it was decided (a capture still
+running into that run) stay visible; delete again to remove them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dmi.catalog import _schema
+from dmi.catalog._sql import validate_value_id
+from dmi.storage.errors import PackNotFoundError
+
+# Every function takes the ``Catalog`` it works on as ``catalog`` (not imported here: the
+# catalog module imports this one, and the contracts forbid an import circle).
+
+__all__ = ["Deletion", "delete_runs", "deletions", "deleted_pack_ids", "purge", "hidden_record_keys", "record_keys"]
+
+_KEY_SEPARATOR = "\x1f"
+"""Joins a record's pack, model and run into one key; ids never hold control characters."""
+
+
+@dataclass(frozen=True, slots=True)
+class Deletion:
+    """One deleted run: which packs held its records, how many records it hid, when, by whom."""
+
+    deletion_id: str
+    model_id: str
+    run_id: str
+    pack_ids: tuple[str, ...]
+    n_records: int
+    deleted_by: str
+    deleted_at: float
+
+
+def delete_runs(catalog, model_id: str, run_id: str | None = None, *, deleted_by: str = "") -> list[Deletion]:
+    """Hide every visible record of ``model_id`` (of one run if ``run_id``) in one INSERT.
+
+    Returns one :class:`Deletion` per run hidden now, in run order; empty when nothing of
+    the selection is visible (unknown, or already deleted).
+    """
+    params = {"model_id": validate_value_id(model_id, "model id")}
+    where = "model_id = %(model_id)s"
+    if run_id is not None:
+        params["run_id"] = validate_value_id(run_id, "run id")
+        where += " AND run_id = %(run_id)s"
+    tables = catalog._tables
+    published = catalog._published_subquery(None, None, params)
+    rows = catalog._backend.query(
+        "SELECT run_id, groupUniqArray(pack_id) AS packs, count() AS n FROM ("
+        f"SELECT run_id, pack_id FROM {tables['records']} WHERE {where} AND pack_id IN ({published}) "
+        f"AND {_schema.NOT_DELETED.format(**tables)} LIMIT 1 BY pack_id, record_index"
+        ") GROUP BY run_id ORDER BY run_id",
+        params,
+    ).to_pylist()
+    if not rows:
+        return []
+    deletion_id, now = uuid.uuid4().hex, time.time()
+    found = [
+        Deletion(deletion_id, model_id, r["run_id"], tuple(sorted(r["packs"])), int(r["n"]), deleted_by, now)
+        for r in rows
+    ]
+    catalog._backend.insert(
+        tables["deletions"],
+        pa.Table.from_pylist(
+            [
+                {
+                    "deletion_id": d.deletion_id, "model_id": d.model_id, "run_id": d.run_id,
+                    "pack_ids": list(d.pack_ids), "n_records": d.n_records, "deleted_by": d.deleted_by,
+                    "deleted_at": d.deleted_at,
+                }
+                for d in found
+            ],
+            schema=_schema.DELETION_SCHEMA,
+        ),
+    )
+    return found
+
+
+def deletions(catalog, model_id: str | None = None, run_id: str | None = None) -> list[Deletion]:
+    """Every tombstone (of ``model_id``, of ``run_id``), oldest first."""
+    where, params = catalog._filters(model_id=model_id, run_id=run_id)
+    rows = catalog._backend.query(
+        "SELECT deletion_id, model_id, run_id, pack_ids, n_records, deleted_by, deleted_at "
+        f"FROM {catalog._tables['deletions']} {where} ORDER BY deleted_at, model_id, run_id",
+        params,
+    ).to_pylist()
+    return [
+        Deletion(r["deletion_id"], r["model_id"], r["run_id"], tuple(r["pack_ids"]), int(r["n_records"]),
+                 r["deleted_by"], float(r["deleted_at"]))
+        for r in rows
+    ]
+
+
+def _deleted_triples(catalog) -> set[tuple[str, str, str]]:
+    rows = catalog._backend.query(
+        f"SELECT DISTINCT pack_id, model_id, run_id FROM ({_schema.DELETED_TRIPLES.format(**catalog._tables)})", {}
+    ).to_pylist()
+    return {(r["pack_id"], r["model_id"], r["run_id"]) for r in rows}
+
+
+def deleted_pack_ids(catalog) -> set[str]:
+    """Packs deleted on purpose: named by a tombstone, and every record indexed in them hidden.
+
+    A pack that still holds a record of a run nobody deleted is not here (its file must
+    stay), nor is a pack with no index rows at all (nothing proves it held only deleted
+    runs). Recovery must not re-publish these; :func:`purge` removes their files.
+    """
+    triples = _deleted_triples(catalog)
+    named = tuple(sorted({pack_id for pack_id, _, _ in triples}))
+    if not named:
+        return set()
+    rows = catalog._backend.query(
+        f"SELECT DISTINCT pack_id, model_id, run_id FROM {catalog._tables['records']} WHERE pack_id IN %(ids)s",
+        {"ids": named},
+    ).to_pylist()
+    indexed = {r["pack_id"] for r in rows}
+    still_needed = {r["pack_id"] for r in rows if (r["pack_id"], r["model_id"], r["run_id"]) not in triples}
+    return indexed - still_needed
+
+
+def purge(catalog, store) -> list[str]:
+    """Remove the files of deleted packs still in ``store``; returns their ids, sorted.
+
+    Safe to run at any time and any number of times: it removes only what
+    :func:`deleted_pack_ids` says every tombstone already hides.
+    """
+    removed = []
+    for pack_id in sorted(deleted_pack_ids(catalog)):
+        if not store.exists(pack_id):
+            continue
+        try:
+            store.delete(pack_id)
+        except PackNotFoundError:  # another purge removed it between the check and the delete
+            continue
+        removed.append(pack_id)
+    return removed
+
+
+def hidden_record_keys(catalog) -> pa.Array:
+    """The :func:`record_keys` of every record a tombstone hides, for point-query filtering."""
+    keys = sorted(_KEY_SEPARATOR.join(triple) for triple in _deleted_triples(catalog))
+    return pa.array(keys, type=pa.string())
+
+
+def record_keys(table: pa.Table) -> pa.Array:
+    """One text key per row of a records table: its pack, model and run joined."""
+    joined = pc.binary_join_element_wise(
+        table.column("pack_id"), table.column("model_id"), table.column("run_id"), _KEY_SEPARATOR
+    )
+    return joined.combine_chunks() if isinstance(joined, pa.ChunkedArray) else joined
