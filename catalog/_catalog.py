@@ -9,7 +9,7 @@ There is one private write path for index rows (:meth:`Catalog._index`); only a
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -166,9 +166,14 @@ class Catalog:
         return int(rows[0]["v"]) if rows and rows[0]["n"] else None
 
     # ----------------------------------------------------------------- writing
-    def publisher(self, scope: str, holder: str | None = None, lease_seconds: float = 30.0) -> Publisher:
-        """A publisher for ``scope`` (not yet acquired). ``holder`` defaults to host:pid:random."""
-        return Publisher(LeaseTables(self._backend, self.tables, self._index), scope, holder, lease_seconds)
+    def publisher(
+        self, scope: str, holder: str | None = None, lease_seconds: float = 30.0, *, clock: Callable[[], float] = time.time
+    ) -> Publisher:
+        """A publisher for ``scope`` (not yet acquired). ``holder`` defaults to host:pid:random;
+        ``clock`` (Unix seconds) is what lease expiry is measured by."""
+        return Publisher(
+            LeaseTables(self._backend, self.tables, self._index), scope, holder, lease_seconds, clock=clock
+        )
 
     def lease_state(self, scope: str) -> LeaseState:
         """What the catalog says about ``scope``'s publisher lease right now (holder, term, expiry)."""

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pytest
 
 from dmi.catalog import HookContents, ModelTotals, RequestTotals, Watermark, open_catalog
+from dmi.catalog._schema import SCHEMA_VERSION
 from dmi.storage import (
     ByteRange,
     CatalogUnavailableError,
@@ -49,6 +50,20 @@ def entry(pack_id, index, *, model="gpt2", run="run-1", request="req-1", hook="r
     )
     return RecordEntry(meta=meta, pack_id=pack_id, payload=ByteRange(1000 + 64 * index, 64))
 
+
+
+class ManualClock:
+    """Unix seconds that move only when a test says so, starting from the real time (so that
+    holders on the real clock and on this one agree until the test advances it)."""
+
+    def __init__(self):
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 def pack(pack_id=None, entries=None, **kw):
     pack_id = pack_id or f"pack-{uuid.uuid4().hex[:12]}"
@@ -605,7 +620,7 @@ class CatalogConformance(RecoveryConformance, DeletionCrashConformance):
         assert info.value.code == 164 and info.value.name == "READONLY", info.value
         assert "read-only" in str(info.value)
         assert len(catalog.find_records("gpt2")) == 3
-        assert catalog.schema_version() == 1
+        assert catalog.schema_version() == SCHEMA_VERSION
         assert catalog.sql("SELECT 1 AS one").to_pylist() == [{"one": 1}]
 
     @pytest.mark.parametrize(
@@ -705,13 +720,14 @@ class CatalogConformance(RecoveryConformance, DeletionCrashConformance):
         b.release()
 
     def test_expired_lease_is_taken_over_and_the_old_holder_is_refused(self, catalog):
-        a = catalog.publisher("s", holder="A", lease_seconds=1.5)
-        b = catalog.publisher("s", holder="B", lease_seconds=30)
+        clock = ManualClock()  # expiry by a clock the test moves: no dependence on the machine's speed
+        a = catalog.publisher("s", holder="A", lease_seconds=1.5, clock=clock)
+        b = catalog.publisher("s", holder="B", lease_seconds=30, clock=clock)
         a.acquire()
         a.publish([pack(request="by-a")])
         with pytest.raises(LeaseHeldError):
             b.acquire()
-        time.sleep(max(0.0, a.expires_at - time.time()) + 0.1)
+        clock.advance(1.6)
         assert b.acquire() == 2
         with pytest.raises(LeaseLostError):
             a.publish([pack(request="late-a")])
@@ -744,9 +760,10 @@ class CatalogConformance(RecoveryConformance, DeletionCrashConformance):
         assert renewals.column("n").to_pylist() == [0]
 
     def test_expired_holder_writes_nothing(self, catalog):
-        a = catalog.publisher("s", holder="A", lease_seconds=0.3)
+        clock = ManualClock()
+        a = catalog.publisher("s", holder="A", lease_seconds=0.3, clock=clock)
         a.acquire()
-        time.sleep(0.4)
+        clock.advance(0.4)
         late = pack(request="late")
         with pytest.raises(LeaseLostError, match="expired"):
             a.publish([late])
@@ -839,13 +856,14 @@ class CatalogConformance(RecoveryConformance, DeletionCrashConformance):
         assert catalog.find_records("gpt2") == []
 
     def test_renewal_keeps_the_lease(self, catalog):
-        a = catalog.publisher("s", holder="A", lease_seconds=2.0)
+        clock = ManualClock()
+        a = catalog.publisher("s", holder="A", lease_seconds=2.0, clock=clock)
         a.acquire()
         for _ in range(3):
-            time.sleep(0.8)
+            clock.advance(0.8)
             a.renew()  # 2.4 s after acquiring: alive only because it was renewed
         with pytest.raises(LeaseHeldError):
-            catalog.publisher("s", holder="B").acquire()
+            catalog.publisher("s", holder="B", clock=clock).acquire()
         a.publish([pack()])
         a.release()
 
