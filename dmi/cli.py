@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import sys
@@ -32,6 +33,14 @@ EXIT_USAGE = 2
 
 
 # ----------------------------------------------------------------------------- parsing helpers
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as the one ``dmi: error:`` line every other failure gets."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"dmi: error: {' '.join(message.split())} (see: {self.prog} --help)\n")
+
 
 
 def parse_layers(text: str | None) -> Any:
@@ -112,26 +121,25 @@ def _native_stderr_held() -> Iterator[None]:
     exception text straight to file descriptor 2 (a locked directory), clickhouse-driver
     logs each failed connection attempt with a traceback (an unreachable server). Hold what
     reaches fd 2 while the store opens: dropped when a DMI error follows (its one line says
-    it better), passed through otherwise."""
-    sys.stderr.flush()
+    it better), passed through otherwise. Python-level writes (``sys.stderr``, which
+    logging's last-resort handler uses) are held the same way."""
+    outer = sys.stderr
+    outer.flush()
     saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
+    failed = False
+    with tempfile.TemporaryFile() as held, contextlib.redirect_stderr(io.StringIO()) as held_python:
         os.dup2(held.fileno(), 2)
-        failed = False
         try:
             yield
         except DMIError:
             failed = True
             raise
         finally:
-            sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
             if not failed:
                 held.seek(0)
-                text = held.read().decode(errors="replace")
-                if text:
-                    sys.stderr.write(text)
+                outer.write(held.read().decode(errors="replace") + held_python.getvalue())
 
 
 # ----------------------------------------------------------------------------- subcommands
@@ -366,7 +374,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     where = common.add_argument_group("where the store is")
     where.add_argument("--home", metavar="DIR",
                        help="DMI home: embedded catalog in DIR/catalog, packs in DIR/packs "
@@ -378,12 +386,12 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="pack files: a directory or a pyarrow.fs URI such as s3://bucket/prefix "
                             "(default: $DMI_PACKS, else HOME/packs)")
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bars or commentary")
-    tabular = argparse.ArgumentParser(add_help=False)
+    tabular = _Parser(add_help=False)
     tabular.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    selecting = argparse.ArgumentParser(add_help=False)
+    selecting = _Parser(add_help=False)
     selecting.add_argument("--run", metavar="RUN_ID", help="only this run (when several runs share a model id)")
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dmi",
         description="Capture a language model's internals, keep them, query them, read them back.",
         epilog="Start with `dmi demo`. Reference: docs/cli.md.",

@@ -34,7 +34,7 @@ DMI_ALL = [
 
 CAPTURE_ALL = [
     "attach", "CaptureSession", "CaptureResult", "Schedule", "HOOKS", "GROUPS", "HookSpec", "ModelGeometry",
-    "resolve_hooks", "resolve_layers", "Selection", "StepPlan", "RowSpan", "Ring", "prepare_batch",
+    "resolve_hooks", "resolve_layers", "layer_numbers", "Selection", "StepPlan", "RowSpan", "Ring", "prepare_batch",
     "derive_model_id", "resolve_architecture", "SUPPORTED_MODEL_TYPES",
 ]
 
