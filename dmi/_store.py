@@ -15,6 +15,7 @@ Where things live, by precedence (explicit arguments first, then the environment
 from __future__ import annotations
 
 import os
+import shlex
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -350,19 +351,23 @@ class Store:
     def _diagnose(self, model_id: str, request_id: str | None, hook: str | None, *, run_id: str | None = None,
                   layers: Any = None, shard_rank: int | None = None) -> None:
         """Raise ``RecordNotFoundError`` naming the first part of the selection that matches nothing."""
+        from dmi._human import plural
+
         models = self.catalog.models()
         if model_id not in models:
             known = ", ".join(models[:10]) + (" ..." if len(models) > 10 else "") if models else "none yet"
             raise RecordNotFoundError(f"no model {model_id!r} in the catalog at {self.catalog_uri} (models: {known})")
         if run_id is not None and run_id not in self.catalog.runs(model_id):
-            raise RecordNotFoundError(f"model {model_id!r} has no run {run_id!r} (list runs with `dmi requests {model_id}`)")
+            raise RecordNotFoundError(
+                f"model {model_id!r} has no run {run_id!r} (list runs with `dmi requests {shlex.quote(model_id)}`)"
+            )
         if request_id is None:
             raise RecordNotFoundError(f"model {model_id!r} has no published requests")
         requests = self.catalog.requests(model_id, run_id=run_id)
         if request_id not in requests:
             raise RecordNotFoundError(
                 f"model {model_id!r} has no request {request_id!r}{'' if run_id is None else f' in run {run_id}'} "
-                f"({len(requests)} requests; list them with `dmi requests {model_id}`)"
+                f"({plural(len(requests), 'request')}; list them with `dmi requests {shlex.quote(model_id)}`)"
             )
         held = self.catalog.request_contents(model_id, request_id, run_id=run_id)
         if hook not in held:

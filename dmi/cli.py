@@ -31,6 +31,9 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
+SCORING_HELP = "0: no generation, one scoring pass per batch, phase forward"
+"""What ``--max-new-tokens 0`` does, worded once for the help and docs/cli.md."""
+
 
 # ----------------------------------------------------------------------------- parsing helpers
 
@@ -108,6 +111,12 @@ def _progress(args: argparse.Namespace, label: str, total: int):
     return Progress(label, total, enabled=False if args.quiet else None)
 
 
+def _status(args: argparse.Namespace, text: str):
+    from dmi._human import Status
+
+    return Status(text, enabled=False if args.quiet else None)
+
+
 def _open_store(args: argparse.Namespace):
     import dmi
 
@@ -154,6 +163,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             home_flag=args.home,
             plot_path=args.plot,
             say=(lambda text="": None) if args.json or args.quiet else print,
+            status=lambda text: _status(args, text),
         )
     if args.json:
         _emit_json(report.as_dict())
@@ -171,14 +181,15 @@ def _cmd_capture(args: argparse.Namespace) -> int:
     layers = parse_layers(args.layers)
     with _open_store(args) as store:
         result = run_capture(store, args, prompts, layers=layers,
-                             progress=lambda total: _progress(args, "capturing", total))
+                             progress=lambda total: _progress(args, "capturing", total),
+                             status=lambda text: _status(args, text))
     if args.json:
         _emit_json(result)
         return EXIT_OK
-    from dmi._human import human_bytes
+    from dmi._human import human_bytes, plural
 
     _say(args, f"model {result['model_id']}  run {result['run_id']}")
-    _say(args, f"captured {len(result['request_ids'])} requests, {result['records']} records, "
+    _say(args, f"captured {plural(len(result['request_ids']), 'request')}, {plural(result['records'], 'record')}, "
                f"{human_bytes(result['stored_bytes'])} stored ({human_bytes(result['raw_bytes'])} raw)")
     for rid in result["request_ids"]:
         print(rid)
@@ -226,7 +237,7 @@ def _cmd_requests(args: argparse.Namespace) -> int:
         ("request_id", "request", None),
         ("run_id", "run", None),
         ("n_tokens", "tokens", human_count),
-        ("hooks", "hooks", lambda hooks: ",".join(hooks)),
+        ("hooks", "hooks", len),  # the names are in `dmi show` and --json: a row stays under 100 columns
         ("records", "records", human_count),
         ("stored_bytes", "stored", human_bytes),
     ])
@@ -313,28 +324,29 @@ def _cell(value: Any) -> str:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from dmi._human import human_bytes, human_count
+    from dmi._human import human_bytes, human_count, plural
 
     with _open_store(args) as store:
         report = store.verify(model_id=args.model_id, progress=lambda total: _progress(args, "verifying", total))
     if args.json:
         _emit_json(report.as_dict())
     else:
-        _say(args, f"checked {human_count(report.records_checked)} records in {report.packs_checked} packs "
+        _say(args, f"checked {plural(report.records_checked, 'record', human_count)} in "
+                   f"{plural(report.packs_checked, 'pack')} "
                    f"({human_bytes(report.bytes_checked)})")
         for bad in report.problems:
             print(f"{bad.kind}: pack {bad.pack_id}: {bad.describe()}")
         if report.unpublished_packs:
-            _say(args, f"{len(report.unpublished_packs)} sealed packs are not published: run `dmi recover`")
+            _say(args, f"{plural(len(report.unpublished_packs), 'sealed pack')} not published: run `dmi recover`")
     if report.problems:
         packs = len({bad.pack_id for bad in report.problems})
-        print(f"dmi: error: {len(report.problems)} bad records in {packs} packs", file=sys.stderr)
+        print(f"dmi: error: {plural(len(report.problems), 'bad record')} in {plural(packs, 'pack')}", file=sys.stderr)
         return EXIT_FAILURE
     return EXIT_OK
 
 
 def _cmd_recover(args: argparse.Namespace) -> int:
-    from dmi._human import human_count
+    from dmi._human import human_count, plural
 
     with _open_store(args) as store:
         published = store.recover()
@@ -342,8 +354,8 @@ def _cmd_recover(args: argparse.Namespace) -> int:
         _emit_json([p.as_dict() for p in published])
     else:
         for pack in published:
-            print(f"published {pack.pack_id} ({human_count(pack.records)} records)")
-        _say(args, f"recovered {len(published)} packs" if published else "nothing to recover")
+            print(f"published {pack.pack_id} ({plural(pack.records, 'record', human_count)})")
+        _say(args, f"recovered {plural(len(published), 'pack')}" if published else "nothing to recover")
     return EXIT_OK
 
 
@@ -365,8 +377,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         _emit_json({"path": drawn.path, "width": drawn.width, "height": drawn.height, "layers": drawn.layers,
                     "n_tokens": drawn.n_tokens, "mean_norm_per_layer": drawn.mean_norm_per_layer})
     else:
+        from dmi._human import plural
+
         _say(args, f"wrote {drawn.width}x{drawn.height} plot of {args.hook} "
-                   f"({len(drawn.layers)} layers x {drawn.n_tokens} tokens) to {drawn.path}")
+                   f"({plural(len(drawn.layers), 'layer')} x {plural(drawn.n_tokens, 'token')}) to {drawn.path}")
     return EXIT_OK
 
 
@@ -378,7 +392,7 @@ def _build_parser() -> argparse.ArgumentParser:
     where = common.add_argument_group("where the store is")
     where.add_argument("--home", metavar="DIR",
                        help="DMI home: embedded catalog in DIR/catalog, packs in DIR/packs "
-                            "(default: $DMI_HOME, else ~/.dmi)")
+                            "(default: $DMI_HOME, else ~/.local/share/dmi)")
     where.add_argument("--catalog", metavar="URI",
                        help="catalog: chdb:///PATH or clickhouse://USER:PASSWORD@HOST:PORT/DB "
                             "(default: $DMI_CATALOG, else the embedded chDB catalog in the home)")
@@ -414,9 +428,12 @@ def _build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--prompts-file", metavar="FILE", help="prompts, one per line ('-' for stdin)")
     cap.add_argument("--hooks", default="resid_post",
                      help="hook names and group tokens, comma separated (default: resid_post; e.g. resid,attn,logits)")
-    cap.add_argument("--layers", metavar="RANGE", help="START:STOP (stop excluded), N, or N,M,... (default: all)")
+    cap.add_argument("--layers", metavar="RANGE",
+                     help="START:STOP (stop excluded), START:, N, or N,M,...; negative N counts from the end "
+                          "(default: all)")
     cap.add_argument("--phases", default="prefill,decode", help="prefill, decode, forward (default: prefill,decode)")
-    cap.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help="decode steps per prompt (default: 16; 0 = prefill only)")
+    cap.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help="new tokens per prompt, greedy (default: 16; "
+                     f"{SCORING_HELP})")
     cap.add_argument("--batch-size", type=int, default=8, metavar="N", help="prompts per generate call (default: 8)")
     cap.add_argument("--step-stride", type=int, default=1, metavar="N", help="capture every N-th decode step")
     cap.add_argument("--request-stride", type=int, default=1, metavar="N", help="capture every N-th request")

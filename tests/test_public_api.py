@@ -29,7 +29,8 @@ def test_facade_reexports_errors():
 
 DMI_ALL = [
     "__version__", "open", "capture", "Store", "LazyInternal", "ModelSummary", "RequestSummary", "HookSummary",
-    "RequestContents", "Loss", "VerifyReport", "Problem", "RecoveredPack", "default_home",
+    "RequestContents", "Loss", "VerifyReport", "Problem", "RecoveredPack", "default_home", "load_model",
+    "LoadedModel",
 ]
 
 CAPTURE_ALL = [
