@@ -3,10 +3,13 @@
 Every subcommand opens the same store ``dmi.open()`` opens (``--home``, ``--catalog``,
 ``--packs`` or their environment variables choose it), prints human-sized numbers, and
 offers ``--json`` where its output is a table. Expected failures — anything DMI raises,
-a missing file — end with one line on stderr, ``dmi: error: <reason>``, and a non-zero
-exit: 2 for a bad argument (unknown hook, malformed layer range, ...), 1 for everything
-else (unknown model, corrupt records found by ``verify``, catalog locked or unreachable).
-Progress bars go to stderr, only when it is a terminal and ``--quiet`` is off.
+a missing file, argparse's own usage errors — end with one line on stderr,
+``dmi: error: <reason>``, and a non-zero exit: 2 for a bad argument (unknown hook,
+malformed layer range, unwritable output, ...), 1 for everything else (unknown model,
+corrupt records found by ``verify``, catalog locked or unreachable). Progress bars and
+the status line shown while a model loads go to stderr, only when it is a terminal and
+``--quiet`` is off. Each command imports only what it needs (``--help`` and ``models``
+load no torch).
 
 Reference: ``docs/cli.md``.
 """
