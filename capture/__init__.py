@@ -17,7 +17,7 @@ from ._hooks import GROUPS, HOOKS, HookSpec, ModelGeometry
 from ._plan import RowSpan, StepPlan
 from ._ring import Ring
 from ._schedule import Schedule
-from ._selection import Selection, resolve_hooks, resolve_layers
+from ._selection import Selection, layer_numbers, resolve_hooks, resolve_layers
 from ._session import CaptureSession, attach, derive_model_id
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "ModelGeometry",
     "resolve_hooks",
     "resolve_layers",
+    "layer_numbers",
     "Selection",
     "StepPlan",
     "RowSpan",

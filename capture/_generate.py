@@ -19,14 +19,25 @@ class CaptureResult:
 
     ``request_ids[i]`` names batch row ``i``; ``output`` is exactly what the model returned
     (``model.generate``'s tensor or ``GenerateOutput``; the forward's ``ModelOutput``).
-    Unpacks as ``request_ids, output = session.generate(...)``.
+    Behaves as the pair ``(request_ids, output)``: unpacks as ``request_ids, output =
+    session.generate(...)``, indexes as ``result[0]`` / ``result[1]`` (``result[-1]`` and
+    slices too), has ``len`` 2.
     """
 
     request_ids: tuple[str, ...]
     output: Any
 
+    def _pair(self) -> tuple[tuple[str, ...], Any]:
+        return self.request_ids, self.output
+
     def __iter__(self):
-        return iter((self.request_ids, self.output))
+        return iter(self._pair())
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index):
+        return self._pair()[index]
 
     @property
     def sequences(self) -> torch.Tensor:

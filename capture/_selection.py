@@ -2,10 +2,13 @@
 
 ``resolve_hooks`` turns what a user writes (``"resid_post"``, ``"attn"``, ``["resid", "logits"]``,
 ``"all"``) into catalogue names; an unknown token is an error that lists every valid one —
-never a silent "everything". ``resolve_layers`` turns ``None``, an int, a ``range``, a slice,
-a ``(start, stop)`` pair or an iterable into layer numbers, and refuses a selection that is
-empty or reaches past the model, naming the model's layers. TransformerLens names
-(``blocks.3.hook_resid_post``) select their one hook at their one layer (see ``_aliases``).
+never a silent "everything". ``layer_numbers`` is the one layer-selection rule, for capture
+and read alike: ``None``, an int, a ``range``, a slice, a ``(start, stop)`` pair or an
+iterable become layer numbers, negative ones counting from the end. ``resolve_layers``
+applies it to a model and refuses a selection that is empty or reaches past the model,
+naming the model's layers; the reader (``Store.get_internal``) applies it to the layers a
+request holds and refuses layers that were not captured, naming the captured ones. TransformerLens names (``blocks.3.hook_resid_post``) select
+their one hook at their one layer (see ``_aliases``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from ._aliases import HookAlias, resolve_alias
 from ._arch import Architecture
 from ._hooks import GROUPS, HOOKS
 
-__all__ = ["Selection", "resolve_hooks", "resolve_layers", "select"]
+__all__ = ["Selection", "layer_numbers", "resolve_hooks", "resolve_layers", "select"]
 
 
 def _tokens(hooks) -> list[str]:
@@ -65,40 +68,71 @@ def _explicit(hooks) -> set[str]:
     return {p for p in _tokens(hooks) if p in HOOKS}
 
 
-def resolve_layers(layers, n_layers: int) -> tuple[int, ...]:
-    """Layer numbers ``0 <= l < n_layers``; negative ints count from the end (``-1`` = last)."""
-    what = f"the model has {n_layers} layers (0..{n_layers - 1})"
+def layer_numbers(layers, end: int, what: str) -> tuple[int, ...] | None:
+    """The one layer-selection rule, shared by capture and read: layer numbers, sorted, unique.
+
+    ``None`` means every layer (returned as ``None``). An int, a ``range``, a ``slice``, a
+    ``(start, stop)`` pair (half-open, like ``range``) or an iterable of ints name layer
+    numbers; a negative number counts back from ``end`` (``-1`` is ``end - 1``), in a
+    slice's bounds too; a slice without a stop runs to ``end``. Nothing is clipped: the
+    caller checks every number against the layers that exist. ``end`` is the model's layer
+    count when capturing, one past the last captured layer when reading. Raises
+    ``HookSelectionError`` (naming ``what``) for anything else, a non-positive slice step,
+    or a selection of no layer.
+    """
     if layers is None:
-        return tuple(range(n_layers))
-    if isinstance(layers, bool):
-        raise HookSelectionError(f"layers must be an int, range, slice or list, got {layers!r}; {what}")
+        return None
+    if isinstance(layers, (bool, str, bytes)):
+        raise HookSelectionError(f"layers must be an int, range, slice or list of ints, got {layers!r}; {what}")
     if isinstance(layers, int):
         seq = [layers]
     elif isinstance(layers, slice):
-        if (layers.stop is not None and layers.stop > n_layers) or (
-            layers.start is not None and layers.start >= n_layers
-        ):
-            raise HookSelectionError(f"layer slice {layers} reaches past the model; {what}")
-        seq = list(range(n_layers))[layers]
-    elif isinstance(layers, range):
-        seq = list(layers)
-    elif isinstance(layers, tuple) and len(layers) == 2 and all(isinstance(v, int) for v in layers):
-        start, stop = layers  # (start, stop) half-open, like range
-        seq = list(range(start, stop))
+        seq = _slice_numbers(layers, end, what)
+    elif isinstance(layers, tuple) and len(layers) == 2 and all(type(v) is int for v in layers):
+        seq = list(range(*layers))
     elif isinstance(layers, Iterable):
         seq = list(layers)
     else:
-        raise HookSelectionError(f"layers must be an int, range, slice or list, got {layers!r}; {what}")
-    out = []
+        raise HookSelectionError(f"layers must be an int, range, slice or list of ints, got {layers!r}; {what}")
     for v in seq:
         if isinstance(v, bool) or not isinstance(v, int):
             raise HookSelectionError(f"layer {v!r} is not an int; {what}")
-        if not -n_layers <= v < n_layers:
-            raise HookSelectionError(f"layer {v} is out of range; {what}")
-        out.append(v % n_layers)
-    if not out:
+    if not seq:
         raise HookSelectionError(f"layer selection {layers!r} selects no layer; {what}")
-    return tuple(sorted(set(out)))
+    return tuple(sorted({v + end if v < 0 else v for v in seq}))
+
+
+def _slice_numbers(layers: slice, end: int, what: str) -> list[int]:
+    for bound in (layers.start, layers.stop, layers.step):
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)):
+            raise HookSelectionError(f"layer slice {layers} needs int bounds; {what}")
+    if layers.step is not None and layers.step < 1:
+        raise HookSelectionError(f"layer slice {layers} needs a positive step; {what}")
+    start = 0 if layers.start is None else layers.start
+    stop = end if layers.stop is None else layers.stop
+    return list(range(start + end if start < 0 else start, stop + end if stop < 0 else stop, layers.step or 1))
+
+
+def resolve_layers(layers, n_layers: int) -> tuple[int, ...]:
+    """Capture's side of :func:`layer_numbers`: layer numbers ``0 <= l < n_layers`` (``None``:
+    all); a selection reaching past the model is refused, never clipped."""
+    what = f"the model has {n_layers} layers (0..{n_layers - 1})"
+    numbers = layer_numbers(layers, n_layers, what)
+    if numbers is None:
+        return tuple(range(n_layers))
+    outside = [v for v in numbers if not 0 <= v < n_layers]
+    if outside:
+        raise HookSelectionError(
+            f"layer selection {layers!r} reaches past the model (layers {_span(outside)}); {what}"
+        )
+    return numbers
+
+
+def _span(numbers: list[int]) -> str:
+    """``[4, 5, 6, 7]`` → ``'4..7'`` (a long run of numbers stays one short phrase)."""
+    if len(numbers) > 3 and numbers == list(range(numbers[0], numbers[-1] + 1)):
+        return f"{numbers[0]}..{numbers[-1]}"
+    return ", ".join(map(str, numbers))
 
 
 @dataclass(frozen=True, slots=True)

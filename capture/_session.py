@@ -15,6 +15,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import os
 import re
 import secrets
 import threading
@@ -59,10 +60,13 @@ def _validate_id(kind: str, value) -> str:
 
 def derive_model_id(model: nn.Module) -> str:
     """The model's hub name or directory (``config._name_or_path``), else
-    ``<model_type>-<12 hex of the config's hash>`` for models built from a config."""
+    ``<model_type>-<12 hex of the config's hash>`` for models built from a config.
+
+    A directory that exists here is named by its absolute path with symlinks resolved, so
+    ``./m``, ``m/`` and ``/abs/m`` are one model, whatever the working directory."""
     config = model.config
     name = getattr(config, "_name_or_path", "") or ""
-    name = name.rstrip("/")
+    name = os.path.realpath(name) if name and os.path.isdir(name) else name.rstrip("/")
     if name:
         try:
             return _validate_id("model id", name)

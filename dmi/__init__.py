@@ -34,6 +34,8 @@ _LAZY = {
     "open": "dmi._store",
     "Store": "dmi._store",
     "default_home": "dmi._store",
+    "load_model": "dmi._models",
+    "LoadedModel": "dmi._models",
     "LazyInternal": "dmi._lazy",
     "ModelSummary": "dmi._values",
     "RequestSummary": "dmi._values",
@@ -68,6 +70,8 @@ __all__ = [
     "RunSummary",
     "DeleteReport",
     "default_home",
+    "load_model",
+    "LoadedModel",
     *_errors.__all__,
 ]
 

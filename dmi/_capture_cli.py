@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from dmi.storage.errors import InvalidArgumentError
@@ -30,28 +31,32 @@ def run_capture(
     *,
     layers: Any,
     progress: Callable[[int], Any],
+    status: Callable[[str], AbstractContextManager[Any]],
 ) -> dict[str, Any]:
     """Capture ``prompts`` through the model ``args.model`` into ``store``; returns ids and totals.
 
     ``--max-new-tokens 0`` runs one scoring pass per batch (phase ``forward``); otherwise
     ``generate`` runs greedily and ``--phases`` chooses prefill and/or decode.
+    ``status(text)`` shows what happens while torch and the model load (seconds to
+    minutes, with no countable progress); ``progress(total)`` then counts prompts.
     """
-    import torch
-
-    import dmi
-    from dmi._models import load_model
-    from dmi.capture import Schedule
-
     if args.max_new_tokens < 0:
         raise InvalidArgumentError("--max-new-tokens must be at least 0")
     if args.batch_size < 1:
         raise InvalidArgumentError("--batch-size must be at least 1")
-    scoring = args.max_new_tokens == 0
-    phases = ("forward",) if scoring else tuple(p.strip() for p in args.phases.split(",") if p.strip())
-    schedule = Schedule(phases=phases, step_stride=args.step_stride,
-                        request_stride=args.request_stride, warmup=args.warmup)
-    _quiet_transformers()
-    loaded = load_model(args.model, attn_implementation=args.attn_implementation)
+    with status(f"loading model {args.model}"):
+        import torch
+
+        import dmi
+        from dmi._models import load_model
+        from dmi.capture import Schedule
+
+        scoring = args.max_new_tokens == 0
+        phases = ("forward",) if scoring else tuple(p.strip() for p in args.phases.split(",") if p.strip())
+        schedule = Schedule(phases=phases, step_stride=args.step_stride,
+                            request_stride=args.request_stride, warmup=args.warmup)
+        _quiet_transformers()
+        loaded = load_model(args.model, attn_implementation=args.attn_implementation)
     tokenizer = loaded.tokenizer
     request_ids: list[str] = []
     with dmi.capture(loaded.model, hooks=args.hooks, layers=layers, store=store,

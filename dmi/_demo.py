@@ -22,8 +22,10 @@ id; nothing already stored is touched, and every step reads back its own run.
 
 from __future__ import annotations
 
+import shlex
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -80,30 +82,35 @@ def run_demo(
     home_flag: str | None = None,
     plot_path: str | None = None,
     say: Callable[..., None] = print,
+    status: Callable[[str], AbstractContextManager[Any]] = lambda text: nullcontext(),
 ) -> DemoReport:
     """Run the demo against an open ``store``; returns its report.
 
     ``home_flag`` is repeated in the suggested next commands; the plot goes to
     ``plot_path`` (default ``store.home/demo.png``). Raises ``DMIError`` subclasses from
     capture and reading; a mismatch in the bit-exact check is not an exception, it is
-    ``report.bit_exact == False`` (and said on the way).
+    ``report.bit_exact == False`` (and said on the way). ``status(text)`` shows what
+    happens while torch and the model load (the first seconds, before step 1 ends).
     """
     import os
 
-    import torch
-
-    import dmi
-    from dmi._capture_cli import _quiet_transformers, stored_totals
-    from dmi._human import human_bytes, human_seconds, render_table
-    from dmi._models import BUILTIN_MODELS, load_model
-    from dmi._plot import token_norms, write_norm_plot
+    from dmi._models import BUILTIN_MODELS
 
     started = time.perf_counter()
-    _quiet_transformers()
     spec = BUILTIN_MODELS[DEMO_MODEL_ID]
     say(f"1. building {spec.name}: Llama-style, {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, "
         f"{spec.dtype}, random weights (seed {spec.seed}), byte-level tokenizer; nothing downloaded")
-    loaded = load_model(DEMO_MODEL_ID)
+    with status(f"loading model {spec.name}"):
+        import torch
+
+        import dmi
+        from dmi._capture_cli import _quiet_transformers, stored_totals
+        from dmi._human import human_bytes, human_seconds, plural, render_table
+        from dmi._models import load_model
+        from dmi._plot import token_norms, write_norm_plot
+
+        _quiet_transformers()
+        loaded = load_model(DEMO_MODEL_ID)
     model, tokenizer = loaded.model, loaded.tokenizer
 
     say(f"   store: catalog {store.catalog_uri}, packs {store.packs_uri}")
@@ -132,7 +139,7 @@ def run_demo(
     say(f"   request {request_ids[0]} holds {len(contents.hooks)} hooks: "
         f"{', '.join(h.hook for h in contents.hooks)}; layers {layers[0]}-{layers[-1]}")
     raw, stored, on_disk = totals["raw_bytes"], totals["stored_bytes"], totals["pack_bytes"]
-    say(f"   {totals['records']} records in {totals['packs']} pack(s): payloads {human_bytes(raw)} raw -> "
+    say(f"   {totals['records']} records in {plural(totals['packs'], 'pack')}: payloads {human_bytes(raw)} raw -> "
         f"{human_bytes(stored)} compressed ({raw / max(stored, 1):.2f}x); {human_bytes(on_disk)} on disk "
         f"with the index ({raw / max(on_disk, 1):.2f}x)")
 
@@ -155,7 +162,7 @@ def run_demo(
 
     seconds = time.perf_counter() - started
     say(f"\ndone in {human_seconds(seconds)}. Next:")
-    flag = "" if home_flag is None else f" --home {home_flag}"
+    flag = "" if home_flag is None else f" --home {shlex.quote(home_flag)}"
     for line in (
         f"dmi models{flag}",
         f"dmi requests {DEMO_MODEL_ID}{flag}",

@@ -2,17 +2,19 @@
 
 The CLI prints through these helpers so that every command sizes numbers the same way
 and every long-running command reports progress the same way (on stderr, only when
-stderr is a terminal and ``--quiet`` is off, so pipes and ``--json`` stay clean).
+stderr is a terminal and ``--quiet`` is off, so pipes and ``--json`` stay clean): a bar
+when the total is known (``Progress``), a status line when it is not (``Status``: loading
+a model).
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TextIO
 
-__all__ = ["human_bytes", "human_count", "human_seconds", "render_table", "Progress"]
+__all__ = ["human_bytes", "human_count", "human_seconds", "plural", "render_table", "Progress", "Status"]
 
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -37,6 +39,12 @@ def human_count(n: float) -> str:
         if abs(value) < 1000 or suffix == "T":
             return f"{value:.3g}{suffix}"
     raise AssertionError("unreachable")
+
+
+def plural(n: int, noun: str, number: Callable[[int], str] = str) -> str:
+    """``plural(1, "pack")`` → ``'1 pack'``; ``plural(3, "pack")`` → ``'3 packs'``; ``number``
+    formats the count (``human_count`` for ``'12.3k records'``)."""
+    return f"{number(n)} {noun}{'' if n == 1 else 's'}"
 
 
 def human_seconds(seconds: float) -> str:
@@ -119,3 +127,27 @@ class Progress:
         bar = "#" * filled + "." * (width - filled)
         self._stream.write(f"\r{self.label} [{bar}] {self.done}/{self.total}")
         self._stream.flush()
+
+
+class Status:
+    """One status line on a terminal while a step with no countable progress runs (importing
+    torch and loading a model): drawn on entry, cleared on exit; silent otherwise.
+
+    ``enabled=None`` means "if the stream is a terminal".
+    """
+
+    def __init__(self, text: str, *, enabled: bool | None = None, stream: TextIO | None = None):
+        self.text = text
+        self._stream = stream if stream is not None else sys.stderr
+        self._enabled = self._stream.isatty() if enabled is None else enabled
+
+    def __enter__(self) -> Status:
+        if self._enabled:
+            self._stream.write(f"\r{self.text} ...")
+            self._stream.flush()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._enabled:
+            self._stream.write("\r\033[K")
+            self._stream.flush()

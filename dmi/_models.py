@@ -108,10 +108,16 @@ def load_model(name_or_dir: str, *, attn_implementation: str | None = None) -> L
     ``attn_implementation`` (``"eager"``, ``"sdpa"``, ...) is passed to ``from_pretrained``;
     built-in models always use eager attention so that ``attn_pattern`` can be captured.
     Raises ``InvalidArgumentError`` when the name is neither built in nor an existing
-    directory, or when the directory cannot be loaded (the reason is in the message).
+    directory, when the directory cannot be loaded (the reason is in the message), or when
+    a built-in model is asked for an attention implementation other than eager.
     """
     spec = BUILTIN_MODELS.get(name_or_dir)
     if spec is not None:
+        if attn_implementation not in (None, "eager"):
+            raise InvalidArgumentError(
+                f"built-in model {name_or_dir!r} always uses eager attention; "
+                f"attn_implementation={attn_implementation!r} applies to a model directory"
+            )
         return _build_builtin(spec)
     if not os.path.isdir(name_or_dir):
         known = ", ".join(BUILTIN_MODELS)

@@ -15,17 +15,15 @@ Where things live, by precedence (explicit arguments first, then the environment
 from __future__ import annotations
 
 import os
+import shlex
 import socket
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-import torch
-
-from dmi._lazy import LazyInternal
 from dmi._values import (
     DeleteReport,
     HookSummary,
@@ -49,8 +47,14 @@ from dmi.storage.errors import (
     PackNotFoundError,
     RecordNotFoundError,
 )
-from dmi.storage.records import RecordEntry
-from dmi.reader import FooterCache, assemble, load_footer, read_record, read_records
+from dmi.storage.records import GLOBAL_LAYER, RecordEntry
+
+if TYPE_CHECKING:  # torch and the reader (which imports torch) load on the first tensor read:
+    import pyarrow as pa  # listing commands (`dmi models`) never pay for them
+    import torch
+
+    from dmi._lazy import LazyInternal
+    from dmi.reader import FooterCache
 
 __all__ = ["Store", "open", "capture", "default_home", "PACKS_ENV", "HOME_ENV", "CATALOG_ENV"]
 
@@ -133,7 +137,18 @@ class Store:
         self.catalog = catalog
         self.packs = packs
         self.home = home if home is not None else default_home()
-        self._footers = footer_cache if footer_cache is not None else FooterCache()
+        self._given_footers = footer_cache
+        self._footers_lock = threading.Lock()
+
+    @property
+    def _footers(self) -> FooterCache:
+        """The footer cache, made on the first read (the reader imports torch)."""
+        with self._footers_lock:
+            if self._given_footers is None:
+                from dmi.reader import FooterCache
+
+                self._given_footers = FooterCache()
+            return self._given_footers
 
     # -------------------------------------------------------------------------------- lifecycle
     def __enter__(self) -> Store:
@@ -278,13 +293,19 @@ class Store:
 
         ``hook``: a catalogue name or a TransformerLens alias (``blocks.3.hook_resid_post``:
         ``resid_post`` at layer 3, then ``layers`` must be ``None``; see
-        ``dmi.capture.ALIASES``). ``layers``: an int, an iterable of ints, a ``range`` or a
-        ``slice`` of layer numbers (``None``: every stored layer). ``shard_rank`` selects one tensor-parallel rank;
-        ``merge_shards=True`` joins the ranks by their recorded geometry.
+        ``dmi.capture.ALIASES``). ``layers``: the rule capture uses
+        (``dmi.capture.layer_numbers``): an int, a ``range``, a ``slice``, a ``(start, stop)``
+        pair or an iterable of layer numbers (``None``: every stored layer); negative numbers
+        count back from the last captured layer (``-1`` is the last). Nothing is clipped: a
+        layer that was not captured is a ``RecordNotFoundError`` naming the captured ones.
+        ``shard_rank`` selects one tensor-parallel rank; ``merge_shards=True`` joins the ranks
+        by their recorded geometry.
 
-        Raises ``HookSelectionError`` (not a hook name, or a TransformerLens name DMI does not
-        capture), ``InvalidArgumentError`` (``layers`` with an alias), ``RecordNotFoundError`` (unknown
-        model, request, run, a hook or layers the request does not hold),
+        Raises ``InvalidIdentifierError`` (an id that is not text), ``HookSelectionError``
+        (not a hook name, or a TransformerLens name DMI does not capture; an empty or
+        malformed layer selection; layers for a global hook), ``InvalidArgumentError``
+        (``layers`` with an alias), ``RecordNotFoundError`` (unknown model, request, run, a
+        hook or layers the request does not hold),
         ``DuplicateChunkError`` (several runs or ranks hold the same tokens: pass ``run_id``
         or ``shard_rank``), ``ShardMergeError``, ``PackCorruptError``/``PackNotFoundError``.
         """
@@ -299,6 +320,8 @@ class Store:
         queried now, payloads are read only when the view is indexed (and only the records
         the index touches). Raises what ``get_internal`` raises, except read errors, which
         surface on indexing."""
+        from dmi._lazy import LazyInternal
+
         hook, layers = _resolve_alias(hook, layers)
         entries = self._entries(model_id, request_id, hook, layers, shard_rank, run_id)
 
@@ -330,21 +353,20 @@ class Store:
                            phases=phases, where=where, params=params, **options)
 
     def _assemble(self, entries: list[RecordEntry], *, shard_rank: int | None, merge_shards: bool) -> torch.Tensor:
+        from dmi.reader import assemble, read_records
+
         tensors = read_records(self.packs, entries, cache=self._footers)
         return assemble(entries, tensors, shard_rank=shard_rank, merge_shards=merge_shards)
 
     def _entries(self, model_id: str, request_id: str, hook: str, layers: Any, shard_rank: int | None,
                  run_id: str | None) -> list[RecordEntry]:
-        _check_hook(hook)
+        _check_read_arguments(model_id, request_id, hook, run_id)
         run = self._resolve_run(model_id, request_id, run_id)
-        wanted = _layer_numbers(layers)
         entries = self.catalog.find_records(model_id, request_id=request_id, hook=hook, shard_rank=shard_rank,
-                                            run_id=run, layers=None if isinstance(wanted, slice) else wanted)
-        if isinstance(wanted, slice):
-            entries = [e for e in entries if _in_slice(e.meta.key.layer, wanted)]
+                                            run_id=run)
         if not entries:
             self._diagnose(model_id, request_id, hook, run_id=run, layers=layers, shard_rank=shard_rank)
-        return entries
+        return _select_layers(entries, layers, f"request {request_id!r} hook {hook!r}")
 
     def _resolve_run(self, model_id: str, request_id: str, run_id: str | None) -> str:
         """The one run holding ``request_id``; refuses to guess between several."""
@@ -365,19 +387,23 @@ class Store:
     def _diagnose(self, model_id: str, request_id: str | None, hook: str | None, *, run_id: str | None = None,
                   layers: Any = None, shard_rank: int | None = None) -> None:
         """Raise ``RecordNotFoundError`` naming the first part of the selection that matches nothing."""
+        from dmi._human import plural
+
         models = self.catalog.models()
         if model_id not in models:
             known = ", ".join(models[:10]) + (" ..." if len(models) > 10 else "") if models else "none yet"
             raise RecordNotFoundError(f"no model {model_id!r} in the catalog at {self.catalog_uri} (models: {known})")
         if run_id is not None and run_id not in self.catalog.runs(model_id):
-            raise RecordNotFoundError(f"model {model_id!r} has no run {run_id!r} (list runs with `dmi requests {model_id}`)")
+            raise RecordNotFoundError(
+                f"model {model_id!r} has no run {run_id!r} (list runs with `dmi requests {shlex.quote(model_id)}`)"
+            )
         if request_id is None:
             raise RecordNotFoundError(f"model {model_id!r} has no published requests")
         requests = self.catalog.requests(model_id, run_id=run_id)
         if request_id not in requests:
             raise RecordNotFoundError(
                 f"model {model_id!r} has no request {request_id!r}{'' if run_id is None else f' in run {run_id}'} "
-                f"({len(requests)} requests; list them with `dmi requests {model_id}`)"
+                f"({plural(len(requests), 'request')}; list them with `dmi requests {shlex.quote(model_id)}`)"
             )
         held = self.catalog.request_contents(model_id, request_id, run_id=run_id)
         if hook not in held:
@@ -426,6 +452,8 @@ class Store:
     def _verify_pack(self, pack_id: str, entries: list[RecordEntry]) -> list[Problem]:
         """Problems of one pack: one for a missing file or an unreadable index (with how many
         records it holds), then one per record whose bytes fail their checksum or decoding."""
+        from dmi.reader import FooterCache, load_footer, read_record, read_records
+
         fresh = FooterCache()  # a fresh footer each time: verify must not trust an earlier read
         try:
             read_records(self.packs, entries, cache=fresh)
@@ -505,23 +533,38 @@ def _hook_order(hooks: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted(hooks, key=lambda h: (order.get(h, len(order)), h)))
 
 
-def _layer_numbers(layers: Any) -> list[int] | slice | None:
-    if layers is None or isinstance(layers, slice):
-        return layers
-    if isinstance(layers, int) and not isinstance(layers, bool):
-        return [layers]
-    try:
-        numbers = list(layers)
-    except TypeError:
-        raise InvalidArgumentError(f"layers must be an int, an iterable of ints, a range or a slice, not {layers!r}") from None
-    if not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers):
-        raise InvalidArgumentError(f"layers must be ints, not {layers!r}")
-    return numbers
+def _check_read_arguments(model_id: Any, request_id: Any, hook: Any, run_id: Any) -> None:
+    """Refuse arguments of the wrong type where they enter, before any query: an id that is
+    not text (``InvalidIdentifierError``), a hook that is not a catalogue name
+    (``HookSelectionError``). The catalog checks ``shard_rank`` itself."""
+    from dmi.catalog import validate_value_id
+
+    validate_value_id(model_id, "model id")
+    validate_value_id(request_id, "request id")
+    if run_id is not None:
+        validate_value_id(run_id, "run id")
+    if not isinstance(hook, str):
+        raise HookSelectionError(f"a hook is a name such as 'resid_post', not {hook!r}")
+    _check_hook(hook)
 
 
-def _in_slice(layer: int, s: slice) -> bool:
-    step = s.step or 1
-    if step < 1:
-        raise InvalidArgumentError(f"a layer slice needs a positive step, not {s!r}")
-    start = s.start or 0
-    return layer >= start and (s.stop is None or layer < s.stop) and (layer - start) % step == 0
+def _select_layers(entries: list[RecordEntry], layers: Any, where: str) -> list[RecordEntry]:
+    """The records of the selected layers, by the rule capture uses (``layer_numbers``),
+    applied to the layers the request holds: a layer that was not captured is an error
+    naming the captured ones, never silently dropped."""
+    from dmi.capture import layer_numbers
+
+    held = sorted({e.meta.key.layer for e in entries})
+    if held == [GLOBAL_LAYER]:
+        if layers is not None:
+            raise HookSelectionError(f"{where} is a global hook (no layers): read it without layers")
+        return entries
+    wanted = layer_numbers(layers, held[-1] + 1, f"{where} has layers {held}")
+    if wanted is None:
+        return entries
+    missing = sorted(set(wanted) - set(held))
+    if missing:
+        raise RecordNotFoundError(
+            f"{where} has layers {held}; layers={layers!r} asks for {missing}, which were not captured"
+        )
+    return [e for e in entries if e.meta.key.layer in wanted]

@@ -3,10 +3,13 @@
 Every subcommand opens the same store ``dmi.open()`` opens (``--home``, ``--catalog``,
 ``--packs`` or their environment variables choose it), prints human-sized numbers, and
 offers ``--json`` where its output is a table. Expected failures — anything DMI raises,
-a missing file — end with one line on stderr, ``dmi: error: <reason>``, and a non-zero
-exit: 2 for a bad argument (unknown hook, malformed layer range, ...), 1 for everything
-else (unknown model, corrupt records found by ``verify``, catalog locked or unreachable).
-Progress bars go to stderr, only when it is a terminal and ``--quiet`` is off.
+a missing file, argparse's own usage errors — end with one line on stderr,
+``dmi: error: <reason>``, and a non-zero exit: 2 for a bad argument (unknown hook,
+malformed layer range, unwritable output, ...), 1 for everything else (unknown model,
+corrupt records found by ``verify``, catalog locked or unreachable). Progress bars and
+the status line shown while a model loads go to stderr, only when it is a terminal and
+``--quiet`` is off. Each command imports only what it needs (``--help`` and ``models``
+load no torch).
 
 Reference: ``docs/cli.md``.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import sys
@@ -30,8 +34,19 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
+SCORING_HELP = "0: no generation, one scoring pass per batch, phase forward"
+"""What ``--max-new-tokens 0`` does, worded once for the help and docs/cli.md."""
+
 
 # ----------------------------------------------------------------------------- parsing helpers
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as the one ``dmi: error:`` line every other failure gets."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"dmi: error: {' '.join(message.split())} (see: {self.prog} --help)\n")
+
 
 
 def parse_layers(text: str | None) -> Any:
@@ -99,6 +114,12 @@ def _progress(args: argparse.Namespace, label: str, total: int):
     return Progress(label, total, enabled=False if args.quiet else None)
 
 
+def _status(args: argparse.Namespace, text: str):
+    from dmi._human import Status
+
+    return Status(text, enabled=False if args.quiet else None)
+
+
 def _open_store(args: argparse.Namespace):
     import dmi
 
@@ -112,26 +133,25 @@ def _native_stderr_held() -> Iterator[None]:
     exception text straight to file descriptor 2 (a locked directory), clickhouse-driver
     logs each failed connection attempt with a traceback (an unreachable server). Hold what
     reaches fd 2 while the store opens: dropped when a DMI error follows (its one line says
-    it better), passed through otherwise."""
-    sys.stderr.flush()
+    it better), passed through otherwise. Python-level writes (``sys.stderr``, which
+    logging's last-resort handler uses) are held the same way."""
+    outer = sys.stderr
+    outer.flush()
     saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
+    failed = False
+    with tempfile.TemporaryFile() as held, contextlib.redirect_stderr(io.StringIO()) as held_python:
         os.dup2(held.fileno(), 2)
-        failed = False
         try:
             yield
         except DMIError:
             failed = True
             raise
         finally:
-            sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
             if not failed:
                 held.seek(0)
-                text = held.read().decode(errors="replace")
-                if text:
-                    sys.stderr.write(text)
+                outer.write(held.read().decode(errors="replace") + held_python.getvalue())
 
 
 # ----------------------------------------------------------------------------- subcommands
@@ -146,6 +166,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             home_flag=args.home,
             plot_path=args.plot,
             say=(lambda text="": None) if args.json or args.quiet else print,
+            status=lambda text: _status(args, text),
         )
     if args.json:
         _emit_json(report.as_dict())
@@ -163,14 +184,15 @@ def _cmd_capture(args: argparse.Namespace) -> int:
     layers = parse_layers(args.layers)
     with _open_store(args) as store:
         result = run_capture(store, args, prompts, layers=layers,
-                             progress=lambda total: _progress(args, "capturing", total))
+                             progress=lambda total: _progress(args, "capturing", total),
+                             status=lambda text: _status(args, text))
     if args.json:
         _emit_json(result)
         return EXIT_OK
-    from dmi._human import human_bytes
+    from dmi._human import human_bytes, plural
 
     _say(args, f"model {result['model_id']}  run {result['run_id']}")
-    _say(args, f"captured {len(result['request_ids'])} requests, {result['records']} records, "
+    _say(args, f"captured {plural(len(result['request_ids']), 'request')}, {plural(result['records'], 'record')}, "
                f"{human_bytes(result['stored_bytes'])} stored ({human_bytes(result['raw_bytes'])} raw)")
     for rid in result["request_ids"]:
         print(rid)
@@ -285,7 +307,7 @@ def _cmd_requests(args: argparse.Namespace) -> int:
         ("request_id", "request", None),
         ("run_id", "run", None),
         ("n_tokens", "tokens", human_count),
-        ("hooks", "hooks", lambda hooks: ",".join(hooks)),
+        ("hooks", "hooks", len),  # the names are in `dmi show` and --json: a row stays under 100 columns
         ("records", "records", human_count),
         ("stored_bytes", "stored", human_bytes),
     ])
@@ -374,29 +396,30 @@ def _cell(value: Any) -> str:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from dmi._human import human_bytes, human_count
+    from dmi._human import human_bytes, human_count, plural
 
     with _open_store(args) as store:
         report = store.verify(model_id=args.model_id, progress=lambda total: _progress(args, "verifying", total))
     if args.json:
         _emit_json(report.as_dict())
     else:
-        _say(args, f"checked {human_count(report.records_checked)} records in {report.packs_checked} packs "
+        _say(args, f"checked {plural(report.records_checked, 'record', human_count)} in "
+                   f"{plural(report.packs_checked, 'pack')} "
                    f"({human_bytes(report.bytes_checked)})")
         for bad in report.problems:
             print(f"{bad.kind}: pack {bad.pack_id}: {bad.describe()}")
         if report.unpublished_packs:  # said even with --quiet: data the catalog does not show
-            print(f"dmi: {len(report.unpublished_packs)} sealed packs on disk are not (fully) in the catalog: "
+            print(f"dmi: {plural(len(report.unpublished_packs), 'sealed pack')} on disk not (fully) in the catalog: "
                   "run `dmi recover`", file=sys.stderr)
     if report.problems:
         packs = len({bad.pack_id for bad in report.problems})
-        print(f"dmi: error: {len(report.problems)} bad records in {packs} packs", file=sys.stderr)
+        print(f"dmi: error: {plural(len(report.problems), 'bad record')} in {plural(packs, 'pack')}", file=sys.stderr)
         return EXIT_FAILURE
     return EXIT_OK
 
 
 def _cmd_recover(args: argparse.Namespace) -> int:
-    from dmi._human import human_count
+    from dmi._human import human_count, plural
 
     with _open_store(args) as store:
         published = store.recover()
@@ -404,8 +427,8 @@ def _cmd_recover(args: argparse.Namespace) -> int:
         _emit_json([p.as_dict() for p in published])
     else:
         for pack in published:
-            print(f"published {pack.pack_id} ({human_count(pack.records)} records)")
-        _say(args, f"recovered {len(published)} packs" if published else "nothing to recover")
+            print(f"published {pack.pack_id} ({plural(pack.records, 'record', human_count)})")
+        _say(args, f"recovered {plural(len(published), 'pack')}" if published else "nothing to recover")
     return EXIT_OK
 
 
@@ -429,8 +452,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
                     "n_tokens": drawn.n_tokens, "mean_norm_per_layer": drawn.mean_norm_per_layer,
                     "decode_start": drawn.decode_start})
     else:
+        from dmi._human import plural
+
         _say(args, f"wrote {drawn.width}x{drawn.height} plot of {args.hook} "
-                   f"({len(drawn.layers)} layers x {drawn.n_tokens} tokens) to {drawn.path}")
+                   f"({plural(len(drawn.layers), 'layer')} x {plural(drawn.n_tokens, 'token')}) to {drawn.path}")
     return EXIT_OK
 
 
@@ -438,11 +463,11 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     where = common.add_argument_group("where the store is")
     where.add_argument("--home", metavar="DIR",
                        help="DMI home: embedded catalog in DIR/catalog, packs in DIR/packs "
-                            "(default: $DMI_HOME, else ~/.dmi)")
+                            "(default: $DMI_HOME, else ~/.local/share/dmi)")
     where.add_argument("--catalog", metavar="URI",
                        help="catalog: chdb:///PATH or clickhouse://USER:PASSWORD@HOST:PORT/DB "
                             "(default: $DMI_CATALOG, else the embedded chDB catalog in the home)")
@@ -450,12 +475,12 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="pack files: a directory or a pyarrow.fs URI such as s3://bucket/prefix "
                             "(default: $DMI_PACKS, else HOME/packs)")
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bars or commentary")
-    tabular = argparse.ArgumentParser(add_help=False)
+    tabular = _Parser(add_help=False)
     tabular.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    selecting = argparse.ArgumentParser(add_help=False)
+    selecting = _Parser(add_help=False)
     selecting.add_argument("--run", metavar="RUN_ID", help="only this run (when several runs share a model id)")
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dmi",
         description="Capture a language model's internals, keep them, query them, read them back.",
         epilog="Start with `dmi demo`. Reference: docs/cli.md.",
@@ -478,9 +503,12 @@ def _build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--prompts-file", metavar="FILE", help="prompts, one per line ('-' for stdin)")
     cap.add_argument("--hooks", default="resid_post",
                      help="hook names and group tokens, comma separated (default: resid_post; e.g. resid,attn,logits)")
-    cap.add_argument("--layers", metavar="RANGE", help="START:STOP (stop excluded), N, or N,M,... (default: all)")
+    cap.add_argument("--layers", metavar="RANGE",
+                     help="START:STOP (stop excluded), START:, N, or N,M,...; negative N counts from the end "
+                          "(default: all)")
     cap.add_argument("--phases", default="prefill,decode", help="prefill, decode, forward (default: prefill,decode)")
-    cap.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help="decode steps per prompt (default: 16; 0 = prefill only)")
+    cap.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help="new tokens per prompt, greedy (default: 16; "
+                     f"{SCORING_HELP})")
     cap.add_argument("--batch-size", type=int, default=8, metavar="N", help="prompts per generate call (default: 8)")
     cap.add_argument("--step-stride", type=int, default=1, metavar="N", help="capture every N-th decode step")
     cap.add_argument("--request-stride", type=int, default=1, metavar="N", help="capture every N-th request")

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 
 import pyarrow as pa
 import torch
 import zstandard
 
+from dmi.storage._pack_names import PACK_SUFFIX, is_pack_id  # re-exported: the names pack files carry
 from dmi.storage.errors import PackCorruptError, PackFormatError, UnsupportedDtypeError
 from dmi.storage.records import ByteRange, RecordEntry, RecordKey, RecordMeta, RecordStats, ShardGeometry
 
@@ -37,7 +37,6 @@ __all__ = [
 
 FORMAT_NAME = "dmi-pack"
 FORMAT_VERSION = 1
-PACK_SUFFIX = ".arrow"
 
 META_FORMAT = b"dmi.format"
 META_VERSION = b"dmi.format_version"
@@ -45,7 +44,6 @@ META_PACK_ID = b"dmi.pack_id"
 META_WRITER_ID = b"dmi.writer_id"
 META_INDEX = b"dmi.index"
 
-_PACK_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 
 _list_i64 = pa.list_(pa.int64())
 
@@ -109,11 +107,6 @@ def torch_dtype(name: str) -> torch.dtype:
         raise UnsupportedDtypeError(
             f"dtype {name!r} is not a torch dtype this build knows (torch {torch.__version__})"
         ) from None
-
-
-def is_pack_id(name: str) -> bool:
-    """Pack ids are 32 lowercase hex digits (128 random bits)."""
-    return bool(_PACK_ID_RE.match(name))
 
 
 def schema_with_metadata(pack_id: str, writer_id: str) -> pa.Schema:

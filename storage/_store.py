@@ -25,7 +25,7 @@ from contextlib import suppress
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from dmi.storage._pack_format import PACK_SUFFIX, is_pack_id
+from dmi.storage._pack_names import PACK_SUFFIX, is_pack_id
 from dmi.storage.errors import (
     InvalidArgumentError,
     PackError,

@@ -186,6 +186,8 @@ def test_requests_lists_one_run(demo):
     assert sum(r["records"] for r in rows) == demo.first["records"]
     table = demo.results["requests_table"]
     assert table.returncode == 0 and len(table.stdout.strip().splitlines()) == 2 + 2 * len(DEMO_PROMPTS)
+    assert max(len(line) for line in table.stdout.splitlines()) <= 100  # fits a terminal
+    assert table.stdout.splitlines()[2].split()[3] == str(len(demo.first["hooks"]))  # how many hooks
 
 
 def test_show_describes_every_hook(demo):
@@ -333,7 +335,7 @@ def test_capture_then_upkeep(tmp_path):
     data[target["payload_offset"] + target["payload_length"] // 2] ^= 0xFF
     captured.write_bytes(bytes(data))
     text = dmi("verify", home=home)
-    assert_one_line_error(text, 1, "1 bad records in 1 packs")
+    assert_one_line_error(text, 1, "1 bad record in 1 pack")
     [line] = text.stdout.strip().splitlines()[1:]
     assert line.startswith(f"corrupt: pack {captured.stem}")
     assert f"request {target['request_id']} hook resid_post layer 1" in line and "checksum" in line
@@ -353,7 +355,7 @@ def test_capture_then_upkeep(tmp_path):
 
     captured.unlink()
     [missing] = batch(home, ["verify"])
-    assert_one_line_error(missing, 1, "1 bad records in 1 packs")
+    assert_one_line_error(missing, 1, "1 bad record in 1 pack")
     assert missing.stdout.strip().splitlines()[1].startswith(f"missing: pack {captured.stem}")
 
 

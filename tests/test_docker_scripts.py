@@ -73,11 +73,14 @@ def test_podman_start_refuses_a_hard_nofile_below_what_containers_get(tmp_path):
     assert not (tmp_path / "state" / "podman.sock").exists()
 
 
-def as_nobody(*args):
+def as_nobody(script, *args):
+    """Run ``script ARGS`` as user nobody. The script's text goes in on stdin (``bash -s``), so
+    nobody needs no access to the clone: it may sit in a directory other users cannot enter
+    (a 0700 home or ``mktemp -d``), where ``bash SCRIPT`` would exit 126 before the guard runs."""
     if os.geteuid() != 0 or shutil.which("runuser") is None:
         pytest.skip("needs root and runuser to run the script as another user")
-    return subprocess.run(["runuser", "-u", "nobody", "--", "/bin/bash", *map(str, args)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(["runuser", "-u", "nobody", "--", "/bin/bash", "-s", "--", *map(str, args)],
+                          input=Path(script).read_text(), capture_output=True, text=True, timeout=60)
 
 
 def test_podman_install_needs_root():

@@ -30,12 +30,12 @@ def test_facade_reexports_errors():
 DMI_ALL = [
     "__version__", "open", "capture", "Store", "LazyInternal", "ModelSummary", "RequestSummary", "HookSummary",
     "RequestContents", "Loss", "VerifyReport", "Problem", "RecoveredPack", "TokenLoader", "ShuffleQuality",
-    "RunSummary", "DeleteReport", "default_home",
+    "RunSummary", "DeleteReport", "default_home", "load_model", "LoadedModel",
 ]
 
 CAPTURE_ALL = [
     "attach", "CaptureSession", "CaptureResult", "Schedule", "HOOKS", "GROUPS", "HookSpec", "ModelGeometry",
-    "resolve_hooks", "resolve_layers", "Selection", "StepPlan", "RowSpan", "Ring", "prepare_batch",
+    "resolve_hooks", "resolve_layers", "layer_numbers", "Selection", "StepPlan", "RowSpan", "Ring", "prepare_batch",
     "derive_model_id", "resolve_architecture", "SUPPORTED_MODEL_TYPES", "ALIASES", "HookAlias", "resolve_alias",
 ]
 

@@ -1,0 +1,47 @@
+"""Startup cost of the command line: each command imports only what it needs.
+
+``dmi --help`` loads no DMI layer below the error tree and no third-party library;
+``dmi models`` (and ``dmi sql``) open the catalog, but load no torch, transformers,
+safetensors or matplotlib. Checked by the modules a fresh process holds after the command,
+not by its time (the time is measured by ``bench/bench_cli.py``, in docs/cli.md).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "transformers", "safetensors", "matplotlib", "tokenizers")
+
+_PROBE = r"""
+import json, sys
+from dmi.cli import main
+try:
+    main(json.loads(sys.argv[1]))
+except SystemExit:
+    pass
+print(json.dumps(sorted({name.split(".")[0] for name in sys.modules})))
+"""
+
+
+def modules_after(argv: list[str]) -> set[str]:
+    """Top-level module names a fresh interpreter holds after ``dmi ARGV``."""
+    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return set(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def test_help_imports_no_library():
+    loaded = modules_after(["--help"])
+    assert not loaded & {*HEAVY, "pyarrow", "numpy", "chdb", "clickhouse_driver"}, loaded
+
+
+@pytest.mark.parametrize("command", [["models"], ["sql", "SELECT count() AS n FROM {records}"]])
+def test_listing_commands_import_no_torch(tmp_path, command):
+    loaded = modules_after([*command, "--home", str(tmp_path), "-q"])
+    assert "chdb" in loaded  # the command really opened the catalog
+    assert not loaded & set(HEAVY), loaded & set(HEAVY)
