@@ -592,6 +592,16 @@ class Catalog:
         table = self._published_records(where, params, "DISTINCT run_id", "ORDER BY run_id")
         return table.column("run_id").to_pylist()
 
+    def request_phases(self, model_id: str, request_id: str, run_id: str) -> list[tuple[str, int, int]]:
+        """Each phase of one request's published records as ``(phase, start, stop)`` over its
+        token positions, in token order."""
+        where, params = self._filters(model_id=model_id, request_id=request_id, run_id=run_id)
+        rows = self._published_records(
+            where, params, "phase, min(start_token) AS start, max(start_token + n_tokens) AS stop",
+            "GROUP BY phase ORDER BY start, stop",
+        ).to_pylist()
+        return [(r["phase"], int(r["start"]), int(r["stop"])) for r in rows]
+
     def pack_record_counts(self, pack_ids: Iterable[str]) -> dict[str, int]:
         """How many published records each of ``pack_ids`` holds (packs with none are left out)."""
         ids = tuple(dict.fromkeys(validate_value_id(p, "pack id") for p in pack_ids))

@@ -274,13 +274,8 @@ class Store:
 
     def _phases(self, model_id: str, request_id: str, run_id: str) -> tuple[PhaseSpan, ...]:
         """Each phase's span of the request's token positions, in token order."""
-        rows = self._query(
-            "SELECT phase, min(start_token) AS start, max(start_token + n_tokens) AS stop FROM {records} "
-            "WHERE model_id = %(model_id)s AND request_id = %(request_id)s AND run_id = %(run_id)s "
-            "GROUP BY phase ORDER BY start, stop",
-            {"model_id": model_id, "request_id": request_id, "run_id": run_id},
-        )
-        return tuple(PhaseSpan(r["phase"], int(r["start"]), int(r["stop"])) for r in rows)
+        spans = self.catalog.request_phases(model_id, request_id, run_id)
+        return tuple(PhaseSpan(phase, start, stop) for phase, start, stop in spans)
 
     # -------------------------------------------------------------------------------- tensors
     def get_internal(self, model_id: str, request_id: str, hook: str, *, layers: Any = None,
