@@ -530,7 +530,8 @@ def attach(
     * ``hooks``: names or group tokens (see ``HOOKS`` / ``GROUPS``); ``layers``: ``None`` (all),
       an int, ``range``, ``slice``, ``(start, stop)`` or a list.
     * ``store``: the ``PackStore`` packs are written to; ``catalog``: where they are published
-      (under a publisher lease on ``publish_scope``, default ``"capture/<model_id>/<run_id>"``);
+      (under a publisher lease on ``publish_scope``, default ``"capture/<model_id>/<run_id>"``,
+      plus ``"/tp<rank>"`` when ``tp_size > 1``, so the ranks of one run publish side by side);
       without a catalog, packs are sealed but not published.
     * ``schedule``: a :class:`Schedule` (or a dict of its fields, or phases).
     * ``ring_slots`` × ``slot_bytes``: host memory between the model and the drain thread;
@@ -577,7 +578,7 @@ def attach(
                          replicated_kv=tp_size > 1 and geometry.n_kv_heads < tp_size)
         publisher = None
         if catalog is not None:
-            publisher = _Publishing(catalog, publish_scope or f"capture/{model_id}/{run_id}",
+            publisher = _Publishing(catalog, publish_scope or default_publish_scope(model_id, run_id, tp_rank, tp_size),
                                     model_id=model_id, run_id=run_id, lease_seconds=lease_seconds)
         if writer is None:
             writer = _make_writer(store, ctx, run_id, writer_options)
@@ -622,6 +623,13 @@ def attach(
             with _OWNERS_LOCK:
                 _OWNERS.pop(owner_key, None)
 
+
+
+def default_publish_scope(model_id: str, run_id: str, tp_rank: int, tp_size: int) -> str:
+    """One publishing scope per writer: the run, and the tensor-parallel rank when sharded
+    (each rank's process holds its own lease; one scope for all would let only one publish)."""
+    scope = f"capture/{model_id}/{run_id}"
+    return f"{scope}/tp{tp_rank}" if tp_size > 1 else scope
 
 def _make_writer(store, ctx: KeyContext, run_id: str, options: dict | None):
     from dmi.storage import PackWriter  # type: ignore[attr-defined]

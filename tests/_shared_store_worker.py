@@ -22,8 +22,7 @@ def main(argv: list[str]) -> int:
     model = tiny("gpt2")
     with dmi.open(home=home) as store:
         with dmi.capture(model, store=store, hooks="resid_post", model_id=model_id, run_id=run_id,
-                         tp_rank=int(tp_rank), tp_size=int(tp_size),
-                         publish_scope=f"capture/{model_id}/{run_id}/rank{tp_rank}") as cap:
+                         tp_rank=int(tp_rank), tp_size=int(tp_size)) as cap:
             for batch in range(int(batches)):
                 ids, mask = left_padded_batch(seed=batch + 1)
                 request_ids, _ = cap.forward(ids, attention_mask=mask)
