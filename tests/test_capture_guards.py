@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -224,27 +225,42 @@ class BlockingWriter(MemoryWriter):
 def test_full_ring_waits_then_raises_ring_full():
     model = tiny("llama")
     ids, mask = left_padded_batch()
-    w = BlockingWriter()
-    timer = threading.Timer(1.0, w.gate.set)  # lets the drain finish after the error
-    timer.start()
+    w = BlockingWriter()  # the drain stays blocked until the error is in hand: no timer, no race
     try:
         with pytest.raises(RingFullError, match="ring"):
             with attach(model, hooks="resid_post", writer=w, ring_slots=2, slot_bytes=1024,
                         ring_timeout=0.3) as cap:
-                cap.generate(ids, attention_mask=mask, max_new_tokens=4)
+                try:
+                    cap.generate(ids, attention_mask=mask, max_new_tokens=4)
+                except RingFullError:
+                    w.gate.set()  # now let the drain finish so that detaching completes
+                    raise
         assert cap.ring.stats.waits >= 1 and cap.ring.stats.wait_seconds >= 0.3
     finally:
-        timer.cancel()
         w.gate.set()
+
+
+def _open_gate_once_the_producer_waits(ring, gate: threading.Event) -> threading.Thread:
+    """Unblock the drain only after the model thread has started waiting for a free slot."""
+
+    def watch():
+        while ring.stats.waits < 1 and not gate.is_set():
+            time.sleep(0.005)
+        gate.set()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    return watcher
 
 
 def test_full_ring_lossless_by_default_when_the_drain_catches_up():
     model = tiny("llama")
     ids, mask = left_padded_batch()
     w = BlockingWriter()
-    threading.Timer(0.3, w.gate.set).start()
     with attach(model, hooks="resid_post", writer=w, ring_slots=1, slot_bytes=1024, decode_chunk_steps=1) as cap:
+        watcher = _open_gate_once_the_producer_waits(cap.ring, w.gate)
         cap.generate(ids, attention_mask=mask, max_new_tokens=4)
+    watcher.join()
     assert cap.ring.stats.waits >= 1
     assert cap.stats["records_lost"] == 0
     assert len(w.records) == 3 * 3 * 4
