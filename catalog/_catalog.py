@@ -19,7 +19,7 @@ from dmi.catalog import _schema
 from dmi.catalog._catalog_backend import CatalogBackend
 from dmi.catalog._leases import Publisher, Watermark, validate_record_ids
 from dmi.catalog._sql import quote_identifier, validate_identifier, validate_value_id
-from dmi.storage.errors import InvalidArgumentError, InvalidIdentifierError, SchemaVersionError
+from dmi.storage.errors import InvalidArgumentError, InvalidIdentifierError, SchemaVersionError, ServerError
 from dmi.storage.records import PackDescriptor, RecordEntry
 
 __all__ = ["Catalog", "HookContents"]
@@ -110,7 +110,9 @@ class Catalog:
             )
         for statement in ddl[1:]:
             self._backend.command(statement)
-        if found is None:
+        if found is not None and found < _schema.SCHEMA_VERSION:
+            self._upgrade_records_table()
+        if found is None or found < _schema.SCHEMA_VERSION:
             self._backend.insert(
                 self._tables["schema"],
                 pa.Table.from_pylist(
@@ -118,6 +120,21 @@ class Catalog:
                     schema=_schema.SCHEMA_ROW,
                 ),
             )
+
+    def _upgrade_records_table(self) -> None:
+        """Add the record fields an older catalog lacks; their defaults give old rows the
+        meaning old packs have. When two processes upgrade at once, the loser's ALTER
+        fails on a column the winner added: only an ALTER whose column is still missing
+        is an error."""
+        for statement in _schema.upgrade_statements(self._tables, self._record_columns()):
+            try:
+                self._backend.command(statement)
+            except ServerError:
+                if statement in _schema.upgrade_statements(self._tables, self._record_columns()):
+                    raise
+
+    def _record_columns(self) -> list[str]:
+        return self._backend.query(f"DESCRIBE TABLE {self._tables['records']}").column("name").to_pylist()
 
     def schema_version(self) -> int | None:
         """The highest schema version row, or None on an empty catalog."""

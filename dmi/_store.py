@@ -240,9 +240,12 @@ class Store:
             "SELECT hook, groupUniqArray(layer) AS layers, groupUniqArray(shard_rank) AS ranks, max(tokens) AS n_tokens, "
             "any(dtype) AS dtype, any(feature) AS feature, sum(n) AS records, sum(stored) AS stored, sum(raw) AS raw "
             "FROM (SELECT hook, layer, shard_rank, sum(n_tokens) AS tokens, any(dtype) AS dtype, "
-            "any(arraySlice(if(length(full_shape) > 0, full_shape, shape), 2)) AS feature, count() AS n, "
-            "sum(payload_length) AS stored, sum(raw_size) AS raw FROM {records} "
-            "WHERE model_id = %(model_id)s AND request_id = %(request_id)s AND run_id = %(run_id)s "
+            # per token: the record's (full) shape without its recorded token axis; the last
+            # chunk's, whose key axis (attention patterns) is the longest
+            "argMax(arrayConcat(arraySlice(dims, 1, token_axis), arraySlice(dims, token_axis + 2)), start_token) "
+            "AS feature, count() AS n, sum(payload_length) AS stored, sum(raw_size) AS raw "
+            "FROM (SELECT *, if(length(full_shape) > 0, full_shape, shape) AS dims FROM {records} "
+            "WHERE model_id = %(model_id)s AND request_id = %(request_id)s AND run_id = %(run_id)s) "
             "GROUP BY hook, layer, shard_rank) GROUP BY hook",
             {"model_id": model_id, "request_id": request_id, "run_id": run},
         )

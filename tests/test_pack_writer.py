@@ -151,7 +151,7 @@ def test_descriptor_fields(store):
         w.append(key(rank=1, tp=2), torch.ones(4, 64), shard=geom)
         desc = w.seal()
     assert seen == [desc]
-    assert desc.writer_id == "drain-7" and desc.format_version == 1
+    assert desc.writer_id == "drain-7" and desc.format_version == 2
     assert desc.location == store.location(desc.pack_id)
     assert desc.size == os.path.getsize(desc.location)
     assert desc.records[0].meta.shard == geom
