@@ -83,8 +83,8 @@ def test_byte_flips_everywhere(sealed, tmp_path):
         first = min(e.payload.offset for e, _ in mine if e.payload.length)
         last = max(e.payload.end for e, _ in mine)
         footer = set(range(first)) | set(range(last, len(clean)))  # schema, index batch, Arrow footer
-        between = set(range(first, last, 5)) - in_payload  # row columns and batch headers, sampled
-        positions = sorted(footer | between | set(sorted(in_payload)[::7]))
+        between = set(range(first, last, 11)) - in_payload  # row columns and batch headers, sampled
+        positions = sorted(footer | between | set(sorted(in_payload)[::13]))
         try:
             for pos in positions:
                 flipped = bytearray(clean)
@@ -116,7 +116,7 @@ def test_byte_flips_everywhere(sealed, tmp_path):
                 checked += 1
         finally:
             path.write_bytes(clean)
-    assert checked > 2000 and affected_seen > 100 and footer_refused > 1000
+    assert checked > 2000 and affected_seen > 50 and footer_refused > 1000
 
 
 def test_damaged_writer_id_is_a_pack_error(sealed, tmp_path):
