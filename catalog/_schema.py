@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import pyarrow as pa
 
-from dmi.storage._record_schema import PAYLOAD_FIELDS, RECORD_FIELDS, entry_from_row, field_columns
+from dmi.storage.record_schema import PAYLOAD_FIELDS, RECORD_FIELDS, entry_from_row, field_columns
 from dmi.storage.records import PackDescriptor, RecordEntry
 
 SCHEMA_VERSION = 2

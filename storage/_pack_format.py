@@ -19,7 +19,7 @@ import torch
 import zstandard
 
 from dmi.storage._pack_v1 import V1_PACK_ROW_SCHEMA, decode_v1_columns
-from dmi.storage._record_schema import PAYLOAD_FIELDS, RECORD_FIELDS, RECORD_SCHEMA_VERSION, entry_from_row, field_columns
+from dmi.storage.record_schema import PAYLOAD_FIELDS, RECORD_FIELDS, RECORD_SCHEMA_VERSION, entry_from_row, field_columns
 from dmi.storage.errors import PackCorruptError, PackFormatError, UnsupportedDtypeError
 from dmi.storage.records import RecordEntry
 

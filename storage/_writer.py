@@ -24,7 +24,7 @@ import pyarrow as pa
 import torch
 
 from dmi.storage._codecs import CODECS, DEFAULT_CODEC, checksum, encode
-from dmi.storage._record_schema import field_columns
+from dmi.storage.record_schema import field_columns
 from dmi.storage._pack_format import PACK_ROW_SCHEMA, FORMAT_VERSION, dtype_name, encode_index, schema_with_metadata, torch_dtype
 from dmi.storage._store import PackSink, PackStore
 from dmi.storage.errors import InvalidArgumentError, PackError, PackSealError, UnsupportedDtypeError

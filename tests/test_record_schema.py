@@ -1,5 +1,5 @@
 """One record schema: the pack rows, the footer index, the catalog DDL and its Arrow schema
-all come from storage/_record_schema.RECORD_FIELDS, and agree field by field."""
+all come from storage/record_schema.RECORD_FIELDS, and agree field by field."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dmi.catalog import _schema as catalog_schema
 from dmi.catalog import open_catalog
 from dmi.storage import PackStore, PackWriter, RecordKey, ShardGeometry, read_pack_descriptor
 from dmi.storage._pack_format import PACK_ROW_SCHEMA
-from dmi.storage._record_schema import PAYLOAD_FIELDS, RECORD_FIELDS, meta_from_row
+from dmi.storage.record_schema import PAYLOAD_FIELDS, RECORD_FIELDS, meta_from_row
 
 # The one correspondence the schema relies on: which ClickHouse type each Arrow type is.
 CLICKHOUSE_OF_ARROW = {
