@@ -40,13 +40,15 @@ HUGE_CHECKSUM = 2**64 - 12345
 
 
 def entry(pack_id, index, *, model="gpt2", run="run-1", request="req-1", hook="resid_post", layer=0,
-          start=0, n=4, shard_rank=0, tp_size=1, shard=None, stats=True, shape=(4, 8), dtype="bfloat16"):
+          start=0, n=4, shard_rank=0, tp_size=1, shard=None, stats=True, shape=(4, 8), dtype="bfloat16",
+          token_axis=0, key_axis=None):
     key = RecordKey(model, run, request, hook, layer, start, n, step=start, phase="prefill" if start == 0 else "decode",
                     shard_rank=shard_rank, tp_size=tp_size)
     meta = RecordMeta(
         key=key, dtype=dtype, shape=tuple(shape), codec="zstd-shuffle", raw_size=64 * (index + 1),
         checksum=HUGE_CHECKSUM - index, shard=shard,
         stats=RecordStats(float(layer) + 0.5, -0.25, 3.0) if stats else None,
+        token_axis=token_axis, key_axis=key_axis,
     )
     return RecordEntry(meta=meta, pack_id=pack_id, payload=ByteRange(1000 + 64 * index, 64))
 
@@ -181,11 +183,11 @@ class CatalogConformance(RecoveryConformance):
 
     # ------------------------------------------------------------------ schema
     def test_schema_version_row_and_idempotent_creation(self, catalog, catalog_uri):
-        assert catalog.schema_version() == 1
+        assert catalog.schema_version() == 2
         with self.open_more(catalog_uri) as again:
-            assert again.schema_version() == 1
+            assert again.schema_version() == 2
         rows = catalog.sql(f"SELECT version FROM {catalog.tables['schema']}").column("version").to_pylist()
-        assert rows == [1]
+        assert rows == [2]
 
     def test_newer_schema_is_refused(self, catalog, catalog_uri):
         catalog._backend.insert(
@@ -202,18 +204,20 @@ class CatalogConformance(RecoveryConformance):
             entry("x", 0, layer=3, shard=geometry, shard_rank=1, tp_size=2, shape=(4, 16)),
             entry("x", 1, layer=-1, hook="token_ids", stats=False, shape=(), dtype="int64"),
             entry("x", 2, layer=3, start=4, n=1, shape=(0, 16)),
+            entry("x", 3, layer=1, hook="attn_pattern", shape=(2, 4, 4), token_axis=1, key_axis=2),
         ]
         desc = pack(entries=entries)
         with catalog.publisher("scope-a", holder="h1") as pub:
             watermark = pub.publish([desc])
         assert watermark.pack_ids == (desc.pack_id,)
-        assert watermark.n_records == 3
+        assert watermark.n_records == 4
         found = catalog.find_records("gpt2")
         expected = sorted(desc.records, key=lambda e: (e.meta.key.hook, e.meta.key.layer, e.meta.key.shard_rank,
                                                        e.meta.key.start_token))
         assert found == expected
         assert found[0].meta.shard is None or found[0].meta.shard == geometry
-        assert {e.meta.checksum for e in found} == {HUGE_CHECKSUM, HUGE_CHECKSUM - 1, HUGE_CHECKSUM - 2}
+        assert {e.meta.checksum for e in found} == {HUGE_CHECKSUM - i for i in range(4)}
+        assert {(e.meta.key.hook, e.meta.token_axis, e.meta.key_axis) for e in found} >= {("attn_pattern", 1, 2)}
         assert catalog.pack_locations([desc.pack_id, "absent"]) == {desc.pack_id: desc.location}
 
     def test_indexed_but_unpublished_records_are_invisible(self, catalog):

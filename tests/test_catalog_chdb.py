@@ -64,7 +64,7 @@ def test_one_directory_per_process(tmp_path):
             assert second.models() == []
         assert first.models() == []
     with open_catalog(f"chdb://{tmp_path / 'b'}") as later:
-        assert later.schema_version() == 1
+        assert later.schema_version() == 2
 
 
 def test_many_threads_share_one_catalog(tmp_path):

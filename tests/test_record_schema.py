@@ -134,6 +134,7 @@ for sql in [
     "'raw',32,1,-1,0,[],NULL,NULL,NULL,'{pack}',0,8,32)",
     "INSERT INTO dmi.dmi_records VALUES ('m','r','q','resid_post',0,0,2,0,'prefill',0,1,'float32',[2,8],"
     "'raw',64,2,-1,0,[],1.0,0.5,0.9,'{pack}',1,40,64)",
+    *{extra},
 ]:
     cur.execute(sql)
 conn.close()
@@ -144,7 +145,7 @@ def test_schema_v1_catalog_is_upgraded_in_place(tmp_path):
     """A catalog written by schema version 1 gains the layout columns, with the values v1 implied."""
     path = tmp_path / "v1"
     pack = "ab" * 16
-    code = textwrap.dedent(V1_CATALOG).format(path=str(path), pack=pack)
+    code = textwrap.dedent(V1_CATALOG).format(path=str(path), pack=pack, extra=[])
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     with open_catalog(f"chdb://{path}") as catalog:
@@ -156,3 +157,26 @@ def test_schema_v1_catalog_is_upgraded_in_place(tmp_path):
     assert entries[1].meta.stats is not None and entries[0].meta.shard is None
     with open_catalog(f"chdb://{path}") as again:  # upgrading is done once
         assert again.schema_version() == 2
+
+
+def test_upgrade_racing_another_process_is_not_an_error(tmp_path, monkeypatch):
+    """Another process added ``token_axis`` between this one's DESCRIBE and its ALTER (a
+    fake: the first column listing is stale; chDB's directory lock keeps two processes from
+    really racing). The failed ALTER is re-checked, not raised, and the upgrade completes."""
+    path = tmp_path / "v1"
+    added = ["ALTER TABLE dmi.dmi_records ADD COLUMN token_axis Int32 DEFAULT if(hook = 'attn_pattern', 1, 0)"]
+    code = textwrap.dedent(V1_CATALOG).format(path=str(path), pack="cd" * 16, extra=added)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    real = catalog_schema.upgrade_statements
+    calls = []
+
+    def stale_first(names, columns):
+        calls.append(1)
+        return real(names, [c for c in columns if c != "token_axis"] if len(calls) == 1 else columns)
+
+    monkeypatch.setattr(catalog_schema, "upgrade_statements", stale_first)
+    with open_catalog(f"chdb://{path}") as catalog:
+        assert catalog.schema_version() == 2
+        table = catalog.sql(f"SELECT * FROM {catalog.tables['records']} ORDER BY record_index")
+    assert [(e.meta.token_axis, e.meta.key_axis) for e in catalog_schema.entries_from_table(table)] == [(1, 2), (0, None)]
