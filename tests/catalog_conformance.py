@@ -33,7 +33,7 @@ from dmi.storage import (
     ServerError,
     ShardGeometry,
 )
-from dmi.catalog import _leases
+from dmi.catalog import _leases, _schema
 from dmi.catalog._catalog_backend import unavailable
 
 HUGE_CHECKSUM = 2**64 - 12345
@@ -196,6 +196,27 @@ class CatalogConformance(RecoveryConformance):
         )
         with pytest.raises(SchemaVersionError, match="schema version 99"):
             open_catalog(catalog_uri)
+
+    def test_schema_1_records_table_is_upgraded_in_place(self, catalog, catalog_uri):
+        """Tables as schema version 1 left them (no token layout columns, version row 1) open
+        as version 2, and old rows read with the layout v1 implied (attn_pattern: 1 and 2)."""
+        prefix = f"v1_{uuid.uuid4().hex[:8]}_"
+        database = catalog.tables["records"].split(".")[0]
+        names = {t: f"{database}.`{prefix}{t}`" for t in ("schema", "records")}
+        v1_ddl = _schema.ddl_statements({**catalog.tables, **names})
+        for statement in v1_ddl[:3]:  # schema, packs (unused), records
+            catalog._backend.command(statement.replace(",\n            token_axis Int32,\n            key_axis Int32", ""))
+        entries = [entry("x", 0, hook="attn_pattern", shape=(2, 4, 4), token_axis=1, key_axis=2), entry("x", 1)]
+        rows = _schema.records_table([pack(entries=entries)]).drop(["token_axis", "key_axis"])
+        catalog._backend.insert(names["records"], rows)
+        catalog._backend.insert(names["schema"], pa.table({"version": pa.array([1], pa.uint32()), "written_at": [0.0],
+                                                         "written_by": ["dmi 1"]}))
+        with open_catalog(catalog_uri, table_prefix=prefix) as old:
+            assert old.schema_version() == 2
+            table = old.sql(f"SELECT * FROM {old.tables['records']} ORDER BY record_index")
+        got = _schema.entries_from_table(table)
+        assert [(e.meta.token_axis, e.meta.key_axis) for e in got] == [(1, 2), (0, None)]
+        assert [e.meta for e in got] == [e.meta for e in entries]
 
     # ------------------------------------------------------------------ publish and find
     def test_publish_then_find_round_trips_every_field(self, catalog):
