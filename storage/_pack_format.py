@@ -19,7 +19,15 @@ import torch
 import zstandard
 
 from dmi.storage._pack_v1 import V1_PACK_ROW_SCHEMA, decode_v1_columns
-from dmi.storage.record_schema import PAYLOAD_FIELDS, RECORD_FIELDS, RECORD_SCHEMA_VERSION, entry_from_row, field_columns
+from dmi.storage.record_schema import (
+    PAYLOAD_FIELDS,
+    RECORD_FIELDS,
+    RECORD_SCHEMA_VERSION,
+    add_legacy_columns,
+    entry_from_row,
+    field_columns,
+    fields_of_version,
+)
 from dmi.storage.errors import PackCorruptError, PackFormatError, UnsupportedDtypeError
 from dmi.storage.records import RecordEntry
 
@@ -41,7 +49,7 @@ __all__ = [
 FORMAT_NAME = "dmi-pack"
 FORMAT_VERSION = RECORD_SCHEMA_VERSION
 """The pack format follows the record schema: v1 = record schema v1, v2 = v1 plus token layout."""
-READABLE_VERSIONS = (1, FORMAT_VERSION)
+READABLE_VERSIONS = tuple(range(1, FORMAT_VERSION + 1))
 PACK_SUFFIX = ".arrow"
 
 META_FORMAT = b"dmi.format"
@@ -52,15 +60,18 @@ META_INDEX = b"dmi.index"
 
 _PACK_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 
-PACK_ROW_SCHEMA = pa.schema(
-    [pa.field(f.name, f.arrow, nullable=True) for f in RECORD_FIELDS]
-    # Must stay the last column: its data buffer is then the last buffer of each
-    # batch body, which is how the writer knows every payload's file offset.
-    + [pa.field("payload", pa.large_binary())]
-)
-"""Columns of a pack's data batches (format v2): every record field, then the payload."""
+def _row_schema(version: int) -> pa.Schema:
+    """Columns of a format ``version`` (>= 2) pack's data batches: its record fields, then the
+    payload — which must stay last: its data buffer is then the last buffer of each batch
+    body, which is how the writer knows every payload's file offset."""
+    fields = [pa.field(f.name, f.arrow, nullable=True) for f in fields_of_version(version)]
+    return pa.schema(fields + [pa.field("payload", pa.large_binary())])
 
-_SCHEMAS = {1: V1_PACK_ROW_SCHEMA, FORMAT_VERSION: PACK_ROW_SCHEMA}
+
+PACK_ROW_SCHEMA = _row_schema(FORMAT_VERSION)
+"""Columns of the packs this code writes."""
+
+_SCHEMAS = {1: V1_PACK_ROW_SCHEMA, **{v: _row_schema(v) for v in READABLE_VERSIONS[1:]}}
 """Row schema of every format version this code reads."""
 
 
@@ -168,6 +179,7 @@ def decode_index(metadata, pack_id: str, version: int = FORMAT_VERSION) -> tuple
         sealed_at = float(doc["sealed_at"])
         if version == 1:
             cols = decode_v1_columns(cols, n)
+        add_legacy_columns(cols, n, version)
         names = [f.name for f in RECORD_FIELDS] + list(_PAYLOAD_NAMES)
         entries = [entry_from_row({name: cols[name][i] for name in names}, pack_id) for i in range(n)]
         writer_id = doc["writer_id"]

@@ -1,11 +1,10 @@
 """Reading format v1 packs: their row schema, and their index in today's field columns.
 
 Format v1 (the first release) named three fields differently in its rows
-(``shard_full_shape``, ``stat_*``), stored a missing shard axis as null, nested shard and
-statistics in its index, and recorded no token layout. Its one hook whose tokens were not
-on axis 0 was ``attn_pattern`` (``[heads, q_tokens, kv_tokens]``): the legacy rule below
-(the same as the catalog's upgrade expression in :data:`RECORD_FIELDS`) supplies the
-layout v1 left out. Nothing here is used to write.
+(``shard_full_shape``, ``stat_*``), stored a missing shard axis as null, and nested shard
+and statistics in its index. Its records hold record schema version 1: the fields added
+since (the token layout) come from their legacy rules in ``RECORD_FIELDS``, applied by the
+index decoder for every older version alike. Nothing here is used to write.
 """
 
 from __future__ import annotations
@@ -45,11 +44,8 @@ V1_PACK_ROW_SCHEMA = pa.schema(
 )
 """Columns of a v1 pack's data batches, exactly as v1 wrote them (frozen)."""
 
-_LEGACY_PATTERN_HOOK = "attn_pattern"
-
-
 def decode_v1_columns(cols: dict, n: int) -> dict:
-    """A v1 index's columns as today's record field columns (``n`` records)."""
+    """A v1 index's columns as record schema v1 field columns (``n`` records)."""
     shards = cols["shard"]
     stats = cols["stats"]
     out = {name: cols[name] for name in (
@@ -61,9 +57,6 @@ def decode_v1_columns(cols: dict, n: int) -> dict:
     out["full_shape"] = [[] if s is None else s[2] for s in shards]
     for i, name in enumerate(("l2_norm", "mean", "absmax")):
         out[name] = [None if s is None else s[i] for s in stats]
-    patterns = [hook == _LEGACY_PATTERN_HOOK for hook in cols["hook"]]
-    out["token_axis"] = [1 if p else 0 for p in patterns]
-    out["key_axis"] = [2 if p else -1 for p in patterns]
     out["payload_offset"] = cols["offset"]
     out["payload_length"] = cols["length"]
     if any(len(column) != n for column in out.values()):

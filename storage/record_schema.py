@@ -6,11 +6,13 @@ are generated from :data:`RECORD_FIELDS`. Each :class:`RecordField` names the va
 :class:`~dmi.storage.records.RecordMeta` it encodes (``path``), its Arrow type, its
 ClickHouse type, the value stored when the Python value (or its whole group) is ``None``,
 and, for fields added after version 1, the record schema version that added them and
-what a record written before then means (``legacy``, a ClickHouse expression over older
-columns; :mod:`dmi.storage._pack_v1` computes the same for v1 packs).
+what a record written before then means: ``legacy``, a ClickHouse expression over older
+columns (the default of the column an older catalog gains), and ``legacy_of``, the same
+rule in Python over an older row (what an older pack's records get).
 
 Adding a field: one line at the end of :data:`RECORD_FIELDS` (and the attribute on the
-value object it encodes), then bump :data:`RECORD_SCHEMA_VERSION`.
+value object it encodes), then bump :data:`RECORD_SCHEMA_VERSION`. Packs and catalogs of
+every earlier version keep reading.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ __all__ = [
     "RecordField",
     "RECORD_FIELDS",
     "PAYLOAD_FIELDS",
+    "fields_of_version",
+    "add_legacy_columns",
     "field_columns",
     "meta_from_row",
     "entry_from_row",
@@ -55,6 +59,7 @@ class RecordField:
     absent: Any = None
     since: int = 1
     legacy: str | None = None
+    legacy_of: Callable[[Mapping[str, Any]], Any] | None = None
 
     @property
     def nullable(self) -> bool:
@@ -90,6 +95,10 @@ def _plain(value: Any) -> Any:
 
 _I64S = pa.list_(pa.int64())
 
+_V1_PATTERN_HOOK = "attn_pattern"
+"""Before version 2 recorded the token layout, the one hook whose tokens were not on axis 0
+(``[heads, q_tokens, kv_tokens]``). Only the legacy rules below name it."""
+
 RECORD_FIELDS: tuple[RecordField, ...] = (
     RecordField("model_id", "key.model_id", pa.string(), "String"),
     RecordField("run_id", "key.run_id", pa.string(), "String"),
@@ -114,9 +123,11 @@ RECORD_FIELDS: tuple[RecordField, ...] = (
     RecordField("mean", "stats.mean", pa.float64(), "Nullable(Float64)"),
     RecordField("absmax", "stats.absmax", pa.float64(), "Nullable(Float64)"),
     RecordField("token_axis", "token_axis", pa.int32(), "Int32", since=2,
-                legacy="if(hook = 'attn_pattern', 1, 0)"),
+                legacy=f"if(hook = '{_V1_PATTERN_HOOK}', 1, 0)",
+                legacy_of=lambda row: 1 if row["hook"] == _V1_PATTERN_HOOK else 0),
     RecordField("key_axis", "key_axis", pa.int32(), "Int32", absent=-1, since=2,
-                legacy="if(hook = 'attn_pattern', 2, -1)"),
+                legacy=f"if(hook = '{_V1_PATTERN_HOOK}', 2, -1)",
+                legacy_of=lambda row: 2 if row["hook"] == _V1_PATTERN_HOOK else -1),
 )
 """Every field of a record's description, in column order (new fields go last)."""
 
@@ -127,6 +138,22 @@ PAYLOAD_FIELDS: tuple[tuple[str, pa.DataType, str], ...] = (
 """Where a record's stored bytes are in its pack (footer index and catalog; not pack rows)."""
 
 _GROUPS: dict[str, Callable[..., Any]] = {"key": RecordKey, "shard": ShardGeometry, "stats": RecordStats}
+
+
+def fields_of_version(version: int) -> tuple[RecordField, ...]:
+    """The fields records of schema ``version`` hold, in column order."""
+    return tuple(f for f in RECORD_FIELDS if f.since <= version)
+
+
+def add_legacy_columns(cols: dict[str, list], n: int, version: int) -> None:
+    """Add to ``cols`` (``n`` rows of schema ``version``) every later field, by its legacy rule."""
+    later = [f for f in RECORD_FIELDS if f.since > version]
+    if not later:
+        return
+    names = [f.name for f in fields_of_version(version)]
+    rows = [{name: cols[name][i] for name in names} for i in range(n)]
+    for f in later:
+        cols[f.name] = [f.legacy_of(row) for row in rows]
 
 
 def field_columns(metas: Sequence[RecordMeta]) -> dict[str, list]:

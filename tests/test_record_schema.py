@@ -38,6 +38,8 @@ def test_field_types_agree_between_arrow_and_clickhouse():
             assert f.absent is None, f"{f.name}: stored as null when absent"
         if f.group in ("shard", "stats") or f.name == "key_axis":  # may be None in Python
             assert f.nullable or f.absent is not None, f"{f.name}: no way to store None"
+        if f.since > 1:  # older catalogs and older packs must both learn what it meant before
+            assert f.legacy is not None and f.legacy_of is not None, f.name
 
 
 def test_pack_rows_are_the_record_fields_then_the_payload():
