@@ -73,3 +73,31 @@ def test_dmi_plot_puts_tokens_on_the_token_axis(captured, capsys, tmp_path):
     assert drawn["n_tokens"] == pattern.shape[2] and len(drawn["layers"]) == pattern.shape[0]
     per_token = torch.linalg.vector_norm(pattern.to(torch.float64).movedim(2, 1).flatten(2), dim=-1)
     assert drawn["mean_norm_per_layer"] == pytest.approx(per_token.mean(dim=1).tolist())
+
+
+def test_records_carry_the_layout_the_catalogue_declares(captured):
+    from dmi.capture import HOOKS
+
+    store, _, _, _ = captured
+    entries = store.catalog.find_records(MODEL, REQUEST)
+    assert {e.meta.key.hook for e in entries} == {"attn_pattern", "resid_post"}
+    for e in entries:
+        spec = HOOKS[e.meta.key.hook]
+        assert (e.meta.token_axis, e.meta.key_axis) == (spec.token_axis, spec.key_axis)
+        assert e.meta.shape[e.meta.token_axis] == e.meta.key.n_tokens
+
+
+def test_catalogue_says_what_tensor_parallelism_replicates():
+    import dataclasses
+
+    from dmi.capture import HOOKS, ModelGeometry
+
+    g = ModelGeometry("llama", 2, 64, n_heads=8, n_kv_heads=2, head_dim=8, intermediate=128, vocab=100,
+                      dtype=torch.float32)
+    assert not HOOKS["attn_k"].replicated(g, 2) and not HOOKS["attn_q"].replicated(g, 4)
+    assert HOOKS["attn_k"].replicated(g, 4) and HOOKS["attn_v"].replicated(g, 4)  # 2 kv heads, 4 ranks
+    assert HOOKS["resid_post"].replicated(g, 4) and HOOKS["attn_q"].replicated(g, 1)
+    assert not HOOKS["attn_k"].replicated(dataclasses.replace(g, n_kv_heads=4), 4)
+    assert HOOKS["attn_q"].token_shape(32, g) == (4, 8)  # a rank holding half the heads
+    assert HOOKS["token_ids"].token_shape(1, g) == () and HOOKS["mlp_post"].token_shape(64, g) == (64,)
+    assert HOOKS["attn_pattern"].record_shape(g, 3, 5) == (8, 3, 5)
