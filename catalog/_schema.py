@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import pyarrow as pa
 
-from dmi.storage.record_schema import PAYLOAD_FIELDS, RECORD_FIELDS, entry_from_row, field_columns
+from dmi.storage.record_schema import PAYLOAD_FIELDS, RECORD_FIELDS, entries_from_columns, field_columns
 from dmi.storage.records import PackDescriptor, RecordEntry
 
 SCHEMA_VERSION = 2
@@ -219,7 +219,4 @@ def packs_table(descriptors: Sequence[PackDescriptor], *, scope: str, term: int,
 def entries_from_table(table: pa.Table) -> list[RecordEntry]:
     """Turn rows in RECORD_SCHEMA (any column order, extra columns ignored) into RecordEntry."""
     cols = {name: table.column(name).to_pylist() for name in RECORD_COLUMNS}
-    return [
-        entry_from_row({name: values[i] for name, values in cols.items()}, cols["pack_id"][i])
-        for i in range(table.num_rows)
-    ]
+    return entries_from_columns(cols, cols["pack_id"])

@@ -24,7 +24,7 @@ from dmi.storage.record_schema import (
     RECORD_FIELDS,
     RECORD_SCHEMA_VERSION,
     add_legacy_columns,
-    entry_from_row,
+    entries_from_columns,
     field_columns,
     fields_of_version,
 )
@@ -180,8 +180,9 @@ def decode_index(metadata, pack_id: str, version: int = FORMAT_VERSION) -> tuple
         if version == 1:
             cols = decode_v1_columns(cols, n)
         add_legacy_columns(cols, n, version)
-        names = [f.name for f in RECORD_FIELDS] + list(_PAYLOAD_NAMES)
-        entries = [entry_from_row({name: cols[name][i] for name in names}, pack_id) for i in range(n)]
+        if any(len(cols[name]) != n for name in [*(f.name for f in RECORD_FIELDS), *_PAYLOAD_NAMES]):
+            raise ValueError(f"index columns do not all hold {n} records")
+        entries = entries_from_columns(cols, [pack_id] * n)
         writer_id = doc["writer_id"]
     except (KeyError, ValueError, TypeError, IndexError, zstandard.ZstdError) as exc:
         raise PackCorruptError(f"pack {pack_id}: unreadable record index ({exc})") from exc

@@ -34,8 +34,9 @@ __all__ = [
     "fields_of_version",
     "add_legacy_columns",
     "field_columns",
+    "metas_from_columns",
     "meta_from_row",
-    "entry_from_row",
+    "entries_from_columns",
 ]
 
 RECORD_SCHEMA_VERSION = 2
@@ -72,25 +73,6 @@ class RecordField:
     @property
     def attribute(self) -> str:
         return self.path.rpartition(".")[2]
-
-    def getter(self) -> Callable[[RecordMeta], Any]:
-        """Encoded value of this field for a meta (``absent`` for ``None``; tuples as lists)."""
-        group, attr, absent = self.group, self.attribute, self.absent
-        if group == "key":
-            return attrgetter(self.path)
-        if group:
-            outer = attrgetter(group)
-
-            def grouped(meta: RecordMeta) -> Any:
-                value = outer(meta)
-                return absent if value is None else _plain(getattr(value, attr))
-
-            return grouped
-        return lambda meta: _plain(absent if (v := getattr(meta, attr)) is None else v)
-
-
-def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
 
 
 _I64S = pa.list_(pa.int64())
@@ -140,6 +122,11 @@ PAYLOAD_FIELDS: tuple[tuple[str, pa.DataType, str], ...] = (
 _GROUPS: dict[str, Callable[..., Any]] = {"key": RecordKey, "shard": ShardGeometry, "stats": RecordStats}
 
 
+def _constructor_order(cls) -> list[str]:
+    """Attribute names of a value dataclass, in its constructor's order."""
+    return list(cls.__dataclass_fields__)
+
+
 def fields_of_version(version: int) -> tuple[RecordField, ...]:
     """The fields records of schema ``version`` hold, in column order."""
     return tuple(f for f in RECORD_FIELDS if f.since <= version)
@@ -157,35 +144,62 @@ def add_legacy_columns(cols: dict[str, list], n: int, version: int) -> None:
 
 
 def field_columns(metas: Sequence[RecordMeta]) -> dict[str, list]:
-    """Column-at-a-time encoded values of every field for ``metas``."""
-    return {f.name: list(map(f.getter(), metas)) for f in RECORD_FIELDS}
+    """Column-at-a-time encoded values of every field for ``metas`` (array fields as tuples:
+    Arrow and JSON take them as lists). Each group is fetched once, each column in one pass."""
+    groups = {name: list(map(attrgetter(name), metas)) for name in _GROUPS}
+    present = {name: sum(m is not None for m in members) for name, members in groups.items()}
+    n = len(metas)
+    columns: dict[str, list] = {}
+    for f in RECORD_FIELDS:
+        if not f.group:
+            values = list(map(attrgetter(f.attribute), metas))
+            columns[f.name] = values if f.absent is None else [f.absent if v is None else v for v in values]
+        elif present[f.group] == n:
+            columns[f.name] = list(map(attrgetter(f.attribute), groups[f.group]))
+        elif present[f.group] == 0:
+            columns[f.name] = [f.absent] * n
+        else:
+            get = attrgetter(f.attribute)
+            columns[f.name] = [f.absent if m is None else get(m) for m in groups[f.group]]
+    return columns
+
+
+def metas_from_columns(cols: Mapping[str, Sequence[Any]]) -> list[RecordMeta]:
+    """The :class:`RecordMeta` of each row, given field name → column of encoded values.
+
+    Built column-wise: each value object is made positionally from its fields' columns
+    (in its dataclass field order), a group whose fields all hold ``absent`` is ``None``."""
+    built: dict[str, list] = {}
+    for group, make in _GROUPS.items():
+        by_attr = {f.attribute: f for f in RECORD_FIELDS if f.group == group}
+        fields = [by_attr[attr] for attr in _constructor_order(make)]
+        columns = [_python_column(f, cols[f.name]) for f in fields]
+        if group == "key":
+            built[group] = list(map(make, *columns))
+            continue
+        absent = tuple(_absent_value(f) for f in fields)
+        built[group] = [None if row == absent else make(*row) for row in zip(*columns)]
+    for f in RECORD_FIELDS:
+        if not f.group:
+            values = _python_column(f, cols[f.name])
+            built[f.attribute] = values if f.absent is None else [None if v == f.absent else v for v in values]
+    return list(map(RecordMeta, *(built[attr] for attr in _constructor_order(RecordMeta))))
+
+
+def _python_column(f: RecordField, values: Sequence[Any]) -> list:
+    return [tuple(v) for v in values] if pa.types.is_list(f.arrow) else list(values)
 
 
 def meta_from_row(row: Mapping[str, Any]) -> RecordMeta:
     """The :class:`RecordMeta` of one row (any mapping from field name to encoded value)."""
-    groups: dict[str, dict[str, Any]] = {name: {} for name in _GROUPS}
-    direct: dict[str, Any] = {}
-    absent_in: dict[str, bool] = {name: True for name in _GROUPS}
-    for f in RECORD_FIELDS:
-        value = row[f.name]
-        if isinstance(value, list):
-            value = tuple(value)
-        if f.group:
-            groups[f.group][f.attribute] = value
-            absent_in[f.group] &= value == _absent_value(f)
-        else:
-            direct[f.attribute] = None if f.absent is not None and value == f.absent else value
-    built = {
-        name: None if absent_in[name] and name != "key" else make(**groups[name])
-        for name, make in _GROUPS.items()
-    }
-    return RecordMeta(key=built["key"], shard=built["shard"], stats=built["stats"], **direct)
+    return metas_from_columns({f.name: [row[f.name]] for f in RECORD_FIELDS})[0]
 
 
 def _absent_value(f: RecordField) -> Any:
     return tuple(f.absent) if isinstance(f.absent, list) else f.absent
 
 
-def entry_from_row(row: Mapping[str, Any], pack_id: str) -> RecordEntry:
-    """A :class:`RecordEntry`: the meta of ``row`` plus its ``payload_offset``/``payload_length``."""
-    return RecordEntry(meta_from_row(row), pack_id, ByteRange(int(row["payload_offset"]), int(row["payload_length"])))
+def entries_from_columns(cols: Mapping[str, Sequence[Any]], pack_ids: Sequence[str]) -> list[RecordEntry]:
+    """:class:`RecordEntry` of each row: its meta plus ``payload_offset``/``payload_length``."""
+    ranges = map(ByteRange, map(int, cols["payload_offset"]), map(int, cols["payload_length"]))
+    return list(map(RecordEntry, metas_from_columns(cols), pack_ids, ranges))
