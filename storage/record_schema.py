@@ -35,7 +35,6 @@ __all__ = [
     "add_legacy_columns",
     "field_columns",
     "metas_from_columns",
-    "meta_from_row",
     "entries_from_columns",
 ]
 
@@ -188,11 +187,6 @@ def metas_from_columns(cols: Mapping[str, Sequence[Any]]) -> list[RecordMeta]:
 
 def _python_column(f: RecordField, values: Sequence[Any]) -> list:
     return [tuple(v) for v in values] if pa.types.is_list(f.arrow) else list(values)
-
-
-def meta_from_row(row: Mapping[str, Any]) -> RecordMeta:
-    """The :class:`RecordMeta` of one row (any mapping from field name to encoded value)."""
-    return metas_from_columns({f.name: [row[f.name]] for f in RECORD_FIELDS})[0]
 
 
 def _absent_value(f: RecordField) -> Any:

@@ -16,7 +16,7 @@ from dmi.catalog import _schema as catalog_schema
 from dmi.catalog import open_catalog
 from dmi.storage import PackStore, PackWriter, RecordKey, ShardGeometry, read_pack_descriptor
 from dmi.storage._pack_format import PACK_ROW_SCHEMA
-from dmi.storage.record_schema import PAYLOAD_FIELDS, RECORD_FIELDS, field_columns, meta_from_row
+from dmi.storage.record_schema import PAYLOAD_FIELDS, RECORD_FIELDS, field_columns, metas_from_columns
 
 # The one correspondence the schema relies on: which ClickHouse type each Arrow type is.
 CLICKHOUSE_OF_ARROW = {
@@ -97,7 +97,8 @@ def test_every_encoding_holds_the_same_values(written):
             expected = list(expected) if isinstance(expected, tuple) else expected
             assert row[f.name] == expected, (f.name, row[f.name], expected)
             assert crow[f.name] == expected, (f.name, crow[f.name], expected)
-        assert meta_from_row(row) == meta == meta_from_row(crow)
+        for decoded in (row, crow):
+            assert metas_from_columns({name: [value] for name, value in decoded.items()}) == [meta]
     assert catalog_schema.entries_from_table(catalog_schema.records_table([descriptor])) == list(descriptor.records)
     assert read_pack_descriptor(store, descriptor.pack_id) == descriptor
 
