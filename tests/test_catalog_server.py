@@ -36,6 +36,6 @@ def test_authentication_error_keeps_code_and_name(clickhouse_server):
 def test_unusual_legal_database_names_work(clickhouse_server):
     for name in ("my-analytics-db", "9lives", "défaut"):
         with open_catalog(clickhouse_server.uri(name)) as catalog:
-            assert catalog.schema_version() == 1
+            assert catalog.schema_version() == 2
             assert catalog.tables["records"] == f"`{name}`.`dmi_records`"
             catalog.sql(f"DROP DATABASE `{name}`")
