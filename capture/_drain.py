@@ -21,7 +21,7 @@ import torch
 from dmi.storage.errors import DrainError
 from dmi.storage.records import RecordKey, ShardGeometry
 
-from ._hooks import HOOKS
+from ._hooks import HOOKS, ModelGeometry
 
 __all__ = ["Drain", "DrainStats", "LostRecords"]
 
@@ -63,9 +63,7 @@ class KeyContext:
     run_id: str
     shard_rank: int = 0
     tp_size: int = 1
-    head_dim: int = 0
-    n_kv_heads: int = 0
-    replicated_kv: bool = False
+    geometry: ModelGeometry | None = None  # the model's sizes: per-token shapes, TP replication
     sealed: list = field(default_factory=list)
 
 
@@ -227,29 +225,23 @@ class Drain:
 
     def _shard(self, hook: str, shape: tuple[int, ...]) -> ShardGeometry | None:
         c = self.ctx
-        axis = HOOKS[hook].tp_axis
-        if c.tp_size <= 1 or axis is None:
-            return None
-        if hook in ("attn_k", "attn_v") and c.replicated_kv:
-            return None  # k/v heads replicated across ranks: no unambiguous geometry
+        spec = HOOKS[hook]
+        if spec.replicated(c.geometry, c.tp_size):
+            return None  # every rank holds the whole tensor: no geometry to merge by
+        axis = spec.tp_axis
         local = shape[axis]
         full = list(shape)
         full[axis] = local * c.tp_size
         return ShardGeometry(axis, c.shard_rank * local, tuple(full))
-
-    def _tail(self, hook: str, feat: int) -> tuple[int, ...]:
-        if hook == "token_ids":
-            return ()
-        if hook in ("attn_q", "attn_k", "attn_v", "attn_z"):
-            return (feat // self.ctx.head_dim, self.ctx.head_dim)
-        return (feat,)
 
     def _append(self, hook, layer, plan, span, rec, *, n_tokens=None) -> None:
         key = self._key(hook, layer, plan, span)
         if n_tokens is not None:
             key = RecordKey(key.model_id, key.run_id, key.request_id, key.hook, key.layer, key.start_token,
                             n_tokens, key.step, key.phase, key.shard_rank, key.tp_size)
-        self.writer.append(key, rec, shard=self._shard(hook, tuple(rec.shape)))
+        spec = HOOKS[hook]
+        self.writer.append(key, rec, shard=self._shard(hook, tuple(rec.shape)),
+                           token_axis=spec.token_axis, key_axis=spec.key_axis)
         self.stats.records += 1
 
     def _process(self, slot) -> None:
@@ -261,7 +253,7 @@ class Drain:
             plan = e.plan
             data = buf[e.offset : e.offset + e.nbytes].view(e.dtype)
             self.stats.bytes += e.nbytes
-            if e.hook == "attn_pattern":
+            if HOOKS[e.hook].key_axis is not None:  # emitted per request, already [heads, q, kv]
                 s = plan.spans[e.span_index]
                 self._append(e.hook, e.layer, plan, s, data.view(-1, s.n, e.kv_tokens - s.kv_pad))
                 continue
@@ -269,7 +261,7 @@ class Drain:
             if chunk > 1 and plan.phase == "decode":
                 self._stage(e.hook, e.layer, plan, rows)
                 continue
-            tail = self._tail(e.hook, rows.shape[1])
+            tail = HOOKS[e.hook].token_shape(rows.shape[1], self.ctx.geometry)
             for s in plan.spans:
                 self._append(e.hook, e.layer, plan, s, rows[s.offset : s.offset + s.n].view(s.n, *tail))
         self.stats.slots += 1
@@ -295,7 +287,7 @@ class Drain:
             return
         k = len(st.parts)
         stacked = torch.stack(st.parts)  # [steps, rows, features]
-        tail = self._tail(hook, stacked.shape[2])
+        tail = HOOKS[hook].token_shape(stacked.shape[2], self.ctx.geometry)
         for s in st.plan.spans:
             rec = stacked[:, s.offset : s.offset + s.n].reshape(k * s.n, *tail)
             self._append(hook, layer, st.plan, s, rec, n_tokens=k * s.n)

@@ -83,7 +83,21 @@ class ModelGeometry:
 
 @dataclass(frozen=True, slots=True)
 class HookSpec:
-    """One catalogue entry."""
+    """One catalogue entry: what a hook is, and its layout for every stage.
+
+    * scope: ``per_layer`` (one record per layer) or global (layer ``GLOBAL_LAYER``);
+    * shape rule: ``feature_shape(g)``, the values of one token, and ``record_shape``;
+    * token axis: the axis of a stored record that runs over its tokens (``token_axis``),
+      and, for attention patterns, the axis that runs over the keys each token attended to
+      (``key_axis``; it grows from one decode step to the next). Both are recorded in every
+      pack row and index row, so readers need no hook names;
+    * tensor parallelism: ``tp_axis``, the axis of a stored record along which each rank
+      holds a contiguous block (``None``: every rank holds the whole tensor), and
+      ``kv_heads``: the split axis counts key/value heads, so with fewer of them than ranks
+      each rank holds a full copy (GQA) and the tensor is replicated, not split;
+    * source: ``"module"`` (a hook on a model module, see ``_arch``) or ``"input_ids"``
+      (taken from the model's input before the forward runs).
+    """
 
     name: str
     per_layer: bool
@@ -94,19 +108,40 @@ class HookSpec:
     tp_axis: int | None = None
     needs_eager: bool = False
     moe_only: bool = False
+    token_axis: int = 0
+    key_axis: int | None = None
+    kv_heads: bool = False
+    source: str = "module"
+
+    @property
+    def scope(self) -> str:
+        return "layer" if self.per_layer else "global"
 
     def feature_shape(self, g: ModelGeometry) -> tuple[int, ...]:
         """Shape of one token's values (``attn_pattern``: ``(heads,)``; q/kv lengths vary)."""
         return self._feature_shape(g)
 
+    def token_shape(self, width: int, g: ModelGeometry) -> tuple[int, ...]:
+        """One token's shape from its flat ``width`` (a TP rank holds fewer heads than ``g``)."""
+        feature = self._feature_shape(g)
+        if len(feature) < 2:
+            return (width,) if feature else ()
+        inner = 1
+        for d in feature[1:]:
+            inner *= d
+        return (width // inner, *feature[1:])
+
     def dtype(self, g: ModelGeometry) -> torch.dtype:
         return self.fixed_dtype or g.dtype
 
     def record_shape(self, g: ModelGeometry, n_tokens: int, kv_tokens: int | None = None) -> tuple[int, ...]:
-        """Shape of a stored record covering ``n_tokens`` tokens."""
-        if self.name == "attn_pattern":
-            return (g.n_heads, n_tokens, n_tokens if kv_tokens is None else kv_tokens)
-        return (n_tokens, *self._feature_shape(g))
+        """Shape of a stored record covering ``n_tokens`` tokens (``kv_tokens`` keys, default
+        ``n_tokens``, where the hook has a key axis)."""
+        shape = list(self._feature_shape(g))
+        shape.insert(self.token_axis, n_tokens)
+        if self.key_axis is not None:
+            shape.insert(self.key_axis, n_tokens if kv_tokens is None else kv_tokens)
+        return tuple(shape)
 
     def record_bytes(self, g: ModelGeometry, n_tokens: int, kv_tokens: int | None = None) -> int:
         """Bytes of one record, rounded up to 16 (each hook rounded on its own)."""
@@ -114,6 +149,10 @@ class HookSpec:
         for d in self.record_shape(g, n_tokens, kv_tokens):
             n *= d
         return _round16(n * self.dtype(g).itemsize)
+
+    def replicated(self, g: ModelGeometry, tp_size: int) -> bool:
+        """Whether every one of ``tp_size`` ranks holds the whole tensor (nothing to merge)."""
+        return tp_size <= 1 or self.tp_axis is None or (self.kv_heads and g.n_kv_heads < tp_size)
 
 
 def _round16(n: int) -> int:
@@ -128,19 +167,20 @@ def _spec(name, per_layer, groups, doc, shape, **kw) -> HookSpec:
 
 
 _SPECS = [
-    _spec("token_ids", False, ("tokens",), "input token ids", lambda g: (), fixed_dtype=torch.int64),
+    _spec("token_ids", False, ("tokens",), "input token ids", lambda g: (), fixed_dtype=torch.int64,
+          source="input_ids"),
     _spec("embed", False, ("resid",), "token embedding output", _H),
     _spec("resid_pre", True, ("resid",), "decoder layer input (residual stream before the layer)", _H),
     _spec("attn_q", True, ("attn", "qkv"), "query projection, before q-norm and RoPE",
           lambda g: (g.n_heads, g.head_dim), tp_axis=1),
     _spec("attn_k", True, ("attn", "qkv"), "key projection, before k-norm and RoPE",
-          lambda g: (g.n_kv_heads, g.head_dim), tp_axis=1),
+          lambda g: (g.n_kv_heads, g.head_dim), tp_axis=1, kv_heads=True),
     _spec("attn_v", True, ("attn", "qkv"), "value projection",
-          lambda g: (g.n_kv_heads, g.head_dim), tp_axis=1),
+          lambda g: (g.n_kv_heads, g.head_dim), tp_axis=1, kv_heads=True),
     _spec("attn_z", True, ("attn",), "attention output per head (input of o_proj)",
           lambda g: (g.n_heads, g.head_dim), tp_axis=1),
     _spec("attn_pattern", True, ("attn_pattern", "patterns"), "attention weights [heads, q, kv]",
-          lambda g: (g.n_heads,), tp_axis=0, needs_eager=True),
+          lambda g: (g.n_heads,), tp_axis=0, needs_eager=True, token_axis=1, key_axis=2),
     _spec("attn_out", True, ("attn",), "attention block output (after o_proj)", _H),
     _spec("resid_mid", True, ("resid",), "residual stream after attention, before the MLP", _H),
     _spec("mlp_post", True, ("mlp",), "MLP activation (input of the down projection)",

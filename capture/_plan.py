@@ -114,11 +114,12 @@ class StepPlan:
     def hook_bytes(self, hook: str, kv_tokens: int | None = None) -> int:
         """Bytes this step reserves for one (hook, layer), rounded up to 16.
 
-        ``attn_pattern`` reserves one region per request (``kv_tokens`` = the key length).
+        A hook with a key axis (``attn_pattern``) reserves one region per request
+        (``kv_tokens`` = the key length).
         """
         spec = HOOKS[hook]
         g = self.geometry
-        if hook == "attn_pattern":
+        if spec.key_axis is not None:
             kv = self.tokens if kv_tokens is None else kv_tokens
             return sum(spec.record_bytes(g, s.n, kv - s.kv_pad) for s in self.spans)
         per_token = 1

@@ -34,6 +34,7 @@ from dmi.storage.errors import (
     InvalidArgumentError,
     InvalidIdentifierError,
 )
+from dmi.storage.records import GLOBAL_LAYER
 
 from ._arch import Architecture, resolve_architecture
 from ._drain import Drain, KeyContext, cuda_event_for_submission
@@ -333,8 +334,10 @@ class CaptureSession:
                               starts=starts, kv_pads=call.pads, rows=rows, request_ids=call.request_ids,
                               geometry=self.geometry, hooks=self.selection.hooks, call_id=call.call_id)
         self._plan = plan
-        if "token_ids" in self.selection.hooks and ids is not None:
-            self._emit("token_ids", -1, ids, "bt", plan)
+        if ids is not None:
+            for hook in self.selection.hooks:
+                if HOOKS[hook].source == "input_ids":
+                    self._emit(hook, GLOBAL_LAYER, ids, "bt", plan)
         return None
 
     def _on_model_post(self, module, args, output):
@@ -362,9 +365,9 @@ class CaptureSession:
 
     def _emit(self, hook: str, layer: int, x, layout: str, plan: StepPlan) -> None:
         if x is None:
-            if hook == "attn_pattern":
+            if HOOKS[hook].needs_eager:
                 raise AttentionImplementationError(
-                    "the attention module returned no weights; attn_pattern needs eager attention "
+                    f"the attention module returned no weights; {hook} needs eager attention "
                     "(model.set_attn_implementation('eager'))"
                 )
             raise CaptureError(f"hook {hook!r} (layer {layer}) produced no tensor")
@@ -574,8 +577,7 @@ def attach(
         _OWNERS[owner_key] = None  # type: ignore[assignment]  # reserved while we build
     session = None
     try:
-        ctx = KeyContext(model_id, run_id, tp_rank, tp_size, geometry.head_dim, geometry.n_kv_heads,
-                         replicated_kv=tp_size > 1 and geometry.n_kv_heads < tp_size)
+        ctx = KeyContext(model_id, run_id, tp_rank, tp_size, geometry)
         publisher = None
         if catalog is not None:
             publisher = _Publishing(catalog, publish_scope or default_publish_scope(model_id, run_id, tp_rank, tp_size),

@@ -147,6 +147,7 @@ class Catalog:
                 f"{_schema.SCHEMA_VERSION} this DMI understands; upgrade DMI (pip install -U dmi-capture)"
             )
         if found is not None and found < _schema.SCHEMA_VERSION:
+            self._upgrade_records_table()  # before the view is re-created over the records table
             for statement in _schema.upgrade_statements(found, self._tables):
                 self._backend.command(statement)
         for statement in ddl[1:]:
@@ -159,6 +160,21 @@ class Catalog:
                     schema=_schema.SCHEMA_ROW,
                 ),
             )
+
+    def _upgrade_records_table(self) -> None:
+        """Add the record fields an older catalog lacks; their defaults give old rows the
+        meaning old packs have. When two processes upgrade at once, the loser's ALTER
+        fails on a column the winner added: only an ALTER whose column is still missing
+        is an error."""
+        for statement in _schema.record_column_upgrades(self._tables, self._record_columns()):
+            try:
+                self._backend.command(statement)
+            except ServerError:
+                if statement in _schema.record_column_upgrades(self._tables, self._record_columns()):
+                    raise
+
+    def _record_columns(self) -> list[str]:
+        return self._backend.query(f"DESCRIBE TABLE {self._tables['records']}").column("name").to_pylist()
 
     def schema_version(self) -> int | None:
         """The highest schema version row, or None on an empty catalog."""
@@ -535,9 +551,13 @@ class Catalog:
             "groupUniqArrayArray(tps) AS tps, sum(n) AS n, max(tokens) AS tokens, any(dtype) AS dtype, "
             "any(feature) AS feature, sum(stored) AS stored, sum(raw) AS raw FROM ("
             "SELECT hook, layer, shard_rank, groupUniqArray(tp_size) AS tps, count() AS n, sum(n_tokens) AS tokens, "
-            "any(dtype) AS dtype, any(arraySlice(if(length(full_shape) > 0, full_shape, shape), 2)) AS feature, "
-            "sum(payload_length) AS stored, sum(raw_size) AS raw "
-            f"FROM {self._tables['records_published']} {where} GROUP BY hook, layer, shard_rank) "
+            "any(dtype) AS dtype, "
+            # per token: the record's (full) shape without its recorded token axis; the last
+            # chunk's, whose key axis (attention patterns) is the longest
+            "argMax(arrayConcat(arraySlice(dims, 1, token_axis), arraySlice(dims, token_axis + 2)), start_token) "
+            "AS feature, sum(payload_length) AS stored, sum(raw_size) AS raw "
+            "FROM (SELECT *, if(length(full_shape) > 0, full_shape, shape) AS dims "
+            f"FROM {self._tables['records_published']} {where}) GROUP BY hook, layer, shard_rank) "
             "GROUP BY hook ORDER BY hook",
             params,
         ).to_pylist()

@@ -11,26 +11,26 @@ keyed so a duplicate collapses (ReplacingMergeTree) and queries read them with
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from operator import attrgetter
 
 import pyarrow as pa
 
-from dmi.storage.records import (
-    ByteRange,
-    PackDescriptor,
-    RecordEntry,
-    RecordKey,
-    RecordMeta,
-    RecordStats,
-    ShardGeometry,
-)
+from dmi.storage.record_schema import PAYLOAD_FIELDS, RECORD_FIELDS, entries_from_columns, field_columns
+from dmi.storage.records import PackDescriptor, RecordEntry
 
 SCHEMA_VERSION = 2
-"""Bump when a table changes shape; a catalog with a higher version row is refused.
+"""Bump when a table changes shape; a catalog with a higher version row is refused, one with
+a lower version is upgraded in place when opened: missing record columns are added
+(:func:`record_column_upgrades`), then :data:`UPGRADES` run, then the idempotent CREATEs.
 
-Version 2 added ``deletions`` (tombstones) and made ``records_published`` honour them; a
-version-1 catalog is upgraded in place when opened (see :data:`UPGRADES`).
-"""
+Version 2: records gain the token layout (``token_axis``, ``key_axis``); ``deletions``
+(tombstones) is added and ``records_published`` honours them."""
+
+_LOCATION_FIELDS = (("pack_id", pa.string(), "String"), ("record_index", pa.uint32(), "UInt32"), *PAYLOAD_FIELDS)
+"""Index-only columns of a record row: which pack, which record in it, which bytes."""
+
+_RECORD_COLUMNS_DDL = ",\n            ".join(
+    [f"{f.name} {f.clickhouse}" for f in RECORD_FIELDS] + [f"{name} {ch}" for name, _, ch in _LOCATION_FIELDS]
+)
 
 TABLES = ("schema", "packs", "records", "leases", "fences", "watermarks", "losses", "deletions")
 
@@ -47,13 +47,7 @@ _DDL = {
         ) ENGINE = ReplacingMergeTree ORDER BY pack_id""",
     "records": """
         CREATE TABLE IF NOT EXISTS {records} (
-            model_id String, run_id String, request_id String, hook String, layer Int32,
-            start_token Int64, n_tokens Int64, step Int64, phase String,
-            shard_rank Int32, tp_size Int32,
-            dtype String, shape Array(Int64), codec String, raw_size UInt64, checksum UInt64,
-            shard_axis Int32, shard_offset Int64, full_shape Array(Int64),
-            l2_norm Nullable(Float64), mean Nullable(Float64), absmax Nullable(Float64),
-            pack_id String, record_index UInt32, payload_offset UInt64, payload_length UInt64
+            """ + _RECORD_COLUMNS_DDL.replace("{", "{{").replace("}", "}}") + """
         ) ENGINE = ReplacingMergeTree
         ORDER BY (model_id, request_id, hook, layer, start_token, shard_rank, pack_id, record_index)""",
     "leases": """
@@ -121,8 +115,9 @@ UPGRADES = {
     2: ["DROP TABLE IF EXISTS {records_published}"],
 }
 """Statements that bring a catalog of an older version up to a newer one, by the version
-they lead to; run before the (idempotent) CREATE statements re-create what they drop.
-Version 2 re-creates ``records_published`` so that it honours tombstones."""
+they lead to; run after the record columns are added and before the (idempotent) CREATE
+statements re-create what they drop. Version 2 re-creates ``records_published`` so that
+it has the new record columns and honours tombstones."""
 
 
 def ddl_statements(names: dict[str, str]) -> list[str]:
@@ -131,7 +126,8 @@ def ddl_statements(names: dict[str, str]) -> list[str]:
 
 
 def upgrade_statements(found: int, names: dict[str, str]) -> list[str]:
-    """What turns a catalog at version ``found`` into one at :data:`SCHEMA_VERSION`."""
+    """What turns a catalog at version ``found`` into one at :data:`SCHEMA_VERSION`, once its
+    records table has every column (:func:`record_column_upgrades`)."""
     return [
         statement.format(**names)
         for version in range(found + 1, SCHEMA_VERSION + 1)
@@ -139,39 +135,28 @@ def upgrade_statements(found: int, names: dict[str, str]) -> list[str]:
     ]
 
 
-RECORD_SCHEMA = pa.schema(
-    [
-        ("model_id", pa.string()),
-        ("run_id", pa.string()),
-        ("request_id", pa.string()),
-        ("hook", pa.string()),
-        ("layer", pa.int32()),
-        ("start_token", pa.int64()),
-        ("n_tokens", pa.int64()),
-        ("step", pa.int64()),
-        ("phase", pa.string()),
-        ("shard_rank", pa.int32()),
-        ("tp_size", pa.int32()),
-        ("dtype", pa.string()),
-        ("shape", pa.list_(pa.int64())),
-        ("codec", pa.string()),
-        ("raw_size", pa.uint64()),
-        ("checksum", pa.uint64()),
-        ("shard_axis", pa.int32()),
-        ("shard_offset", pa.int64()),
-        ("full_shape", pa.list_(pa.int64())),
-        ("l2_norm", pa.float64()),
-        ("mean", pa.float64()),
-        ("absmax", pa.float64()),
-        ("pack_id", pa.string()),
-        ("record_index", pa.uint32()),
-        ("payload_offset", pa.uint64()),
-        ("payload_length", pa.uint64()),
+def record_column_upgrades(names: dict[str, str], existing_columns: Iterable[str]) -> list[str]:
+    """ALTERs that bring an older records table up to :data:`RECORD_FIELDS`.
+
+    Each missing field is added at the end with its ``legacy`` expression (what rows
+    written before the field existed mean) as the column default, so old rows read back
+    exactly as an old pack of the same records does.
+    """
+    have = set(existing_columns)
+    return [
+        f"ALTER TABLE {names['records']} ADD COLUMN {f.name} {f.clickhouse} DEFAULT {f.legacy}"
+        for f in RECORD_FIELDS
+        if f.legacy is not None and f.name not in have
     ]
+
+
+RECORD_SCHEMA = pa.schema(
+    [(f.name, f.arrow) for f in RECORD_FIELDS] + [(name, arrow) for name, arrow, _ in _LOCATION_FIELDS]
 )
+"""Arrow schema of a records-table row: every record field, then where its bytes are."""
 RECORD_COLUMNS = tuple(RECORD_SCHEMA.names)
 
-PACK_SCHEMA = pa.schema(
+PACKS_TABLE_SCHEMA = pa.schema(
     [
         ("pack_id", pa.string()),
         ("location", pa.string()),
@@ -244,69 +229,14 @@ def records_table(descriptors: Iterable[PackDescriptor]) -> pa.Table:
     """One Arrow row per record of every descriptor, in RECORD_SCHEMA (column at a time)."""
     descriptors = list(descriptors)
     entries = [entry for d in descriptors for entry in d.records]
-    metas = list(map(_get_meta, entries))
-    keys = list(map(_get_key, metas))
-    shards = list(map(_get_shard, metas))
-    stats = list(map(_get_stats, metas))
-    payloads = list(map(_get_payload, entries))
-    pack_ids: list[str] = []
-    indices: list[int] = []
-    for d in descriptors:
-        n = len(d.records)
-        pack_ids.extend([d.pack_id] * n)
-        indices.extend(range(n))
-    sharded = any(s is not None for s in shards)
-    with_stats = [s for s in stats if s is not None]
-    n = len(entries)
-
-    def keycol(name):
-        return list(map(attrgetter(name), keys))
-
-    def statcol(name):
-        if not with_stats:
-            return [None] * n
-        if len(with_stats) == n:
-            return list(map(attrgetter(name), stats))
-        return [None if s is None else getattr(s, name) for s in stats]
-
-    columns = {
-        "model_id": keycol("model_id"),
-        "run_id": keycol("run_id"),
-        "request_id": keycol("request_id"),
-        "hook": keycol("hook"),
-        "layer": keycol("layer"),
-        "start_token": keycol("start_token"),
-        "n_tokens": keycol("n_tokens"),
-        "step": keycol("step"),
-        "phase": keycol("phase"),
-        "shard_rank": keycol("shard_rank"),
-        "tp_size": keycol("tp_size"),
-        "dtype": list(map(attrgetter("dtype"), metas)),
-        "shape": list(map(attrgetter("shape"), metas)),
-        "codec": list(map(attrgetter("codec"), metas)),
-        "raw_size": list(map(attrgetter("raw_size"), metas)),
-        "checksum": list(map(attrgetter("checksum"), metas)),
-        "shard_axis": [-1 if s is None else s.axis for s in shards] if sharded else [-1] * n,
-        "shard_offset": [0 if s is None else s.offset for s in shards] if sharded else [0] * n,
-        "full_shape": [() if s is None else s.full_shape for s in shards] if sharded else [()] * n,
-        "l2_norm": statcol("l2_norm"),
-        "mean": statcol("mean"),
-        "absmax": statcol("absmax"),
-        "pack_id": pack_ids,
-        "record_index": indices,
-        "payload_offset": list(map(attrgetter("offset"), payloads)),
-        "payload_length": list(map(attrgetter("length"), payloads)),
-    }
+    columns = field_columns([e.meta for e in entries])
+    columns["pack_id"] = [d.pack_id for d in descriptors for _ in d.records]
+    columns["record_index"] = [i for d in descriptors for i in range(len(d.records))]
+    columns["payload_offset"] = [e.payload.offset for e in entries]
+    columns["payload_length"] = [e.payload.length for e in entries]
     return pa.Table.from_arrays(
         [pa.array(columns[field.name], type=field.type) for field in RECORD_SCHEMA], schema=RECORD_SCHEMA
     )
-
-
-_get_meta = attrgetter("meta")
-_get_key = attrgetter("key")
-_get_shard = attrgetter("shard")
-_get_stats = attrgetter("stats")
-_get_payload = attrgetter("payload")
 
 
 def packs_table(descriptors: Sequence[PackDescriptor], *, scope: str, term: int, now: float) -> pa.Table:
@@ -326,51 +256,11 @@ def packs_table(descriptors: Sequence[PackDescriptor], *, scope: str, term: int,
             }
             for d in descriptors
         ],
-        schema=PACK_SCHEMA,
+        schema=PACKS_TABLE_SCHEMA,
     )
 
 
 def entries_from_table(table: pa.Table) -> list[RecordEntry]:
     """Turn rows in RECORD_SCHEMA (any column order, extra columns ignored) into RecordEntry."""
     cols = {name: table.column(name).to_pylist() for name in RECORD_COLUMNS}
-    entries = []
-    for i in range(table.num_rows):
-        axis = cols["shard_axis"][i]
-        shard = (
-            None
-            if axis is None or axis < 0
-            else ShardGeometry(int(axis), int(cols["shard_offset"][i]), tuple(cols["full_shape"][i]))
-        )
-        l2 = cols["l2_norm"][i]
-        stats = None if l2 is None else RecordStats(l2, cols["mean"][i], cols["absmax"][i])
-        key = RecordKey(
-            model_id=cols["model_id"][i],
-            run_id=cols["run_id"][i],
-            request_id=cols["request_id"][i],
-            hook=cols["hook"][i],
-            layer=int(cols["layer"][i]),
-            start_token=int(cols["start_token"][i]),
-            n_tokens=int(cols["n_tokens"][i]),
-            step=int(cols["step"][i]),
-            phase=cols["phase"][i],
-            shard_rank=int(cols["shard_rank"][i]),
-            tp_size=int(cols["tp_size"][i]),
-        )
-        meta = RecordMeta(
-            key=key,
-            dtype=cols["dtype"][i],
-            shape=tuple(cols["shape"][i]),
-            codec=cols["codec"][i],
-            raw_size=int(cols["raw_size"][i]),
-            checksum=int(cols["checksum"][i]),
-            shard=shard,
-            stats=stats,
-        )
-        entries.append(
-            RecordEntry(
-                meta=meta,
-                pack_id=cols["pack_id"][i],
-                payload=ByteRange(int(cols["payload_offset"][i]), int(cols["payload_length"][i])),
-            )
-        )
-    return entries
+    return entries_from_columns(cols, cols["pack_id"])

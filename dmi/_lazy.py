@@ -21,18 +21,18 @@ from dmi.storage.records import GLOBAL_LAYER, RecordEntry
 
 __all__ = ["LazyInternal"]
 
-_PATTERN_HOOK = "attn_pattern"  # [heads, q, kv] records: tokens are not on axis 0
-
-
 class LazyInternal:
     """A lazily read ``[layers, tokens, ...]`` (per-layer hook) or ``[tokens, ...]`` (global hook).
 
     Made by ``Store.lazy``. Positions on the first axis of a per-layer view are positions
     in ``layers`` (``view[0]`` is the first stored layer, like ``get_internal(...)[0]``);
-    ``view.layer(n)`` reads layer number ``n``.
+    ``view.layer(n)`` reads layer number ``n``. ``token_axis`` is the axis of ``shape`` that
+    runs over tokens, from the layout recorded with the records (``attn_pattern``: its
+    query axis, after the heads).
     """
 
-    __slots__ = ("model_id", "request_id", "hook", "_entries", "_read", "layers", "per_layer", "dtype", "shape")
+    __slots__ = ("model_id", "request_id", "hook", "_entries", "_read", "layers", "per_layer", "dtype", "shape",
+                 "token_axis")
 
     def __init__(
         self,
@@ -52,20 +52,23 @@ class LazyInternal:
         self.layers: tuple[int, ...] = tuple(layers) if self.per_layer else ()
         self.dtype: torch.dtype = torch_dtype(self._entries[0].meta.dtype)
         self.shape: torch.Size = self._infer_shape()
+        self.token_axis: int = self._entries[0].meta.token_axis + (1 if self.per_layer else 0)
 
     def _infer_shape(self) -> torch.Size:
+        """The assembled shape from the index rows of the first layer: the tokens of every
+        chunk on the token axis, the longest key axis (zero-filled on read), full TP shapes."""
         first_layer = self.layers[0] if self.per_layer else GLOBAL_LAYER
         chunks: dict[int, RecordEntry] = {}
         for e in self._entries:
             if e.meta.key.layer == first_layer:
                 chunks.setdefault(e.meta.key.start_token, e)
-        ordered = [chunks[s] for s in sorted(chunks)]
-        sample = ordered[0].meta
-        full = sample.shard.full_shape if sample.shard is not None and sample.key.tp_size > 1 else sample.shape
-        if self.hook == _PATTERN_HOOK or not full:
-            inner = tuple(full)
-        else:
-            inner = (sum(e.meta.key.n_tokens for e in ordered), *full[1:])
+        ordered = [chunks[s].meta for s in sorted(chunks)]
+        inner = list(_full_shape(ordered[0]))
+        if inner:
+            inner[ordered[0].token_axis] = sum(m.key.n_tokens for m in ordered)
+            key_axis = ordered[0].key_axis
+            if key_axis is not None:
+                inner[key_axis] = max(_full_shape(m)[key_axis] for m in ordered)
         return torch.Size((len(self.layers), *inner) if self.per_layer else inner)
 
     def __len__(self) -> int:
@@ -124,10 +127,14 @@ class LazyInternal:
             entries = [e for e in entries if e.meta.key.layer in keep]
             final.append(0 if isinstance(parts[0], int) else [ascending.index(i) for i in selected])
             parts = parts[1:]
-        if parts and self.hook != _PATTERN_HOOK:
+        if parts and self.token_axis == (1 if self.per_layer else 0):  # tokens lead: read only the records hit
             entries, token_index = _select_tokens(entries, parts[0], self.shape[1 if self.per_layer else 0])
             parts = (token_index, *parts[1:])
         return self._read(entries)[(*final, *parts)]
+
+
+def _full_shape(meta) -> tuple[int, ...]:
+    return meta.shard.full_shape if meta.shard is not None and meta.key.tp_size > 1 else meta.shape
 
 
 def _positions(part: int | slice, length: int) -> list[int]:

@@ -35,10 +35,15 @@ class NormPlot:
     decode_start: int | None = None
 
 
-def token_norms(stacked: torch.Tensor) -> torch.Tensor:
-    """L2 norm of every token's activation: ``[layers, tokens, ...]`` → ``[layers, tokens]`` (float64)."""
-    if stacked.dim() < 2:
-        raise InvalidArgumentError(f"need a [layers, tokens, ...] tensor to plot, got shape {tuple(stacked.shape)}")
+def token_norms(stacked: torch.Tensor, token_axis: int = 1) -> torch.Tensor:
+    """L2 norm of every token's values: ``[layers, ...]`` with tokens on ``token_axis`` →
+    ``[layers, tokens]`` (float64). ``token_axis`` comes from the recorded layout (an
+    attention pattern ``[layers, heads, q, kv]`` has its tokens on axis 2, not its heads)."""
+    if stacked.dim() < 2 or not 1 <= token_axis < stacked.dim():
+        raise InvalidArgumentError(
+            f"need a [layers, ...] tensor with tokens on axis {token_axis} to plot, got shape {tuple(stacked.shape)}"
+        )
+    stacked = stacked.movedim(token_axis, 1)
     flat = stacked.reshape(stacked.shape[0], stacked.shape[1], -1).to(torch.float64)
     return torch.linalg.vector_norm(flat, dim=-1)
 

@@ -442,7 +442,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         view = store.lazy(args.model_id, args.request_id, args.hook, layers=parse_layers(args.layers),
                           shard_rank=args.shard_rank, run_id=args.run)
         tensor = view[:]
-    norms = token_norms(tensor if view.per_layer else tensor.unsqueeze(0))
+    if view.per_layer:
+        norms = token_norms(tensor, view.token_axis)
+    else:
+        norms = token_norms(tensor.unsqueeze(0), view.token_axis + 1)
     layers = view.layers if view.per_layer else (GLOBAL_LAYER,)
     drawn = write_norm_plot(norms, layers, output, width=width, height=height,
                             title=f"{args.hook} L2 norm · {args.model_id} · {args.request_id}",

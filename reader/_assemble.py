@@ -1,18 +1,18 @@
 """Reassembly: the records of one (request, hook) back into one tensor.
 
-Records carry their tokens on axis 0 (``shape[0] == n_tokens``). Per layer, chunks are
-ordered by ``start_token`` and concatenated; they must tile the token range without gaps
-or overlaps. Layers are stacked in ascending order as ``[n_layers, ...]``; global hooks
-(layer ``GLOBAL_LAYER``) get no layer axis. Tensor-parallel shards of one chunk are
-either selected (``shard_rank=``) or merged by their recorded geometry
-(``merge_shards=True``); anything else that puts two records on the same
-(layer, start token) is a :class:`DuplicateChunkError`.
+Each record says which of its axes runs over its tokens (``token_axis``, recorded at
+capture time from the hook catalogue). Per layer, chunks are ordered by ``start_token``
+and joined along that axis; they must tile the token range without gaps or overlaps.
+Layers are stacked in ascending order as ``[n_layers, ...]``; global hooks (layer
+``GLOBAL_LAYER``) get no layer axis. Tensor-parallel shards of one chunk are either
+selected (``shard_rank=``) or merged by their recorded geometry (``merge_shards=True``);
+anything else that puts two records on the same (layer, start token) is a
+:class:`DuplicateChunkError`.
 
-Attention patterns (``attn_pattern``, ``[heads, q_tokens, kv_tokens]``) carry their tokens
-on axis 1, and each decode step sees one more key than the last. Their chunks are joined
-along the query axis, each zero-filled on the key axis up to the longest: the result is
-the request's full causal pattern, whose entries beyond each query's keys are the zeros
-causal attention puts there.
+Records with a key axis (attention patterns, ``[heads, q_tokens, kv_tokens]``) see one
+more key at each decode step. Their chunks are zero-filled on the key axis up to the
+longest before joining: the result is the request's full causal pattern, whose entries
+beyond each query's keys are the zeros causal attention puts there.
 """
 
 from __future__ import annotations
@@ -26,10 +26,6 @@ from dmi.storage.errors import DuplicateChunkError, InvalidArgumentError, Reader
 from dmi.storage.records import GLOBAL_LAYER, RecordEntry
 
 __all__ = ["assemble"]
-
-PATTERN_HOOK = "attn_pattern"
-"""The one hook whose records put tokens on axis 1 (``[heads, q_tokens, kv_tokens]``)."""
-
 
 def assemble(
     entries: Sequence[RecordEntry],
@@ -133,7 +129,10 @@ def _concat_tokens(request: str, hook: str, layer: int, ordered: list) -> torch.
     where = f"request {request} hook {hook} layer {layer}"
     if len(ordered) == 1:
         return ordered[0][1]
-    axis = 1 if hook == PATTERN_HOOK else 0
+    layouts = {(e.meta.token_axis, e.meta.key_axis) for e, _ in ordered}
+    if len(layouts) > 1:
+        raise ReaderError(f"{where}: chunks record different token layouts {sorted(layouts, key=str)}")
+    axis, key_axis = layouts.pop()
     expected = ordered[0][0].meta.key.start_token
     for e, t in ordered:
         k = e.meta.key
@@ -146,17 +145,24 @@ def _concat_tokens(request: str, hook: str, layer: int, ordered: list) -> torch.
             )
         expected += k.n_tokens
     tensors = [t for _, t in ordered]
-    if hook == PATTERN_HOOK:
-        tensors = _zero_fill_keys(where, tensors)
+    if key_axis is not None:
+        tensors = _zero_fill_keys(where, tensors, key_axis)
     tails = {tuple(t.shape[:axis] + t.shape[axis + 1 :]) for t in tensors}
     if len(tails) > 1:
         raise ReaderError(f"{where}: chunks have different trailing shapes {sorted(tails)}; read them one by one")
     return torch.cat(tensors, dim=axis)
 
 
-def _zero_fill_keys(where: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Pattern chunks widened on the key axis to the longest, with zeros (see module doc)."""
-    if any(t.dim() != 3 for t in tensors):
-        raise ReaderError(f"{where}: attention patterns must be [heads, q, kv], got {[tuple(t.shape) for t in tensors]}")
-    keys = max(t.shape[2] for t in tensors)
-    return [torch.nn.functional.pad(t, (0, keys - t.shape[2])) if t.shape[2] < keys else t for t in tensors]
+def _zero_fill_keys(where: str, tensors: list[torch.Tensor], key_axis: int) -> list[torch.Tensor]:
+    """Chunks widened on ``key_axis`` to the longest, with zeros (see module doc)."""
+    if any(t.dim() <= key_axis for t in tensors):
+        raise ReaderError(f"{where}: key axis {key_axis} is missing from shapes {[tuple(t.shape) for t in tensors]}")
+    keys = max(t.shape[key_axis] for t in tensors)
+    widened = []
+    for t in tensors:
+        missing = keys - t.shape[key_axis]
+        if missing:
+            fill = torch.zeros((*t.shape[:key_axis], missing, *t.shape[key_axis + 1 :]), dtype=t.dtype)
+            t = torch.cat([t, fill], dim=key_axis)
+        widened.append(t)
+    return widened

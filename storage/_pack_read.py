@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from dmi.storage._codecs import checksum
-from dmi.storage._pack_format import FORMAT_VERSION, META_INDEX, check_schema, decode_index
+from dmi.storage._pack_format import META_INDEX, check_schema, decode_index
 from dmi.storage._store import PackInput, PackStore
 from dmi.storage.errors import PackCorruptError, PackFormatError
 from dmi.storage.records import PackDescriptor, RecordEntry
@@ -31,7 +31,7 @@ def read_pack_index(source: PackInput, location: str) -> PackDescriptor:
     pack_id = source.pack_id
     size = source.size
     reader = _open_ipc(source)
-    writer_id = check_schema(reader.schema, pack_id)
+    writer_id, version = check_schema(reader.schema, pack_id)
     n = reader.num_record_batches
     if n == 0:
         raise PackFormatError(f"pack {pack_id}: no index batch (not sealed by a DMI writer)")
@@ -41,7 +41,7 @@ def read_pack_index(source: PackInput, location: str) -> PackDescriptor:
         raise PackCorruptError(f"pack {pack_id}: index batch unreadable: {exc}") from exc
     if index_batch.num_rows != 0 or metadata is None or META_INDEX not in metadata:
         raise PackFormatError(f"pack {pack_id}: last batch is not a record index")
-    entries, sealed_at, indexed_writer = decode_index(metadata, pack_id)
+    entries, sealed_at, indexed_writer = decode_index(metadata, pack_id, version)
     if indexed_writer != writer_id:
         raise PackCorruptError(f"pack {pack_id}: schema says writer {writer_id!r}, index says {indexed_writer!r}")
     return PackDescriptor(
@@ -49,7 +49,7 @@ def read_pack_index(source: PackInput, location: str) -> PackDescriptor:
         location=location,
         size=size,
         writer_id=writer_id,
-        format_version=FORMAT_VERSION,
+        format_version=version,
         sealed_at=sealed_at,
         records=tuple(entries),
     )
@@ -65,7 +65,7 @@ def verify_pack(store: PackStore, pack_id: str) -> PackDescriptor:
     entries = iter(descriptor.records)
     try:
         _scan_rows(pack_id, buffer, whole, entries)
-    except (pa.ArrowException, OSError) as exc:
+    except (pa.ArrowException, OSError, ValueError) as exc:  # ValueError: damaged buffer sizes
         raise PackCorruptError(f"pack {pack_id}: record batches unreadable: {exc}") from exc
     if next(entries, None) is not None:
         raise PackCorruptError(f"pack {pack_id}: index lists more records than the file holds")

@@ -11,6 +11,7 @@ before it would pass ``max_bytes`` stored bytes, on :meth:`PackWriter.seal`, and
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 import threading
@@ -23,7 +24,8 @@ import pyarrow as pa
 import torch
 
 from dmi.storage._codecs import CODECS, DEFAULT_CODEC, checksum, encode
-from dmi.storage._pack_format import PACK_SCHEMA, FORMAT_VERSION, dtype_name, encode_index, schema_with_metadata, torch_dtype
+from dmi.storage.record_schema import field_columns
+from dmi.storage._pack_format import PACK_ROW_SCHEMA, FORMAT_VERSION, dtype_name, encode_index, schema_with_metadata, torch_dtype
 from dmi.storage._store import PackSink, PackStore
 from dmi.storage.errors import InvalidArgumentError, PackError, PackSealError, UnsupportedDtypeError
 from dmi.storage.records import ByteRange, PackDescriptor, RecordEntry, RecordKey, RecordMeta, RecordStats, ShardGeometry
@@ -91,14 +93,21 @@ class PackWriter:
         shard: ShardGeometry | None = None,
         dtype: str | torch.dtype | None = None,
         shape: tuple[int, ...] | None = None,
+        token_axis: int = 0,
+        key_axis: int | None = None,
     ) -> None:
-        """Add one record. ``data``: a tensor, or bytes/a buffer described by ``dtype``/``shape``."""
+        """Add one record. ``data``: a tensor, or bytes/a buffer described by ``dtype``/``shape``.
+
+        ``token_axis``/``key_axis``: the record's token layout (see :class:`RecordMeta`),
+        as the hook catalogue declares it; they must be distinct axes of the stored shape.
+        """
         self._check_open()
         if not isinstance(key, RecordKey):
             raise InvalidArgumentError(f"key must be a RecordKey, got {type(key).__name__}")
         if shard is not None and not isinstance(shard, ShardGeometry):
             raise InvalidArgumentError(f"shard must be a ShardGeometry, got {type(shard).__name__}")
         encoded = self._encode(key, data, shard, dtype, shape)
+        encoded = _with_layout(encoded, token_axis, key_axis)
         with self._lock:
             self._check_open()
             pack = self._pack
@@ -302,7 +311,7 @@ class _OpenPack:
         sealed_at = time.time()
         try:
             self._flush()
-            index = pa.RecordBatch.from_pylist([], schema=PACK_SCHEMA)
+            index = pa.RecordBatch.from_pylist([], schema=PACK_ROW_SCHEMA)
             self.ipc.write_batch(index, custom_metadata=encode_index(self.records, sealed_at, self.writer_id))
             self.ipc.close()
         except OSError as exc:
@@ -343,42 +352,29 @@ class _OpenPack:
             pos += e.length
 
 
+def _with_layout(encoded: _Encoded, token_axis: int, key_axis: int | None) -> _Encoded:
+    """``encoded`` with its token layout, refused unless the axes exist in its shape."""
+    ndim = max(len(encoded.meta.shape), 1)
+    axes = [token_axis] if key_axis is None else [token_axis, key_axis]
+    if any(not isinstance(a, int) or isinstance(a, bool) or not 0 <= a < ndim for a in axes) or len(set(axes)) != len(axes):
+        raise InvalidArgumentError(
+            f"token_axis={token_axis!r}, key_axis={key_axis!r} are not distinct axes of shape {encoded.meta.shape}"
+        )
+    if (token_axis, key_axis) == (0, None):
+        return encoded
+    meta = dataclasses.replace(encoded.meta, token_axis=token_axis, key_axis=key_axis)
+    return _Encoded(meta, encoded.stored, encoded.length)
+
+
 def _pad(n: int) -> int:
     return -(-n // _IPC_ALIGNMENT) * _IPC_ALIGNMENT
 
 
 def _record_batch(batch: list[_Encoded], total: int) -> pa.RecordBatch:
-    metas = [e.meta for e in batch]
-    keys = [m.key for m in metas]
     offsets = np.zeros(len(batch) + 1, dtype=np.int64)
     np.cumsum([e.length for e in batch], out=offsets[1:])
     data = pa.py_buffer(batch[0].stored) if len(batch) == 1 else pa.py_buffer(b"".join(e.stored for e in batch))
     payload = pa.Array.from_buffers(pa.large_binary(), len(batch), [None, pa.py_buffer(offsets), data])
-    shards = [m.shard for m in metas]
-    stats = [m.stats for m in metas]
-    columns = {
-        "model_id": [k.model_id for k in keys],
-        "run_id": [k.run_id for k in keys],
-        "request_id": [k.request_id for k in keys],
-        "hook": [k.hook for k in keys],
-        "layer": [k.layer for k in keys],
-        "shard_rank": [k.shard_rank for k in keys],
-        "tp_size": [k.tp_size for k in keys],
-        "start_token": [k.start_token for k in keys],
-        "n_tokens": [k.n_tokens for k in keys],
-        "step": [k.step for k in keys],
-        "phase": [k.phase for k in keys],
-        "dtype": [m.dtype for m in metas],
-        "shape": [list(m.shape) for m in metas],
-        "shard_axis": [None if s is None else s.axis for s in shards],
-        "shard_offset": [None if s is None else s.offset for s in shards],
-        "shard_full_shape": [[] if s is None else list(s.full_shape) for s in shards],
-        "codec": [m.codec for m in metas],
-        "raw_size": [m.raw_size for m in metas],
-        "checksum": [m.checksum for m in metas],
-        "stat_l2_norm": [None if s is None else s.l2_norm for s in stats],
-        "stat_mean": [None if s is None else s.mean for s in stats],
-        "stat_absmax": [None if s is None else s.absmax for s in stats],
-    }
-    arrays = [pa.array(columns[f.name], type=f.type) for f in PACK_SCHEMA if f.name != "payload"]
-    return pa.RecordBatch.from_arrays([*arrays, payload], schema=PACK_SCHEMA)
+    columns = field_columns([e.meta for e in batch])
+    arrays = [pa.array(columns[f.name], type=f.type) for f in PACK_ROW_SCHEMA if f.name != "payload"]
+    return pa.RecordBatch.from_arrays([*arrays, payload], schema=PACK_ROW_SCHEMA)

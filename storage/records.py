@@ -92,7 +92,14 @@ class ByteRange:
 
 @dataclass(frozen=True, slots=True)
 class RecordMeta:
-    """Everything about a record except where its bytes live."""
+    """Everything about a record except where its bytes live.
+
+    ``token_axis`` is the axis of ``shape`` that runs over the record's ``n_tokens`` tokens
+    (chunks of one layer join along it); ``key_axis``, when not ``None``, is an axis that
+    runs over the keys each token attended to (attention patterns: it grows from chunk to
+    chunk, and the reader zero-fills it to the longest). Both come from the hook catalogue
+    at capture time, so readers need no hook names.
+    """
 
     key: RecordKey
     dtype: str
@@ -102,6 +109,8 @@ class RecordMeta:
     checksum: int
     shard: ShardGeometry | None = None
     stats: RecordStats | None = None
+    token_axis: int = 0
+    key_axis: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

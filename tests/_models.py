@@ -56,11 +56,13 @@ class MemoryWriter:
         self.on_seal = on_seal
         self.fail_after = fail_after
         self.sealed = 0
+        self.layouts = {}  # key -> (token_axis, key_axis), as the drain declared them
 
-    def append(self, key, data, *, shard=None):
+    def append(self, key, data, *, shard=None, token_axis=0, key_axis=None):
         if self.fail_after is not None and len(self.records) >= self.fail_after:
             raise RuntimeError("disk on fire")
         self.records.append((key, data.clone(), shard))
+        self.layouts[key] = (token_axis, key_axis)
 
     def seal(self):
         self.sealed += 1

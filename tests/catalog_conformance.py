@@ -34,19 +34,22 @@ from dmi.storage import (
     ServerError,
     ShardGeometry,
 )
+from dmi.catalog import _leases, _schema
 from dmi.catalog._catalog_backend import unavailable
 
 HUGE_CHECKSUM = 2**64 - 12345
 
 
 def entry(pack_id, index, *, model="gpt2", run="run-1", request="req-1", hook="resid_post", layer=0,
-          start=0, n=4, shard_rank=0, tp_size=1, shard=None, stats=True, shape=(4, 8), dtype="bfloat16"):
+          start=0, n=4, shard_rank=0, tp_size=1, shard=None, stats=True, shape=(4, 8), dtype="bfloat16",
+          token_axis=0, key_axis=None):
     key = RecordKey(model, run, request, hook, layer, start, n, step=start, phase="prefill" if start == 0 else "decode",
                     shard_rank=shard_rank, tp_size=tp_size)
     meta = RecordMeta(
         key=key, dtype=dtype, shape=tuple(shape), codec="zstd-shuffle", raw_size=64 * (index + 1),
         checksum=HUGE_CHECKSUM - index, shard=shard,
         stats=RecordStats(float(layer) + 0.5, -0.25, 3.0) if stats else None,
+        token_axis=token_axis, key_axis=key_axis,
     )
     return RecordEntry(meta=meta, pack_id=pack_id, payload=ByteRange(1000 + 64 * index, 64))
 
@@ -460,6 +463,27 @@ class CatalogConformance(RecoveryConformance, DeletionCrashConformance):
         assert {(r["first_sealed_at"], r["last_sealed_at"]) for r in rows} == {(1700000000.5, 1700000000.5)}
         assert catalog.run_totals().column("model_id").to_pylist() == ["gpt2", "gpt2", "other"]
 
+    def test_schema_1_records_table_is_upgraded_in_place(self, catalog, catalog_uri):
+        """Tables as schema version 1 left them (no token layout columns, version row 1) open
+        as version 2, and old rows read with the layout v1 implied (attn_pattern: 1 and 2)."""
+        prefix = f"v1_{uuid.uuid4().hex[:8]}_"
+        database = catalog.tables["records"].split(".")[0]
+        names = {t: f"{database}.`{prefix}{t}`" for t in ("schema", "records")}
+        v1_ddl = _schema.ddl_statements({**catalog.tables, **names})
+        for statement in v1_ddl[:3]:  # schema, packs (unused), records
+            catalog._backend.command(statement.replace(",\n            token_axis Int32,\n            key_axis Int32", ""))
+        entries = [entry("x", 0, hook="attn_pattern", shape=(2, 4, 4), token_axis=1, key_axis=2), entry("x", 1)]
+        rows = _schema.records_table([pack(entries=entries)]).drop(["token_axis", "key_axis"])
+        catalog._backend.insert(names["records"], rows)
+        catalog._backend.insert(names["schema"], pa.table({"version": pa.array([1], pa.uint32()), "written_at": [0.0],
+                                                         "written_by": ["dmi 1"]}))
+        with open_catalog(catalog_uri, table_prefix=prefix) as old:
+            assert old.schema_version() == 2
+            table = old.sql(f"SELECT * FROM {old.tables['records']} ORDER BY record_index")
+        got = _schema.entries_from_table(table)
+        assert [(e.meta.token_axis, e.meta.key_axis) for e in got] == [(1, 2), (0, None)]
+        assert [e.meta for e in got] == [e.meta for e in entries]
+
     # ------------------------------------------------------------------ publish and find
     def test_publish_then_find_round_trips_every_field(self, catalog):
         geometry = ShardGeometry(axis=1, offset=16, full_shape=(4, 32))
@@ -467,18 +491,20 @@ class CatalogConformance(RecoveryConformance, DeletionCrashConformance):
             entry("x", 0, layer=3, shard=geometry, shard_rank=1, tp_size=2, shape=(4, 16)),
             entry("x", 1, layer=-1, hook="token_ids", stats=False, shape=(), dtype="int64"),
             entry("x", 2, layer=3, start=4, n=1, shape=(0, 16)),
+            entry("x", 3, layer=1, hook="attn_pattern", shape=(2, 4, 4), token_axis=1, key_axis=2),
         ]
         desc = pack(entries=entries)
         with catalog.publisher("scope-a", holder="h1") as pub:
             watermark = pub.publish([desc])
         assert watermark.pack_ids == (desc.pack_id,)
-        assert watermark.n_records == 3
+        assert watermark.n_records == 4
         found = catalog.find_records("gpt2")
         expected = sorted(desc.records, key=lambda e: (e.meta.key.hook, e.meta.key.layer, e.meta.key.shard_rank,
                                                        e.meta.key.start_token))
         assert found == expected
         assert found[0].meta.shard is None or found[0].meta.shard == geometry
-        assert {e.meta.checksum for e in found} == {HUGE_CHECKSUM, HUGE_CHECKSUM - 1, HUGE_CHECKSUM - 2}
+        assert {e.meta.checksum for e in found} == {HUGE_CHECKSUM - i for i in range(4)}
+        assert {(e.meta.key.hook, e.meta.token_axis, e.meta.key_axis) for e in found} >= {("attn_pattern", 1, 2)}
         assert catalog.pack_locations([desc.pack_id, "absent"]) == {desc.pack_id: desc.location}
 
     def test_indexed_but_unpublished_records_are_invisible(self, catalog):

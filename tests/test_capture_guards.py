@@ -217,7 +217,7 @@ class BlockingWriter(MemoryWriter):
         super().__init__()
         self.gate = threading.Event()
 
-    def append(self, key, data, *, shard=None):
+    def append(self, key, data, *, shard=None, token_axis=0, key_axis=None):
         self.gate.wait(30)
         super().append(key, data, shard=shard)
 

@@ -20,7 +20,7 @@ from dmi.storage import (
     read_pack_descriptor,
     verify_pack,
 )
-from dmi.storage._pack_format import PACK_SCHEMA, schema_with_metadata
+from dmi.storage._pack_format import PACK_ROW_SCHEMA, schema_with_metadata
 from dmi.reader import FooterCache, read_record, read_records
 
 
@@ -67,44 +67,76 @@ def damaged_copy(root, tmp_path, pack_id, mutate, kind="local"):
 
 
 def test_byte_flips_everywhere(sealed, tmp_path):
+    """Every byte of the footer (the schema before the first payload, the index batch and the
+    Arrow footer after the last) and a sample of row-column and payload bytes: each flip gives a named pack error or unchanged tensors, on
+    every read path that touches the footer (descriptor, footer-checked reads, verify)."""
     root, entries, tensors = sealed
     store = PackStore.local(root)
     packs = sorted({e.pack_id for e in entries})
     originals = {p: read_pack_descriptor(store, p) for p in packs}
-    checked = affected_seen = 0
+    checked = affected_seen = footer_refused = 0
     for pack_id in packs:
         path = root / f"{pack_id}.arrow"
         clean = path.read_bytes()
         mine = [(e, t) for e, t in zip(entries, tensors) if e.pack_id == pack_id]
         in_payload = {pos for e, _ in mine for pos in range(e.payload.offset, e.payload.end)}
-        positions = sorted(in_payload | set(range(0, len(clean), 13)) | set(range(len(clean) - 64, len(clean))))
+        first = min(e.payload.offset for e, _ in mine if e.payload.length)
+        last = max(e.payload.end for e, _ in mine)
+        footer = set(range(first)) | set(range(last, len(clean)))  # schema, index batch, Arrow footer
+        between = set(range(first, last, 11)) - in_payload  # row columns and batch headers, sampled
+        positions = sorted(footer | between | set(sorted(in_payload)[::13]))
         try:
             for pos in positions:
                 flipped = bytearray(clean)
                 flipped[pos] ^= 1 << (pos % 8)
                 path.write_bytes(flipped)
+                hit_payload = pos in in_payload
                 for e, t in mine:
-                    hit = e.payload.offset <= pos < e.payload.end
-                    if hit:
+                    if e.payload.offset <= pos < e.payload.end:
                         affected_seen += 1
                         with pytest.raises(PackCorruptError, match=pack_id):
                             read_record(store, e)
-                    else:
+                    elif hit_payload:
                         assert same_bits(read_record(store, e), t), (pos, e.meta.key)
+                if not hit_payload:
+                    try:
+                        for got, (e, t) in zip(read_records(store, [e for e, _ in mine], cache=FooterCache()), mine):
+                            assert same_bits(got, t), (pos, e.meta.key)
+                    except PackError:
+                        footer_refused += 1
                 try:
                     assert read_pack_descriptor(store, pack_id) == originals[pack_id], pos
                 except PackError:
                     pass
-                if pos % 13 == 0 or pos in in_payload:
-                    try:
-                        assert verify_pack(store, pack_id) == originals[pack_id], pos
-                        assert pos not in in_payload, pos
-                    except PackError:
-                        pass
+                try:
+                    assert verify_pack(store, pack_id) == originals[pack_id], pos
+                    assert not hit_payload, pos
+                except PackError:
+                    pass
                 checked += 1
         finally:
             path.write_bytes(clean)
-    assert checked > 1000 and affected_seen > 500
+    assert checked > 2000 and affected_seen > 50 and footer_refused > 1000
+
+
+def test_damaged_writer_id_is_a_pack_error(sealed, tmp_path):
+    """The writer id sits in unchecksummed schema metadata: a byte that makes it invalid
+    UTF-8 is a PackFormatError, not a UnicodeDecodeError (the footer's copy is the one
+    Arrow reads; the stream header keeps its own)."""
+    root, entries, tensors = sealed
+    pack_id = entries[0].pack_id
+    writer_id = read_pack_descriptor(PackStore.local(root), pack_id).writer_id.encode()
+
+    def damage(data):
+        at = data.rindex(writer_id)
+        data[at] = 0xFF
+        return data
+
+    store = damaged_copy(root, tmp_path, pack_id, damage)
+    for read in (lambda: read_pack_descriptor(store, pack_id), lambda: verify_pack(store, pack_id),
+                 lambda: read_records(store, [entries[0]], cache=FooterCache())):
+        with pytest.raises(PackFormatError, match="writer id"):
+            read()
 
 
 def test_coalesced_read_refuses_only_the_damaged_record(sealed, tmp_path):
@@ -186,9 +218,9 @@ def test_future_version_refused(tmp_path):
     pack_id = "cd" * 16
     schema = schema_with_metadata(pack_id, "w")
     meta = dict(schema.metadata)
-    meta[b"dmi.format_version"] = b"2"
+    meta[b"dmi.format_version"] = b"3"
     write_arrow(tmp_path / f"{pack_id}.arrow", schema.with_metadata(meta), [])
-    with pytest.raises(PackFormatError, match="version 2"):
+    with pytest.raises(PackFormatError, match="version 3"):
         read_pack_descriptor(PackStore.local(tmp_path), pack_id)
 
 
@@ -216,7 +248,7 @@ def test_garbage_file(tmp_path):
 
 def test_schema_columns_checked(tmp_path):
     pack_id = "34" * 16
-    schema = pa.schema([f for f in PACK_SCHEMA if f.name != "stat_mean"]).with_metadata(schema_with_metadata(pack_id, "w").metadata)
+    schema = pa.schema([f for f in PACK_ROW_SCHEMA if f.name != "mean"]).with_metadata(schema_with_metadata(pack_id, "w").metadata)
     write_arrow(tmp_path / f"{pack_id}.arrow", schema, [])
     with pytest.raises(PackFormatError, match="columns"):
         read_pack_descriptor(PackStore.local(tmp_path), pack_id)

@@ -151,7 +151,7 @@ def test_descriptor_fields(store):
         w.append(key(rank=1, tp=2), torch.ones(4, 64), shard=geom)
         desc = w.seal()
     assert seen == [desc]
-    assert desc.writer_id == "drain-7" and desc.format_version == 1
+    assert desc.writer_id == "drain-7" and desc.format_version == 2
     assert desc.location == store.location(desc.pack_id)
     assert desc.size == os.path.getsize(desc.location)
     assert desc.records[0].meta.shard == geom
@@ -272,3 +272,14 @@ def test_stats_values(store, t, l2, mean, absmax):
         s = w.seal().records[0].meta.stats
     assert (s.l2_norm, s.mean, s.absmax) == (pytest.approx(l2), pytest.approx(mean), absmax)
     assert math.copysign(1.0, s.absmax) == 1.0
+
+
+@pytest.mark.parametrize("axes", [(2, None), (-1, None), (0, 0), (1, 2), (True, None)])
+def test_token_layout_must_name_distinct_axes_of_the_shape(tmp_path, axes):
+    token_axis, key_axis = axes
+    with PackWriter(PackStore.local(tmp_path)) as w:
+        with pytest.raises(InvalidArgumentError, match="not distinct axes of shape"):
+            w.append(RecordKey("m", "r", "q", "h", 0, 0, 4), torch.zeros(4, 8), token_axis=token_axis, key_axis=key_axis)
+        w.append(RecordKey("m", "r", "q", "h", 0, 0, 4), torch.zeros(2, 4, 4), token_axis=1, key_axis=2)
+        (entry,) = w.seal().records
+    assert (entry.meta.token_axis, entry.meta.key_axis) == (1, 2)

@@ -23,9 +23,11 @@ from dmi.reader import assemble, read_records
 FULL = torch.arange(3 * 12 * 8, dtype=torch.float32).reshape(3, 12, 8)  # [layers, tokens, hidden]
 
 
-def rec(layer, start, n, *, hook="resid_post", request="req", rank=0, tp=1, shard=None, run="run", shape=None):
+def rec(layer, start, n, *, hook="resid_post", request="req", rank=0, tp=1, shard=None, run="run", shape=None,
+        token_axis=0, key_axis=None):
     key = RecordKey("model", run, request, hook, layer, start, n, shard_rank=rank, tp_size=tp)
-    meta = RecordMeta(key=key, dtype="float32", shape=shape or (n, 8), codec="raw", raw_size=0, checksum=0, shard=shard)
+    meta = RecordMeta(key=key, dtype="float32", shape=shape or (n, 8), codec="raw", raw_size=0, checksum=0, shard=shard,
+                      token_axis=token_axis, key_axis=key_axis)
     return RecordEntry(meta=meta, pack_id="0" * 32, payload=ByteRange(0, 0))
 
 
@@ -166,19 +168,31 @@ def test_round_trip_through_a_pack(tmp_path):
     assert torch.equal(got.view(torch.int16), FULL.to(torch.bfloat16).view(torch.int16))
 
 
-def test_attention_patterns_join_on_the_query_axis_with_causal_zeros():
-    """Prefill [h, 3, 3] then two decode steps [h, 1, 4], [h, 1, 5] -> the full [h, 5, 5] pattern."""
+def pattern(layer, start, n, shape, hook="attn_pattern"):
+    return rec(layer, start, n, hook=hook, shape=shape, token_axis=1, key_axis=2)
+
+
+@pytest.mark.parametrize("hook", ["attn_pattern", "any_name"])
+def test_attention_patterns_join_on_the_query_axis_with_causal_zeros(hook):
+    """Prefill [h, 3, 3] then two decode steps [h, 1, 4], [h, 1, 5] -> the full [h, 5, 5] pattern.
+    The recorded layout decides, not the hook's name."""
     heads = 2
     full = torch.tril(torch.rand(heads, 5, 5) + 0.1)  # causal: zero above the diagonal
     pieces = [(0, 3), (3, 1), (4, 1)]
-    entries = [rec(0, a, n, hook="attn_pattern", shape=(heads, n, a + n)) for a, n in pieces]
+    entries = [pattern(0, a, n, (heads, n, a + n), hook=hook) for a, n in pieces]
     tensors = [full[:, a : a + n, : a + n].clone() for a, n in pieces]
     got = assemble(entries[::-1], tensors[::-1])
     assert got.shape == (1, heads, 5, 5)
     assert torch.equal(got[0], full)
 
 
+def test_chunks_with_different_layouts_refused():
+    entries = [pattern(0, 0, 2, (2, 2, 2)), rec(0, 2, 1, hook="attn_pattern", shape=(1, 2, 3))]
+    with pytest.raises(ReaderError, match="different token layouts"):
+        assemble(entries, [torch.zeros(2, 2, 2), torch.zeros(1, 2, 3)])
+
+
 def test_attention_pattern_chunks_must_carry_tokens_on_axis_1():
-    entries = [rec(0, 0, 2, hook="attn_pattern", shape=(2, 2, 2)), rec(0, 2, 1, hook="attn_pattern", shape=(2, 3, 3))]
+    entries = [pattern(0, 0, 2, (2, 2, 2)), pattern(0, 2, 1, (2, 3, 3))]
     with pytest.raises(ReaderError, match="tokens not on axis 1"):
         assemble(entries, [torch.zeros(2, 2, 2), torch.zeros(2, 3, 3)])
