@@ -264,7 +264,14 @@ class _EmbeddedSession:
                 time.sleep(max(IDLE_CLOSE_SECONDS - idle, POLL_SECONDS))
 
     def forget(self) -> None:
-        """In a forked child: drop the parent's session without closing it (it is the parent's)."""
+        """In a forked child: drop the parent's session without closing it (it is the parent's).
+
+        The child keeps a reference to it for good: releasing the last one would run chDB's
+        close in a process that has none of chDB's threads, which hangs (a DataLoader worker
+        forked while a session was open did exactly that). Children started by
+        ``multiprocessing`` end with ``os._exit``, so the reference is never released."""
+        if self._conn is not None:
+            _INHERITED_SESSIONS.append(self._conn)
         self._lock = threading.RLock()
         self._depth = 0
         if self._lock_fd is not None:
@@ -283,6 +290,9 @@ class _EmbeddedSession:
             if self._depth == 0 and self._key is not None and self._key[0] == directory:
                 self._close()
 
+
+_INHERITED_SESSIONS: list = []
+"""A forked child's references to its parent's chDB session: never closed, never released."""
 
 _SESSION = _EmbeddedSession()
 os.register_at_fork(after_in_child=_SESSION.forget)
