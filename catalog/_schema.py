@@ -15,6 +15,7 @@ from operator import attrgetter
 
 import pyarrow as pa
 
+from dmi.catalog._audits import AUDITS_DDL
 from dmi.storage.records import (
     ByteRange,
     PackDescriptor,
@@ -25,10 +26,12 @@ from dmi.storage.records import (
     ShardGeometry,
 )
 
-SCHEMA_VERSION = 1
-"""Bump when a table changes shape; a catalog with a higher version row is refused."""
+SCHEMA_VERSION = 2
+"""Bump when a table changes shape; a catalog with a higher version row is refused. An older
+catalog is upgraded in place: the new tables are created (``IF NOT EXISTS``) and a row with
+the new version is added. History: 1 initial; 2 adds ``audits``."""
 
-TABLES = ("schema", "packs", "records", "leases", "fences", "watermarks", "losses")
+TABLES = ("schema", "packs", "records", "leases", "fences", "watermarks", "losses", "audits")
 
 _DDL = {
     "schema": """
@@ -72,6 +75,7 @@ _DDL = {
             model_id String, run_id String, request_id String, hook String, layer Int32,
             count UInt64, reason String, recorded_by String, recorded_at Float64
         ) ENGINE = MergeTree ORDER BY (model_id, run_id, request_id, hook, layer, recorded_at)""",
+    "audits": AUDITS_DDL,
 }
 
 # Watermarks readers may see: not cut off by any fence a later term wrote.

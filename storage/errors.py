@@ -32,12 +32,13 @@ exception types. Builtin mix-ins are added where callers naturally expect them.
     │   ├── RecordNotFoundError (LookupError)
     │   ├── DuplicateChunkError                  same request/hook/layer/start twice
     │   └── ShardMergeError                      TP geometry missing or ambiguous
-    └── CaptureError                             hooks, ring, drain
-        ├── HookSelectionError (InvalidArgumentError)   unknown hook/group, bad layer range
-        ├── AttachError                          model already owned, unsupported model
-        ├── AttentionImplementationError         attn_pattern needs eager attention
-        ├── RingFullError (TimeoutError)         producer waited its bound for a free slot
-        └── DrainError                           the drain thread failed; cause attached
+    ├── CaptureError                             hooks, ring, drain
+    │   ├── HookSelectionError (InvalidArgumentError)   unknown hook/group, bad layer range
+    │   ├── AttachError                          model already owned, unsupported model
+    │   ├── AttentionImplementationError         attn_pattern needs eager attention
+    │   ├── RingFullError (TimeoutError)         producer waited its bound for a free slot
+    │   └── DrainError                           the drain thread failed; cause attached
+    └── AuditError                               a capture cannot be audited (no token ids, gaps, TP)
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ __all__ = [
     "AttentionImplementationError",
     "RingFullError",
     "DrainError",
+    "AuditError",
 ]
 
 
@@ -199,3 +201,9 @@ class RingFullError(CaptureError, TimeoutError):
 
 class DrainError(CaptureError):
     """The drain thread failed; the original exception is the ``__cause__``."""
+
+
+class AuditError(DMIError):
+    """A capture cannot be audited: the request lacks its ``token_ids``, has gaps, was
+    captured with tensor parallelism, or does not fit the model given for the re-run.
+    (An audit that runs and finds wrong values is a result, not this error.)"""
