@@ -243,44 +243,50 @@ def _hook_rank(hook: str) -> int:
 
 def _check_group(run: str, rid: str, hook: str, layer: int, group: list[RecordEntry], tokens: list[RecordEntry],
                  total: int, ref: Reference, read: ReadRecords, kind: str) -> AuditCheck:
-    """One (hook, layer) of one request: placement of every record, then values."""
+    """One (hook, layer) of one request: where each record sits, then the values of those
+    that sit where their tokens were fed. The first problem of either kind is named."""
+    problems: list[tuple[int, str]] = []
+    placed: list[RecordEntry] = []
     seen: set[int] = set()
     for e in group:
         k = e.meta.key
-        if k.start_token in seen:
-            return _fail(run, rid, hook, layer, kind, 0.0, group, f"two records start at position {k.start_token}",
-                         k.start_token)
+        problem = f"two records start at position {k.start_token}" if k.start_token in seen else \
+            _placement_problem(e, tokens, total)
         seen.add(k.start_token)
-        problem = _placement_problem(e, tokens, total)
         if problem:
-            return _fail(run, rid, hook, layer, kind, 0.0, group, problem, k.start_token)
+            problems.append((k.start_token, problem))
+        else:
+            placed.append(e)
     diffs: list[Difference] = []
-    bound = 0.0
-    for e, data in zip(group, read(group)):
+    bound = tolerance(kind, _dtype_of(group[0]))
+    for e, data in zip(placed, read(placed) if placed else []):
         k = e.meta.key
-        bound = tolerance(kind, data.dtype)
         want = ref.span(hook, layer, k.start_token, k.n_tokens)
         if want.numel() != data.numel():
-            return _fail(run, rid, hook, layer, kind, bound, group,
-                         f"record at position {k.start_token} has shape {tuple(data.shape)}, the re-run "
-                         f"{tuple(want.shape)}", k.start_token)
-        diffs.append(compare(data, want.reshape(data.shape).to(data.dtype), token_axis=1 if hook == "attn_pattern" else 0,
-                             start=k.start_token, bound=bound))
-    return _merge(run, rid, hook, layer, kind, bound, group, diffs)
+            problems.append((k.start_token, f"record at position {k.start_token} has shape {tuple(data.shape)}, "
+                                            f"the re-run {tuple(want.shape)}"))
+            continue
+        diffs.append(compare(data, want.reshape(data.shape).to(data.dtype),
+                             token_axis=1 if hook == "attn_pattern" else 0, start=k.start_token, bound=bound))
+    return _merge(run, rid, hook, layer, kind, bound, group, diffs, sorted(problems))
+
+
+def _dtype_of(entry: RecordEntry) -> torch.dtype:
+    return getattr(torch, entry.meta.dtype)
 
 
 def _merge(run: str, rid: str, hook: str, layer: int, kind: str, bound: float, group: list[RecordEntry],
-           diffs: list[Difference]) -> AuditCheck:
-    fails = [d.first_fail for d in diffs if d.first_fail is not None]
-    firsts = [d.first_diff for d in diffs if d.first_diff is not None]
-    exact = all(d.exact for d in diffs)
-    verdict = "exact" if exact else ("fail" if fails else "noise")
+           diffs: list[Difference], problems: list[tuple[int, str]]) -> AuditCheck:
+    fails = [(d.first_fail, f"values differ beyond the {kind} tolerance from position {d.first_fail}")
+             for d in diffs if d.first_fail is not None]
+    first = min(fails + problems) if fails or problems else None
+    firsts = [d.first_diff for d in diffs if d.first_diff is not None] + [p for p, _ in problems]
+    verdict = "fail" if first else ("exact" if all(d.exact for d in diffs) else "noise")
     return AuditCheck(
         run, rid, hook, layer, verdict, kind, bound, len(group), sum(e.meta.key.n_tokens for e in group),
-        max_abs=max(d.max_abs for d in diffs), max_rel=max(d.max_rel for d in diffs),
-        rel_l2=max(d.rel_l2 for d in diffs), first_diff=min(firsts) if firsts else None,
-        first_fail=min(fails) if fails else None,
-        detail=f"values differ beyond the {kind} tolerance from position {min(fails)}" if fails else "",
+        max_abs=max((d.max_abs for d in diffs), default=0.0), max_rel=max((d.max_rel for d in diffs), default=0.0),
+        rel_l2=max((d.rel_l2 for d in diffs), default=0.0), first_diff=min(firsts) if firsts else None,
+        first_fail=first[0] if first else None, detail=first[1] if first else "",
     )
 
 
@@ -331,10 +337,9 @@ def _named(catalog: Any, model_id: str, run_id: str | None, request_ids: list[st
         raise InvalidArgumentError("request_ids is empty")
     chosen = []
     for rid in request_ids:
-        runs = sorted({e.meta.key.run_id for e in catalog.find_records(model_id, request_id=rid, hook="token_ids",
-                                                                          run_id=run_id)})
+        runs = sorted({e.meta.key.run_id for e in catalog.find_records(model_id, request_id=rid, run_id=run_id)})
         if not runs:
-            raise RecordNotFoundError(f"model {model_id!r} has no request {rid!r} with token_ids records"
+            raise RecordNotFoundError(f"model {model_id!r} has no request {rid!r}"
                                       f"{'' if run_id is None else f' in run {run_id!r}'}")
         if len(runs) > 1:
             raise AuditError(f"request {rid!r} was captured in {len(runs)} runs ({', '.join(runs)}); choose one "

@@ -175,7 +175,7 @@ class Store:
 
         ``{records}`` expands to the published records (one row per record: key, dtype,
         shape, codec, sizes, pack and byte range, ``l2_norm``/``mean``/``absmax``);
-        ``{packs}``, ``{losses}``, ``{watermarks}``, ``{records_all}`` (unpublished rows too)
+        ``{packs}``, ``{losses}``, ``{watermarks}``, ``{audits}``, ``{records_all}`` (unpublished rows too)
         to the other tables (see ``tables``). Other braces are left alone. Raises
         ``ServerError`` (with ClickHouse's code and name) on a bad query,
         ``InvalidArgumentError`` if ``query`` is not a string.

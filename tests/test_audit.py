@@ -87,3 +87,175 @@ def test_a_capture_alone_is_bit_exact(store):
     assert report.passed and report.tolerance == "exact"
     assert all(c.verdict == "exact" for c in report.checks)
     assert len({(c.hook, c.layer) for c in report.checks}) == len(report.checks) == 1 + 3 + 3 * 11
+
+
+def _only(report, *, verdict="fail"):
+    return [c for c in report.checks if c.verdict == verdict]
+
+
+def _batched(store, change, kind="llama"):
+    """A batched, left-padded generate capture of ``kind`` with ``change`` applied on the way to
+    the packs, audited over every request (the failures, the report)."""
+    model = tiny(kind)
+    ids, mask = left_padded_batch()
+    model_id, rids = _capture(store, model, ids, mask, writer=Tamper(change))
+    report = store.audit(model_id, model=model, request_ids=rids)
+    return report, rids
+
+
+def test_records_of_two_requests_swapped_are_caught_and_named(store):
+    # Injected before writing: resid_post of layer 1 of rows 0 and 2 (prompts of 7 and 6
+    # tokens) trade request ids, as a server mixing up batch rows would; token ids stay put.
+    def change(key, data):
+        if key.hook == "resid_post" and key.layer == 1:
+            swap = {"000000": "000002", "000002": "000000"}
+            tail = key.request_id[-6:]
+            if tail in swap:
+                key = dataclasses.replace(key, request_id=key.request_id[:-6] + swap[tail])
+        return key, data
+
+    report, rids = _batched(store, change)
+    failed = _only(report)
+    assert {(c.request_id, c.hook, c.layer) for c in failed} == {(rids[0], "resid_post", 1), (rids[2], "resid_post", 1)}
+    assert [c.first_fail for c in failed] == [0, 0]
+    assert "resid_post layer 1: fail" in failed[0].describe()
+
+
+def test_positions_shifted_by_one_are_caught_at_the_first_shifted_position(store):
+    # Injected before writing: every attn_out layer-2 decode record of every request claims
+    # one position later than it covers (start_token + 1, step + 1).
+    def change(key, data):
+        if key.hook == "attn_out" and key.layer == 2 and key.phase == "decode":
+            key = dataclasses.replace(key, start_token=key.start_token + 1, step=key.step + 1)
+        return key, data
+
+    report, rids = _batched(store, change)
+    failed = _only(report)
+    assert {(c.request_id, c.hook, c.layer) for c in failed} == {(r, "attn_out", 2) for r in rids}
+    prompts = [7, 4, 6]
+    for c in failed:  # the first decode position of each request is where it goes wrong
+        assert c.first_fail == prompts[rids.index(c.request_id)] + 1, c.describe()
+
+
+def test_decode_steps_reordered_are_caught(store):
+    # Injected before writing: each two-step decode chunk of mlp_out layer 0 has its two
+    # token rows swapped (steps written in the wrong order); keys are untouched.
+    def change(key, data):
+        if key.hook == "mlp_out" and key.layer == 0 and key.phase == "decode" and key.n_tokens == 2:
+            data = data.flip(0)
+        return key, data
+
+    report, rids = _batched(store, change)
+    failed = _only(report)
+    assert {(c.request_id, c.hook, c.layer) for c in failed} == {(r, "mlp_out", 0) for r in rids}
+    prompts = [7, 4, 6]
+    for c in failed:
+        assert c.first_fail == prompts[rids.index(c.request_id)]
+        assert c.max_rel > 0.1
+
+
+def test_one_layers_records_taken_from_another_layer_are_caught(store):
+    # Injected before writing: resid_pre of layer 1 is written with layer 0's values for the
+    # same request and positions (a stale buffer of the previous layer).
+    layer0 = {}
+
+    def change(key, data):
+        if key.hook == "resid_pre" and key.layer == 0:
+            layer0[(key.request_id, key.start_token)] = data.clone()
+        if key.hook == "resid_pre" and key.layer == 1:
+            data = layer0[(key.request_id, key.start_token)]
+        return key, data
+
+    report, rids = _batched(store, change)
+    failed = _only(report)
+    assert {(c.request_id, c.hook, c.layer) for c in failed} == {(r, "resid_pre", 1) for r in rids}
+    assert all(c.first_fail == 0 for c in failed)
+
+
+@pytest.mark.parametrize("factor", [0.5, 2.0])
+def test_a_value_perturbed_just_beyond_the_tolerance_fails_and_just_within_passes(store, factor):
+    # Injected before writing: one element of request 1's mlp_post layer 1 prefill record is
+    # moved by ``factor`` times the fp32 batched bound (relative to its position's scale).
+    bound = BATCHED_NOISE[torch.float32] * MARGIN
+
+    def change(key, data):
+        if key.hook == "mlp_post" and key.layer == 1 and key.request_id.endswith("000001") and key.phase == "prefill":
+            data = data.clone()
+            data[2, 5] += factor * bound * data[2].abs().max()
+        return key, data
+
+    report, rids = _batched(store, change)
+    check = next(c for c in report.checks if (c.request_id, c.hook, c.layer) == (rids[1], "mlp_post", 1))
+    if factor > 1:
+        assert _only(report) == [check] and check.first_fail == 2
+        assert bound < check.max_rel < 2.5 * bound
+    else:
+        assert report.passed and check.verdict == "noise"
+
+
+def test_the_same_perturbation_fails_an_exact_audit(store):
+    # Injected before writing: a single-request capture, one element moved by 4 ulps.
+    def change(key, data):
+        if key.hook == "resid_mid" and key.layer == 0 and key.phase == "decode":
+            data = data.clone()
+            data[0, 0] = data[0, 0] + 4 * torch.finfo(data.dtype).eps * data[0, 0].abs()
+        return key, data
+
+    model = tiny("qwen2")
+    ids, mask = left_padded_batch(lengths=(5,))
+    model_id, rids = _capture(store, model, ids, mask, writer=Tamper(change))
+    report = store.audit(model_id, model=model, request_ids=rids, exact=True)
+    (failed,) = _only(report)
+    assert (failed.hook, failed.layer, failed.first_fail) == ("resid_mid", 0, 5)
+    assert store.audit(model_id, model=model, request_ids=rids).passed  # within batched noise
+
+
+@pytest.mark.skip(reason="tensor-parallel capture does not exist yet (capture/ has no TP producer), so no "
+                         "capture can hold shards to concatenate in the wrong order; audit refuses tp_size > 1")
+def test_tp_shards_concatenated_in_the_wrong_order_are_caught():
+    pass
+
+
+def test_verdicts_are_written_to_the_catalog_and_queryable(store):
+    def change(key, data):
+        if key.hook == "resid_post" and key.layer == 0 and key.request_id.endswith("000002"):
+            data = data + 1.0
+        return key, data
+
+    report, rids = _batched(store, change)
+    rows = store.catalog.audits(model_id=report.model_id).to_pylist()
+    assert {r["request_id"] for r in rows} == set(rids)
+    assert all(r["audit_id"] == report.audit_id for r in rows)
+    bad = next(r for r in rows if r["request_id"] == rids[2])
+    assert (bad["failed"], bad["first_failure"]) == (1, "resid_post@0")
+    assert bad["checks"] == len([c for c in report.checks if c.request_id == rids[2]])
+    per_hook = store.sql("SELECT hook, layer, first_fail FROM {audits} WHERE verdict = 'fail'")
+    assert per_hook.to_pylist() == [{"hook": "resid_post", "layer": 0, "first_fail": 0}]
+
+
+def test_a_request_without_token_ids_cannot_be_audited(store):
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    model_id, rids = _capture(store, model, ids, mask, hooks="resid_post")
+    with pytest.raises(AuditError, match="token_ids"):
+        store.audit(model_id, model=model, request_ids=rids[:1])
+
+
+def test_a_model_in_another_dtype_is_refused(store):
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    model_id, rids = _capture(store, model, ids, mask)
+    with pytest.raises(AuditError, match="bfloat16"):
+        store.audit(model_id, model=model.to(torch.bfloat16), request_ids=rids[:1])
+
+
+def test_the_sample_is_seeded_and_spread_over_runs_and_prompt_lengths(store):
+    model = tiny("gpt2")
+    ids, mask = left_padded_batch(lengths=(7, 4, 6, 3, 5, 2, 8, 6))
+    _capture(store, model, ids, mask, run_id="run-a")
+    model_id, _ = _capture(store, model, ids[:4], mask[:4], run_id="run-b")
+    a = store.audit(model_id, model=model, requests=4, seed=3, record=False)
+    b = store.audit(model_id, model=model, requests=4, seed=3, record=False)
+    assert a.requests == b.requests and len(set(a.requests)) == 4
+    assert {run for run, _ in a.requests} == {"run-a", "run-b"}
+    assert a.passed
