@@ -45,6 +45,8 @@ _LAZY = {
     "RecoveredPack": "dmi._values",
     "TokenLoader": "dmi._loader",
     "ShuffleQuality": "dmi._loader",
+    "AuditReport": "dmi._audit",
+    "AuditCheck": "dmi._audit",
 }
 
 __all__ = [
@@ -63,6 +65,8 @@ __all__ = [
     "RecoveredPack",
     "TokenLoader",
     "ShuffleQuality",
+    "AuditReport",
+    "AuditCheck",
     "default_home",
     *_errors.__all__,
 ]

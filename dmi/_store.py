@@ -314,7 +314,8 @@ class Store:
                            phases=phases, where=where, params=params, **options)
 
     def audit(self, model_id: str, *, model: Any, run_id: str | None = None, requests: int | None = None,
-              request_ids: Any = None, seed: int = 0, exact: bool = False, record: bool = True) -> Any:
+              request_ids: Any = None, seed: int = 0, exact: bool = False, record: bool = True,
+              model_name: str | None = None) -> Any:
         """Re-run a seeded sample of ``model_id``'s captured requests alone through ``model`` and
         compare every captured hook and layer with the re-run; see ``docs/audit.md``.
 
@@ -323,6 +324,7 @@ class Store:
         (default 8), or ``request_ids``: exactly these. ``exact=True``: the capture ran
         alone on this device, so demand bit-identical values (default: allow the dtype's
         batched-matmul noise). ``record``: write the verdicts to the catalog's audits table.
+        ``model_name``: what the audit records as the model (default: the name or class).
 
         Returns a :class:`dmi.AuditReport` (``passed``, ``failures``, ``checks``). Raises
         ``AuditError`` (no token_ids, tensor-parallel capture, a model that does not fit),
@@ -330,7 +332,7 @@ class Store:
         """
         from dmi._audit import run_audit
 
-        name = model if isinstance(model, str) else type(model).__name__
+        name = model_name or (model if isinstance(model, str) else type(model).__name__)
         if isinstance(model, str):
             from dmi._models import load_model
 

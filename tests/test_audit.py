@@ -259,3 +259,42 @@ def test_the_sample_is_seeded_and_spread_over_runs_and_prompt_lengths(store):
     assert a.requests == b.requests and len(set(a.requests)) == 4
     assert {run for run, _ in a.requests} == {"run-a", "run-b"}
     assert a.passed
+
+
+def test_cli_audit_passes_an_honest_capture_and_show_lists_the_audit(tmp_path, capsys):
+    import json
+
+    from dmi.cli import main
+
+    home = ["--home", str(tmp_path)]
+    assert main(["capture", *home, "--model", "tiny-llama", "--prompt", "hi", "--prompt", "a longer prompt here",
+                 "--hooks", "resid token_ids logits", "--max-new-tokens", "3", "--json", "-q"]) == 0
+    captured = json.loads(capsys.readouterr().out)
+    model_id, rid = captured["model_id"], captured["request_ids"][1]
+    assert main(["audit", model_id, *home, "--model", "tiny-llama", "--requests", "2", "-q"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].endswith(": passed") and len(out) == 3  # one line per request, then the outcome
+    assert main(["show", model_id, rid, *home, "-q"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("audit ")]
+    assert "passed" in line and "against tiny-llama" in line
+
+
+def test_cli_audit_exits_1_and_names_the_fault(tmp_path, capsys):
+    # Injected before writing: the built-in bf16 model's resid_post layer 3 decode values of
+    # one request are doubled.
+    from dmi._models import load_model
+    from dmi.cli import main
+
+    def change(key, data):
+        if key.hook == "resid_post" and key.layer == 3 and key.phase == "decode" and key.request_id.endswith("1"):
+            data = data * 2
+        return key, data
+
+    model = load_model("tiny-llama").model
+    with dmi.open(home=tmp_path) as s:
+        ids, mask = left_padded_batch(lengths=(5, 8), vocab=200)
+        model_id, rids = _capture(s, model, ids, mask, writer=Tamper(change), hooks="resid_post token_ids")
+    assert main(["audit", model_id, "--home", str(tmp_path), "--model", "tiny-llama", "-q"]) == 1
+    fails = [x for x in capsys.readouterr().out.splitlines() if x.startswith("FAIL")]
+    assert fails == [f"FAIL request {rids[1]} resid_post layer 3: fail" + fails[0].split(": fail", 1)[1]]
+    assert "first position beyond it: 8" in fails[0]
