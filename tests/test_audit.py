@@ -79,14 +79,17 @@ def test_an_honest_batched_left_padded_capture_passes_on_every_architecture(stor
     assert any(c.verdict == "noise" for c in report.checks)  # batching moved some values, within bounds
 
 
-def test_a_capture_alone_is_bit_exact(store):
-    model = tiny("llama", attn="eager")
+@pytest.mark.parametrize("kind", ARCHS)
+def test_a_capture_alone_is_bit_exact(store, kind):
+    model = tiny(kind, attn="eager")
     ids, mask = left_padded_batch(lengths=(6,))
     model_id, rids = _capture(store, model, ids, mask, hooks="all token_ids")
     report = store.audit(model_id, model=model, request_ids=rids, exact=True)
     assert report.passed and report.tolerance == "exact"
     assert all(c.verdict == "exact" for c in report.checks)
-    assert len({(c.hook, c.layer) for c in report.checks}) == len(report.checks) == 1 + 3 + 3 * 11
+    per_layer = 12 if kind == "mixtral" else 11  # mixtral: router logits and top-k, no single mlp_post
+    n_global = 4  # token_ids, embed, final_norm, logits
+    assert len({(c.hook, c.layer) for c in report.checks}) == len(report.checks) == n_global + 3 * per_layer
 
 
 def _only(report, *, verdict="fail"):
