@@ -46,7 +46,8 @@ def _capture(store, model, ids, mask, *, generate=True, writer=None, hooks=HOOKS
 
 class Tamper:
     """A real ``PackWriter`` whose ``append`` first lets ``change(key, data)`` rewrite a record
-    (return the new ``(key, data)``): the fault lands in the packs and the catalog."""
+    (return the new ``(key, data)``, or a list of them: none drops it, two duplicate it): the
+    fault lands in the packs and the catalog."""
 
     def __init__(self, change):
         self.change = change
@@ -57,8 +58,9 @@ class Tamper:
         real_append = writer.append
 
         def append(key, data, *, shard=None):
-            key, data = change(key, data)
-            return real_append(key, data, shard=shard)
+            changed = change(key, data)
+            for new_key, new_data in changed if isinstance(changed, list) else [changed]:
+                real_append(new_key, new_data, shard=shard)
 
         writer.append = append
         return writer
@@ -211,6 +213,74 @@ def test_the_same_perturbation_fails_an_exact_audit(store):
     (failed,) = _only(report)
     assert (failed.hook, failed.layer, failed.first_fail) == ("resid_mid", 0, 5)
     assert store.audit(model_id, model=model, request_ids=rids).passed  # within batched noise
+
+
+def test_a_record_claiming_the_wrong_decode_step_is_caught(store):
+    # Injected before writing: attn_v layer 1's decode records say they were fed one step
+    # later than they were; positions and values are right.
+    def change(key, data):
+        if key.hook == "attn_v" and key.layer == 1 and key.phase == "decode":
+            key = dataclasses.replace(key, step=key.step + 1)
+        return key, data
+
+    report, rids = _batched(store, change)
+    failed = _only(report)
+    assert {(c.request_id, c.hook, c.layer) for c in failed} == {(r, "attn_v", 1) for r in rids}
+    assert all("token_ids say that position was fed at step 1" in c.detail for c in failed)
+
+
+def test_a_record_written_twice_is_caught(store):
+    # Injected before writing: request 0's first embed decode record is appended twice.
+    def change(key, data):
+        if key.hook == "embed" and key.phase == "decode" and key.step == 1 and key.request_id.endswith("000000"):
+            return [(key, data), (key, data)]
+        return key, data
+
+    report, rids = _batched(store, change)
+    (failed,) = _only(report)
+    assert (failed.request_id, failed.hook, failed.first_fail) == (rids[0], "embed", 7)
+    assert failed.detail == "two records start at position 7"
+
+
+def test_a_gap_in_the_token_ids_fails_the_request(store):
+    # Injected before writing: request 1's first decode chunk of token_ids (steps 1-2) is
+    # dropped (a lost slot); the chunk of step 3 remains.
+    def change(key, data):
+        if key.hook == "token_ids" and key.request_id.endswith("000001") and key.step == 1:
+            return []
+        return key, data
+
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    model_id, rids = _capture(store, model, ids, mask, writer=Tamper(change))
+    report = store.audit(model_id, model=model, request_ids=rids)
+    (failed,) = _only(report)
+    assert (failed.request_id, failed.hook) == (rids[1], "token_ids")
+    assert [c for c in report.checks if c.request_id == rids[1]] == [failed]  # values are not compared
+    assert failed.detail == "token_ids records gap at position 4 (a record starts at 6)"
+
+
+def test_a_model_with_fewer_layers_is_refused(store):
+    ids, mask = left_padded_batch()
+    model_id, rids = _capture(store, tiny("llama"), ids, mask, hooks="resid_post token_ids")
+    with pytest.raises(AuditError, match="no resid_post at layer 2"):
+        store.audit(model_id, model=tiny("llama", num_hidden_layers=2), request_ids=rids[:1])
+
+
+def test_an_older_catalog_is_upgraded_in_place(tmp_path, monkeypatch):
+    from dmi.catalog import _schema, open_catalog
+
+    uri = "chdb://" + str(tmp_path / "catalog")
+    with monkeypatch.context() as old:  # a catalog as schema version 1 wrote it: no audits table
+        old.setattr(_schema, "SCHEMA_VERSION", 1)
+        old.setattr(_schema, "TABLES", tuple(t for t in _schema.TABLES if t != "audits"))
+        with open_catalog(uri) as catalog:
+            assert catalog.schema_version() == 1
+            tables = catalog.sql("SELECT name FROM system.tables WHERE name LIKE '%audits'").num_rows
+            assert tables == 0
+    with open_catalog(uri) as catalog:
+        assert catalog.schema_version() == _schema.SCHEMA_VERSION == 2
+        assert catalog.audits().num_rows == 0
 
 
 @pytest.mark.skip(reason="tensor-parallel capture does not exist yet (capture/ has no TP producer), so no "
