@@ -14,6 +14,7 @@ import uuid
 import pyarrow as pa
 import pytest
 
+from dmi.catalog._schema import SCHEMA_VERSION
 from dmi.catalog import Watermark, open_catalog
 from dmi.storage import (
     ByteRange,
@@ -181,11 +182,11 @@ class CatalogConformance(RecoveryConformance):
 
     # ------------------------------------------------------------------ schema
     def test_schema_version_row_and_idempotent_creation(self, catalog, catalog_uri):
-        assert catalog.schema_version() == 1
+        assert catalog.schema_version() == SCHEMA_VERSION
         with self.open_more(catalog_uri) as again:
-            assert again.schema_version() == 1
+            assert again.schema_version() == SCHEMA_VERSION
         rows = catalog.sql(f"SELECT version FROM {catalog.tables['schema']}").column("version").to_pylist()
-        assert rows == [1]
+        assert rows == [SCHEMA_VERSION]
 
     def test_newer_schema_is_refused(self, catalog, catalog_uri):
         catalog._backend.insert(

@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from dmi.catalog._schema import SCHEMA_VERSION
 from dmi.catalog import default_catalog_uri, open_catalog
 from dmi.storage import (
     BackendNotInstalledError,
@@ -64,7 +65,7 @@ def test_one_directory_per_process(tmp_path):
             assert second.models() == []
         assert first.models() == []
     with open_catalog(f"chdb://{tmp_path / 'b'}") as later:
-        assert later.schema_version() == 1
+        assert later.schema_version() == SCHEMA_VERSION
 
 
 def test_many_threads_share_one_catalog(tmp_path):
