@@ -371,3 +371,31 @@ def test_cli_audit_exits_1_and_names_the_fault(tmp_path, capsys):
     fails = [x for x in capsys.readouterr().out.splitlines() if x.startswith("FAIL")]
     assert fails == [f"FAIL request {rids[1]} resid_post layer 3: fail" + fails[0].split(": fail", 1)[1]]
     assert "first position beyond it: 8" in fails[0]
+
+
+def _audit_rows_of_a_real_audit(tmp_path):
+    """The catalog rows of a real audit of a capture with one fault (request 1's resid_post@0)."""
+    from dmi._audit import audit_rows
+
+    def change(key, data):
+        if key.hook == "resid_post" and key.layer == 0 and key.request_id.endswith("000001"):
+            data = data - 1.0
+        return key, data
+
+    with dmi.open(home=tmp_path) as s:
+        report, rids = _batched(s, change)
+    return audit_rows(report), report, rids
+
+
+@pytest.mark.live
+def test_audits_are_recorded_and_summarised_on_a_server(tmp_path, clickhouse_uri):
+    from dmi.catalog import open_catalog
+
+    rows, report, rids = _audit_rows_of_a_real_audit(tmp_path)
+    with open_catalog(clickhouse_uri) as catalog:
+        catalog.record_audit(rows)
+        summary = catalog.audits(report.model_id).to_pylist()
+        assert [r["request_id"] for r in summary] == sorted(rids)
+        assert [(r["failed"], r["first_failure"]) for r in summary] == [(0, ""), (1, "resid_post@0"), (0, "")]
+        assert sum(r["checks"] for r in summary) == len(report.checks)
+        assert catalog.audits(request_id=rids[1], audit_id=report.audit_id).num_rows == 1
