@@ -1,11 +1,11 @@
 """``store.audit``: honest captures pass, deliberately broken ones are caught and named.
 
 Every test captures a real tiny HF model (built from a config) into a real store (chDB
-catalog, pack files). Faults are injected into that real capture in one of two ways, said
-in each test: by patching the captured tensor on its way to the pack writer (a wrapper
-around the real ``PackWriter`` that changes the key or the data of chosen records before
-they are written), so the fault is in the packs and index rows exactly as a capture bug
-would put it there.
+catalog, pack files). Faults are injected into that real capture by patching captured
+records on their way to the pack writer (``Tamper``: a wrapper around the real
+``PackWriter`` that changes the key or the data of chosen records, drops or duplicates
+them, before they are written), so the fault is in the packs and index rows exactly as a
+capture bug would put it there; each test says which records it changes.
 """
 
 from __future__ import annotations
@@ -399,3 +399,18 @@ def test_audits_are_recorded_and_summarised_on_a_server(tmp_path, clickhouse_uri
         assert [(r["failed"], r["first_failure"]) for r in summary] == [(0, ""), (1, "resid_post@0"), (0, "")]
         assert sum(r["checks"] for r in summary) == len(report.checks)
         assert catalog.audits(request_id=rids[1], audit_id=report.audit_id).num_rows == 1
+
+
+def test_an_honest_capture_of_the_real_smollm2_passes_where_installed(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained("HuggingFaceTB/SmolLM2-135M", local_files_only=True)
+    except OSError:
+        pytest.skip("HuggingFaceTB/SmolLM2-135M is not in the local Hugging Face cache (nothing is downloaded)")
+    model = model.eval()
+    model.generation_config.pad_token_id = 0
+    ids, mask = left_padded_batch(lengths=(9, 4, 12), vocab=model.config.vocab_size)
+    with dmi.open(home=tmp_path) as s:
+        model_id, rids = _capture(s, model, ids, mask, hooks="resid_post attn_q mlp_out token_ids logits")
+        report = s.audit(model_id, model=model, request_ids=rids)
+    assert report.passed, [c.describe() for c in report.failures]
