@@ -414,3 +414,22 @@ def test_an_honest_capture_of_the_real_smollm2_passes_where_installed(tmp_path):
         model_id, rids = _capture(s, model, ids, mask, hooks="resid_post attn_q mlp_out token_ids logits")
         report = s.audit(model_id, model=model, request_ids=rids)
     assert report.passed, [c.describe() for c in report.failures]
+
+
+def test_only_the_sampled_requests_records_are_read(store, monkeypatch):
+    import dmi._store
+
+    model = tiny("qwen2")
+    ids, mask = left_padded_batch(lengths=(7, 4, 6, 3, 5))
+    model_id, rids = _capture(store, model, ids, mask)
+    read = []
+    real = dmi._store.read_records
+
+    def spy(packs, entries, **kw):
+        read.extend(e.meta.key.request_id for e in entries)
+        return real(packs, entries, **kw)
+
+    monkeypatch.setattr(dmi._store, "read_records", spy)
+    report = store.audit(model_id, model=model, requests=2)
+    chosen = {rid for _, rid in report.requests}
+    assert len(chosen) == 2 and set(read) == chosen
