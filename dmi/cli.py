@@ -226,9 +226,8 @@ def _cmd_requests(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from dmi._human import human_bytes, human_count
-
     from dmi._audit_cli import audit_lines
+    from dmi._human import human_bytes, human_count
 
     with _open_store(args) as store:
         contents = store.contents(args.model_id, args.request_id, run_id=args.run)
