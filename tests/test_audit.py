@@ -81,6 +81,17 @@ def test_an_honest_batched_left_padded_capture_passes_on_every_architecture(stor
     assert any(c.verdict == "noise" for c in report.checks)  # batching moved some values, within bounds
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_attention_patterns_of_a_batched_left_padded_capture_pass(store, kind):
+    model = tiny(kind, attn="eager")
+    ids, mask = left_padded_batch()
+    model_id, rids = _capture(store, model, ids, mask, hooks="attn_pattern token_ids")
+    report = store.audit(model_id, model=model, request_ids=rids)
+    assert report.passed, [c.describe() for c in report.failures]
+    patterns = [c for c in report.checks if c.hook == "attn_pattern"]
+    assert len(patterns) == 3 * 3 and all(c.n_records == N_NEW for c in patterns)  # one record per step
+
+
 @pytest.mark.parametrize("kind", ARCHS)
 def test_a_capture_alone_is_bit_exact(store, kind):
     model = tiny(kind, attn="eager")
@@ -347,9 +358,15 @@ def test_cli_audit_passes_an_honest_capture_and_show_lists_the_audit(tmp_path, c
     assert main(["audit", model_id, *home, "--model", "tiny-llama", "--requests", "2", "-q"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[-1].endswith(": passed") and len(out) == 3  # one line per request, then the outcome
+    assert main(["audit", model_id, *home, "--model", "tiny-llama", "--request", rid, "--json", "-q"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["requests"] == [[captured["run_id"], rid]]
+    assert {c["hook"] for c in report["checks"]} == {"token_ids", "embed", "resid_pre", "resid_mid", "resid_post",
+                                                     "final_norm", "logits"}
     assert main(["show", model_id, rid, *home, "-q"]) == 0
-    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("audit ")]
-    assert "passed" in line and "against tiny-llama" in line
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("audit ")]
+    assert len(lines) == 2 and lines[0].startswith(f"audit {report['audit_id']} ")  # both audits, newest first
+    assert all("passed" in line and "against tiny-llama" in line for line in lines)
 
 
 def test_cli_audit_exits_1_and_names_the_fault(tmp_path, capsys):
