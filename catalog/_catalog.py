@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dmi.catalog import _deletion, _schema
+from dmi.catalog._audits import audit_rows_table
 from dmi.catalog._catalog_backend import CatalogBackend
 from dmi.catalog._deletion import Deletion
 from dmi.catalog._leases import LeaseState, LeaseTables, Publisher, Watermark, read_state, validate_record_ids
@@ -152,7 +153,7 @@ class Catalog:
                 self._backend.command(statement)
         for statement in ddl[1:]:
             self._backend.command(statement)
-        if found is None or found < _schema.SCHEMA_VERSION:
+        if found is None or found < _schema.SCHEMA_VERSION:  # new, or upgraded in place above
             self._backend.insert(
                 self._tables["schema"],
                 pa.Table.from_pylist(
@@ -318,6 +319,38 @@ class Catalog:
         Idempotent; finishes a deletion that crashed between its tombstone and its files.
         """
         return _deletion.purge(self, store)
+
+    # ----------------------------------------------------------------- audits
+    def record_audit(self, rows: Sequence[dict]) -> None:
+        """Append one audit's rows (one per request, hook and layer checked; fields as in
+        ``dmi.catalog._audits.AUDIT_SCHEMA``). Written by ``Store.audit``."""
+        if rows:
+            for r in rows:
+                validate_value_id(r.get("model_id"), "model id")
+                validate_value_id(r.get("run_id"), "run id")
+                validate_value_id(r.get("request_id"), "request id")
+            self._backend.insert(self._tables["audits"], audit_rows_table(rows))
+
+    def audits(self, model_id: str | None = None, run_id: str | None = None, request_id: str | None = None,
+               audit_id: str | None = None) -> pa.Table:
+        """One row per audit (and per run and request it checked), newest first: ``audit_id``,
+        ``model_id``, ``run_id``, ``request_id``, ``audited_at``, ``model``, ``tolerance``,
+        ``checks``, ``exact``, ``noise``, ``failed``, ``first_failure`` (the first failing
+        ``hook@layer``, or empty). The per-hook rows are in the ``audits`` table (:attr:`tables`)."""
+        where, params = self._filters(model_id=model_id, run_id=run_id, request_id=request_id)
+        if audit_id is not None:
+            params["audit_id"] = validate_value_id(audit_id, "audit id")
+            where += " AND audit_id = %(audit_id)s"
+        return self._backend.query(
+            "SELECT audit_id, model_id, run_id, request_id, any(audited_at) AS audited_at, any(model) AS model, "
+            "any(tolerance) AS tolerance, count() AS checks, countIf(verdict = 'exact') AS exact, "
+            "countIf(verdict = 'noise') AS noise, countIf(verdict = 'fail') AS failed, "
+            "arrayStringConcat(arraySlice(groupArrayIf(concat(hook, '@', toString(layer)), verdict = 'fail'), 1, 1), '') "
+            "AS first_failure "
+            f"FROM {self._tables['audits']} {where} "
+            "GROUP BY audit_id, model_id, run_id, request_id ORDER BY audited_at DESC, request_id",
+            params,
+        )
 
     # ----------------------------------------------------------------- recovery
     def recover(

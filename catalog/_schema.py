@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import pyarrow as pa
 
+from dmi.catalog._audits import AUDITS_DDL
 from dmi.storage.record_schema import PAYLOAD_FIELDS, RECORD_FIELDS, entries_from_columns, field_columns
 from dmi.storage.records import PackDescriptor, RecordEntry
 
@@ -23,7 +24,8 @@ a lower version is upgraded in place when opened: missing record columns are add
 (:func:`record_column_upgrades`), then :data:`UPGRADES` run, then the idempotent CREATEs.
 
 Version 2: records gain the token layout (``token_axis``, ``key_axis``); ``deletions``
-(tombstones) is added and ``records_published`` honours them."""
+(tombstones) is added and ``records_published`` honours them; ``audits`` (what
+``dmi audit`` checked and found) is added."""
 
 _LOCATION_FIELDS = (("pack_id", pa.string(), "String"), ("record_index", pa.uint32(), "UInt32"), *PAYLOAD_FIELDS)
 """Index-only columns of a record row: which pack, which record in it, which bytes."""
@@ -32,7 +34,7 @@ _RECORD_COLUMNS_DDL = ",\n            ".join(
     [f"{f.name} {f.clickhouse}" for f in RECORD_FIELDS] + [f"{name} {ch}" for name, _, ch in _LOCATION_FIELDS]
 )
 
-TABLES = ("schema", "packs", "records", "leases", "fences", "watermarks", "losses", "deletions")
+TABLES = ("schema", "packs", "records", "leases", "fences", "watermarks", "losses", "deletions", "audits")
 
 _DDL = {
     "schema": """
@@ -75,6 +77,7 @@ _DDL = {
             deletion_id String, model_id String, run_id String, pack_ids Array(String),
             n_records UInt64, deleted_by String, deleted_at Float64
         ) ENGINE = MergeTree ORDER BY (model_id, run_id, deletion_id)""",
+    "audits": AUDITS_DDL,
 }
 
 # Watermarks readers may see: not cut off by any fence a later term wrote.

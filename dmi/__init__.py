@@ -49,6 +49,8 @@ _LAZY = {
     "ShuffleQuality": "dmi._loader",
     "RunSummary": "dmi._values",
     "DeleteReport": "dmi._values",
+    "AuditReport": "dmi._audit",
+    "AuditCheck": "dmi._audit",
 }
 
 __all__ = [
@@ -69,6 +71,8 @@ __all__ = [
     "ShuffleQuality",
     "RunSummary",
     "DeleteReport",
+    "AuditReport",
+    "AuditCheck",
     "default_home",
     "load_model",
     "LoadedModel",

@@ -193,7 +193,7 @@ class Store:
 
         ``{records}`` expands to the published records (one row per record: key, dtype,
         shape, codec, sizes, pack and byte range, ``l2_norm``/``mean``/``absmax``);
-        ``{packs}``, ``{losses}``, ``{watermarks}``, ``{records_all}`` (unpublished rows too)
+        ``{packs}``, ``{losses}``, ``{watermarks}``, ``{audits}``, ``{records_all}`` (unpublished rows too)
         to the other tables (see ``tables``). Other braces are left alone. Raises
         ``ServerError`` (with ClickHouse's code and name) on a bad query,
         ``InvalidArgumentError`` if ``query`` is not a string.
@@ -346,6 +346,35 @@ class Store:
 
         return open_loader(self.catalog, self.packs, model_id, hooks=hooks, layers=layers, runs=runs,
                            phases=phases, where=where, params=params, **options)
+
+    def audit(self, model_id: str, *, model: Any, run_id: str | None = None, requests: int | None = None,
+              request_ids: Any = None, seed: int = 0, exact: bool = False, record: bool = True,
+              model_name: str | None = None) -> Any:
+        """Re-run a seeded sample of ``model_id``'s captured requests alone through ``model`` and
+        compare every captured hook and layer with the re-run; see ``docs/audit.md``.
+
+        ``model``: the ``nn.Module`` that was captured (same weights and dtype), or a built-in
+        name / local directory for ``dmi.load_model``. ``requests``: how many to sample
+        (default 8), or ``request_ids``: exactly these. ``exact=True``: the capture ran
+        alone on this device, so demand bit-identical values (default: allow the dtype's
+        batched-matmul noise). ``record``: write the verdicts to the catalog's audits table.
+        ``model_name``: what the audit records as the model (default: the name or class).
+
+        Returns a :class:`dmi.AuditReport` (``passed``, ``failures``, ``checks``). Raises
+        ``AuditError`` (no token_ids, tensor-parallel capture, a model that does not fit),
+        ``RecordNotFoundError``, ``InvalidArgumentError``.
+        """
+        from dmi._audit import run_audit
+
+        name = model_name or (model if isinstance(model, str) else type(model).__name__)
+        if isinstance(model, str):
+            from dmi._models import load_model
+
+            model = load_model(model).model
+        return run_audit(self.catalog, lambda entries: read_records(self.packs, entries, cache=self._footers),
+                         model_id, model, model_name=name, run_id=run_id, requests=requests,
+                         request_ids=None if request_ids is None else list(request_ids), seed=seed, exact=exact,
+                         record=record)
 
     def _assemble(self, entries: list[RecordEntry], *, shard_rank: int | None, merge_shards: bool) -> torch.Tensor:
         from dmi.reader import assemble, read_records

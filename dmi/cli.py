@@ -315,12 +315,14 @@ def _cmd_requests(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
+    from dmi._audit_cli import audit_lines
     from dmi._human import human_bytes, human_count
 
     with _open_store(args) as store:
         contents = store.contents(args.model_id, args.request_id, run_id=args.run)
+        audits = store.catalog.audits(contents.model_id, contents.run_id, contents.request_id).to_pylist()
     if args.json:
-        _emit_json(contents.as_dict())
+        _emit_json({**contents.as_dict(), "audits": audits})
         return EXIT_OK
     rows = [h.as_dict() for h in contents.hooks]
     _say(args, f"model {contents.model_id}  request {contents.request_id}  run {contents.run_id}")
@@ -340,6 +342,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
     for loss in contents.losses:
         where = "global" if loss.layer < 0 else f"layer {loss.layer}"
         print(f"lost: {human_count(loss.count)} {loss.hook} records ({where}) dropped: {loss.reason}")
+    for line in audit_lines(audits):
+        print(line)
     return EXIT_OK
 
 
@@ -393,6 +397,19 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
     return "" if value is None else str(value)
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from dmi._audit_cli import report_lines, run_audit_command
+
+    with _open_store(args) as store:
+        report = run_audit_command(store, args)
+    if args.json:
+        _emit_json(report.as_dict())
+    else:
+        for line in report_lines(report):
+            print(line)
+    return EXIT_OK if report.passed else EXIT_FAILURE
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -549,6 +566,17 @@ def _build_parser() -> argparse.ArgumentParser:
 
     sql = add("sql", _cmd_sql, "run SQL over the catalog's index (no payload is read)", [tabular])
     sql.add_argument("query", help="the query ('-' reads it from stdin)")
+
+    aud = add("audit", _cmd_audit, "re-run captured requests alone through the model and compare every hook "
+              "and layer (docs/audit.md)", [tabular, selecting])
+    aud.add_argument("model_id")
+    aud.add_argument("--model", required=True, metavar="DIR|NAME", help="the captured model: a local HF directory or a built-in name")
+    which = aud.add_mutually_exclusive_group()
+    which.add_argument("--requests", type=int, metavar="N", help="audit a seeded sample of N requests (default: 8)")
+    which.add_argument("--request", action="append", metavar="ID", help="audit this request (repeatable)")
+    aud.add_argument("--seed", type=int, default=0, help="the sample's seed (default: 0)")
+    aud.add_argument("--exact", action="store_true", help="the capture ran alone on this device: demand bit-identical values")
+    aud.add_argument("--attn-implementation", metavar="IMPL", help="attention implementation to load the model with (as captured)")
 
     ver = add("verify", _cmd_verify, "check every record's checksum; report corrupt records by pack and key", [tabular])
     ver.add_argument("--model-id", metavar="ID", help="only this model's records")

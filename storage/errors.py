@@ -33,13 +33,14 @@ exception types. Builtin mix-ins are added where callers naturally expect them.
     │   ├── RecordNotFoundError (LookupError)
     │   ├── DuplicateChunkError                  same request/hook/layer/start twice
     │   └── ShardMergeError                      TP geometry missing or ambiguous
-    └── CaptureError                             hooks, ring, drain
-        ├── HookSelectionError (InvalidArgumentError)   unknown hook/group, bad layer range
-        ├── AttachError                          model already owned, unsupported model
-        ├── AttentionImplementationError         attn_pattern needs eager attention
-        ├── UnsupportedGenerationError (InvalidArgumentError)   beam search: refused before the model runs
-        ├── RingFullError (TimeoutError)         producer waited its bound for a free slot
-        └── DrainError                           the drain thread failed; cause attached
+    ├── CaptureError                             hooks, ring, drain
+    │   ├── HookSelectionError (InvalidArgumentError)   unknown hook/group, bad layer range
+    │   ├── AttachError                          model already owned, unsupported model
+    │   ├── AttentionImplementationError         attn_pattern needs eager attention
+    │   ├── UnsupportedGenerationError (InvalidArgumentError)   beam search: refused before the model runs
+    │   ├── RingFullError (TimeoutError)         producer waited its bound for a free slot
+    │   └── DrainError                           the drain thread failed; cause attached
+    └── AuditError                               a capture cannot be audited (no token ids, gaps, TP)
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ __all__ = [
     "UnsupportedGenerationError",
     "RingFullError",
     "DrainError",
+    "AuditError",
 ]
 
 
@@ -211,3 +213,9 @@ class RingFullError(CaptureError, TimeoutError):
 
 class DrainError(CaptureError):
     """The drain thread failed; the original exception is the ``__cause__``."""
+
+
+class AuditError(DMIError):
+    """A capture cannot be audited: the request lacks its ``token_ids``, has gaps, was
+    captured with tensor parallelism, or does not fit the model given for the re-run.
+    (An audit that runs and finds wrong values is a result, not this error.)"""

@@ -361,11 +361,11 @@ class CatalogConformance(RecoveryConformance, DeletionCrashConformance):
 
     # ------------------------------------------------------------------ schema
     def test_schema_version_row_and_idempotent_creation(self, catalog, catalog_uri):
-        assert catalog.schema_version() == 2
+        assert catalog.schema_version() == SCHEMA_VERSION
         with self.open_more(catalog_uri) as again:
-            assert again.schema_version() == 2
+            assert again.schema_version() == SCHEMA_VERSION
         rows = catalog.sql(f"SELECT version FROM {catalog.tables['schema']}").column("version").to_pylist()
-        assert rows == [2]
+        assert rows == [SCHEMA_VERSION]
 
     def test_newer_schema_is_refused(self, catalog, catalog_uri):
         catalog._backend.insert(

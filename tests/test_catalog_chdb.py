@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from dmi.catalog._schema import SCHEMA_VERSION
 from dmi.catalog import default_catalog_uri, open_catalog
 from dmi.storage import (
     BackendNotInstalledError,

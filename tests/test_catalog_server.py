@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from dmi.catalog._schema import SCHEMA_VERSION
 from dmi.catalog import open_catalog
 from dmi.storage import CatalogUnavailableError, ServerError
 from tests._clickhouse import free_port
@@ -36,6 +37,6 @@ def test_authentication_error_keeps_code_and_name(clickhouse_server):
 def test_unusual_legal_database_names_work(clickhouse_server):
     for name in ("my-analytics-db", "9lives", "défaut"):
         with open_catalog(clickhouse_server.uri(name)) as catalog:
-            assert catalog.schema_version() == 2
+            assert catalog.schema_version() == SCHEMA_VERSION
             assert catalog.tables["records"] == f"`{name}`.`dmi_records`"
             catalog._backend.command(f"DROP DATABASE `{name}`")  # sql() is read-only

@@ -14,7 +14,8 @@ from dmi._human import Progress, human_bytes, human_count, human_seconds, render
 from dmi._plot import token_norms, write_norm_plot
 from dmi.cli import _build_parser, main, parse_layers
 
-COMMANDS = ("demo", "capture", "models", "runs", "requests", "show", "get", "sql", "verify", "recover", "delete", "plot")
+COMMANDS = ("demo", "capture", "models", "runs", "requests", "show", "get", "sql", "audit", "verify", "recover",
+            "delete", "plot")
 
 
 def png_size(path) -> tuple[int, int]:
@@ -51,6 +52,7 @@ def _required(command: str) -> list[str]:
         "show": ["m", "r"],
         "get": ["m", "r", "h", "-o", "x.pt"],
         "sql": ["SELECT 1"],
+        "audit": ["m", "--model", "tiny-llama"],
         "plot": ["m", "r"],
     }.get(command, [])
 

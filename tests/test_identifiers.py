@@ -8,6 +8,7 @@ from urllib.parse import quote
 
 import pytest
 
+from dmi.catalog._schema import SCHEMA_VERSION
 from dmi.catalog import open_catalog
 from dmi.storage import InvalidArgumentError, InvalidIdentifierError
 from dmi.catalog._sql import (
@@ -165,7 +166,7 @@ def test_unrenderable_value_is_refused():
 def test_legal_names_work_as_databases_and_prefixes_on_chdb(chdb_catalog, name):
     before = set(chdb_catalog.sql("SELECT name FROM system.databases").column("name").to_pylist())
     with open_catalog(chdb_catalog.where, database=name, table_prefix=name + "_") as catalog:
-        assert catalog.schema_version() == 2
+        assert catalog.schema_version() == SCHEMA_VERSION
         tables = catalog.sql(
             f"SELECT name FROM system.tables WHERE database = {render_literal(name)} ORDER BY name"
         ).column("name").to_pylist()
@@ -186,7 +187,7 @@ def test_values_and_names_on_the_server(clickhouse_uri, clickhouse_server):
             uri = clickhouse_server.uri(quote(name, safe=""))
             with open_catalog(uri, table_prefix=name + "_") as other:
                 assert other.tables["records"] == f"`{name}`.`{name}_records`"
-                assert other.schema_version() == 2
+                assert other.schema_version() == SCHEMA_VERSION
                 databases = catalog.sql("SELECT name FROM system.databases").column("name").to_pylist()
                 assert name in databases
                 other._backend.command(f"DROP DATABASE {quote_identifier(name)}")  # sql() is read-only

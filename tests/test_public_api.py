@@ -30,7 +30,7 @@ def test_facade_reexports_errors():
 DMI_ALL = [
     "__version__", "open", "capture", "Store", "LazyInternal", "ModelSummary", "RequestSummary", "HookSummary",
     "RequestContents", "Loss", "VerifyReport", "Problem", "RecoveredPack", "TokenLoader", "ShuffleQuality",
-    "RunSummary", "DeleteReport", "default_home", "load_model", "LoadedModel",
+    "RunSummary", "DeleteReport", "AuditReport", "AuditCheck", "default_home", "load_model", "LoadedModel",
 ]
 
 CAPTURE_ALL = [

@@ -1,0 +1,348 @@
+"""``store.audit`` / ``dmi audit``: prove a capture right after the fact.
+
+A seeded sample of captured requests is re-run one by one, alone, through the model
+(:mod:`dmi._audit_rerun`), and every captured hook and layer of those requests is compared
+with the re-run (:mod:`dmi._audit_compare`): token ids first (the request's ``token_ids``
+records must cover its positions once each, and every other record must sit at the step
+and phase its positions were fed in), then values. Only the sampled requests' records are
+read. The verdicts are written to the catalog's audits table (``Catalog.audits``).
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from dmi._audit_compare import Difference, compare, tolerance
+from dmi._audit_rerun import Reference, rerun_alone
+from dmi.storage.errors import AuditError, InvalidArgumentError, RecordNotFoundError
+from dmi.storage.records import RecordEntry
+
+__all__ = ["AuditCheck", "AuditReport", "run_audit", "sample_requests", "audit_rows"]
+
+ReadRecords = Callable[[list[RecordEntry]], list[torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
+class AuditCheck:
+    """The verdict on one (request, hook, layer): ``"exact"`` (bit-identical to the re-run),
+    ``"noise"`` (within the tolerance ``bound`` of kind ``tolerance``) or ``"fail"``.
+
+    A failure says where: ``first_fail`` is the first position beyond the bound (``None``
+    when the failure is structural), ``detail`` what was wrong.
+    """
+
+    run_id: str
+    request_id: str
+    hook: str
+    layer: int
+    verdict: str
+    tolerance: str
+    bound: float
+    n_records: int
+    n_tokens: int
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    rel_l2: float = 0.0
+    first_diff: int | None = None
+    first_fail: int | None = None
+    detail: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.verdict == "fail"
+
+    def describe(self) -> str:
+        """One line naming the request, hook, layer and (on failure) the first bad position."""
+        where = "global" if self.layer < 0 else f"layer {self.layer}"
+        text = f"request {self.request_id} {self.hook} {where}: {self.verdict}"
+        if self.verdict != "exact":
+            text += f" (max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}, rel L2 {self.rel_l2:.3g}"
+            text += f"; {self.tolerance} bound {self.bound:.3g})"
+        if self.first_fail is not None:
+            text += f", first position beyond it: {self.first_fail}"
+        return text + (f": {self.detail}" if self.detail else "")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class AuditReport:
+    """One audit: which requests of ``model_id`` were re-run (``requests``: ``(run, request)``
+    pairs) against ``model``, and a check per (request, hook, layer)."""
+
+    audit_id: str
+    model_id: str
+    model: str
+    seed: int
+    tolerance: str
+    audited_at: float
+    requests: tuple[tuple[str, str], ...]
+    checks: tuple[AuditCheck, ...]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    @property
+    def failures(self) -> tuple[AuditCheck, ...]:
+        return tuple(c for c in self.checks if c.failed)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**{k: getattr(self, k) for k in ("audit_id", "model_id", "model", "seed", "tolerance",
+                                                  "audited_at")},
+                "passed": self.passed, "requests": [list(r) for r in self.requests],
+                "checks": [c.as_dict() for c in self.checks]}
+
+
+# ------------------------------------------------------------------------------ sampling
+
+
+def sample_requests(token_entries: Sequence[RecordEntry], n: int, seed: int) -> list[tuple[str, str]]:
+    """``n`` requests chosen with ``seed``, spread over runs, batch positions and prompt lengths.
+
+    Requests are grouped by (run, prompt-length quartile within the run); groups are
+    visited round-robin in a seeded order, each giving its requests in a seeded order, so
+    a small sample still reaches every run, short and long prompts, and (since request ids
+    follow batch rows) early and late rows of a batch. Decode steps need no sampling: every
+    captured step of a chosen request is checked.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidArgumentError(f"requests must be a positive int, not {n!r}")
+    prompt: dict[tuple[str, str], int] = defaultdict(int)
+    for e in token_entries:
+        k = e.meta.key
+        prompt[(k.run_id, k.request_id)] += k.n_tokens if k.phase != "decode" else 0
+    rng = random.Random(seed)
+    groups: dict[tuple[str, int], list[tuple[str, str]]] = defaultdict(list)
+    by_run: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for pair in sorted(prompt):
+        by_run[pair[0]].append(pair)
+    for run, pairs in by_run.items():
+        ranked = sorted(pairs, key=lambda p: (prompt[p], p[1]))
+        for i, pair in enumerate(ranked):
+            groups[(run, 4 * i // len(ranked))].append(pair)
+    queues = [rng.sample(members, len(members)) for _, members in sorted(groups.items())]
+    rng.shuffle(queues)
+    chosen: list[tuple[str, str]] = []
+    while len(chosen) < n and any(queues):
+        for q in queues:
+            if q and len(chosen) < n:
+                chosen.append(q.pop())
+    return chosen
+
+
+# ------------------------------------------------------------------------------ one request
+
+
+def _token_problems(tokens: list[RecordEntry]) -> str:
+    """Why the request's ``token_ids`` records do not cover positions 0.. once each ('' if they do)."""
+    pos = 0
+    for e in tokens:
+        k = e.meta.key
+        if k.start_token != pos:
+            what = "overlap" if k.start_token < pos else "gap"
+            return f"token_ids records {what} at position {min(pos, k.start_token)} (a record starts at {k.start_token})"
+        pos += k.n_tokens
+    return ""
+
+
+def _step_at(tokens: list[RecordEntry], position: int) -> tuple[int, str] | None:
+    """The (step, phase) in which ``position`` was fed, from the token_ids records."""
+    for e in tokens:
+        k = e.meta.key
+        if k.start_token <= position < k.start_token + k.n_tokens:
+            offset = position - k.start_token if k.phase == "decode" else 0
+            return k.step + offset, k.phase
+    return None
+
+
+def _placement_problem(entry: RecordEntry, tokens: list[RecordEntry], total: int) -> str:
+    """Why a record is not where its request's tokens say it must be ('' when it is)."""
+    k = entry.meta.key
+    if k.start_token < 0 or k.start_token + k.n_tokens > total:
+        return f"record covers positions [{k.start_token}, {k.start_token + k.n_tokens}) but the request has {total} tokens"
+    fed = _step_at(tokens, k.start_token)
+    if fed != (k.step, k.phase):
+        return (f"record at position {k.start_token} says step {k.step} ({k.phase}); "
+                f"token_ids say that position was fed at step {fed[0]} ({fed[1]})")
+    return ""
+
+
+def _fail(run: str, rid: str, hook: str, layer: int, kind: str, bound: float, entries: list[RecordEntry],
+          detail: str, first: int | None = None) -> AuditCheck:
+    n = sum(e.meta.key.n_tokens for e in entries)
+    return AuditCheck(run, rid, hook, layer, "fail", kind, bound, len(entries), n, first_fail=first, detail=detail)
+
+
+def audit_request(model: Any, run: str, rid: str, entries: list[RecordEntry], read: ReadRecords,
+                  kind: str) -> list[AuditCheck]:
+    """Every check of one request (``entries``: all its records)."""
+    if any(e.meta.key.tp_size > 1 for e in entries):
+        raise AuditError(f"request {rid} (run {run}) was captured with tensor parallelism; auditing TP captures "
+                         "is not built yet (docs/audit.md, 'Tensor parallelism')")
+    tokens = sorted((e for e in entries if e.meta.key.hook == "token_ids"), key=lambda e: e.meta.key.start_token)
+    if not tokens:
+        raise AuditError(f"request {rid} (run {run}) has no token_ids records; an audit re-runs the captured "
+                         "tokens: capture with the token_ids hook (e.g. hooks='resid_post token_ids')")
+    problem = _token_problems(tokens)
+    if problem:
+        return [_fail(run, rid, "token_ids", -1, kind, 0.0, tokens, problem)]
+    ids = torch.cat(read(tokens))
+    prompt_len = sum(e.meta.key.n_tokens for e in tokens if e.meta.key.phase != "decode")
+    generate = tokens[0].meta.key.phase == "prefill"
+    groups: dict[tuple[str, int], list[RecordEntry]] = defaultdict(list)
+    for e in entries:
+        if e.meta.key.hook != "token_ids":
+            groups[(e.meta.key.hook, e.meta.key.layer)].append(e)
+    _check_model(model, groups, entries)
+    wanted: dict[str, set[int]] = defaultdict(set)
+    for hook, layer in groups:
+        wanted[hook].add(layer)
+    ref = rerun_alone(model, ids, prompt_len, generate=generate, wanted={h: tuple(sorted(l)) for h, l in wanted.items()})
+    checks = [AuditCheck(run, rid, "token_ids", -1, "exact", "exact", 0.0, len(tokens), len(ids))]
+    for (hook, layer), group in sorted(groups.items(), key=lambda kv: (_hook_rank(kv[0][0]), kv[0][1])):
+        group.sort(key=lambda e: e.meta.key.start_token)
+        checks.append(_check_group(run, rid, hook, layer, group, tokens, len(ids), ref, read, kind))
+    return checks
+
+
+def _check_model(model: Any, groups: dict, entries: list[RecordEntry]) -> None:
+    """Refuse a re-run model that cannot hold the captured hooks or computes in another dtype."""
+    from dmi.capture import resolve_architecture
+
+    arch = resolve_architecture(model)
+    for hook, layer in groups:
+        if layer >= arch.n_layers or not arch.available(hook):
+            raise AuditError(f"the model given for the re-run ({arch.model_type}, {arch.n_layers} layers) has no "
+                             f"{hook} at layer {layer}: is it the model that was captured?")
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    captured = {e.meta.dtype for e in entries if e.meta.key.hook not in ("token_ids", "router_topk")}
+    if captured and captured != {_dtype_name(dtype)}:
+        raise AuditError(f"the capture holds {', '.join(sorted(captured))} values but the model given computes in "
+                         f"{_dtype_name(dtype)}; load it in the captured dtype")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _hook_rank(hook: str) -> int:
+    from dmi.capture import HOOKS
+
+    return list(HOOKS).index(hook) if hook in HOOKS else len(HOOKS)
+
+
+def _check_group(run: str, rid: str, hook: str, layer: int, group: list[RecordEntry], tokens: list[RecordEntry],
+                 total: int, ref: Reference, read: ReadRecords, kind: str) -> AuditCheck:
+    """One (hook, layer) of one request: where each record sits, then the values of those
+    that sit where their tokens were fed. The first problem of either kind is named."""
+    problems: list[tuple[int, str]] = []
+    placed: list[RecordEntry] = []
+    seen: set[int] = set()
+    for e in group:
+        k = e.meta.key
+        problem = f"two records start at position {k.start_token}" if k.start_token in seen else \
+            _placement_problem(e, tokens, total)
+        seen.add(k.start_token)
+        if problem:
+            problems.append((k.start_token, problem))
+        else:
+            placed.append(e)
+    diffs: list[Difference] = []
+    bound = tolerance(kind, _dtype_of(group[0]))
+    for e, data in zip(placed, read(placed) if placed else []):
+        k = e.meta.key
+        want = ref.span(hook, layer, k.start_token, k.n_tokens)
+        if want.numel() != data.numel():
+            problems.append((k.start_token, f"record at position {k.start_token} has shape {tuple(data.shape)}, "
+                                            f"the re-run {tuple(want.shape)}"))
+            continue
+        diffs.append(compare(data, want.reshape(data.shape).to(data.dtype),
+                             token_axis=1 if hook == "attn_pattern" else 0, start=k.start_token, bound=bound))
+    return _merge(run, rid, hook, layer, kind, bound, group, diffs, sorted(problems))
+
+
+def _dtype_of(entry: RecordEntry) -> torch.dtype:
+    return getattr(torch, entry.meta.dtype)
+
+
+def _merge(run: str, rid: str, hook: str, layer: int, kind: str, bound: float, group: list[RecordEntry],
+           diffs: list[Difference], problems: list[tuple[int, str]]) -> AuditCheck:
+    fails = [(d.first_fail, f"values differ beyond the {kind} tolerance from position {d.first_fail}")
+             for d in diffs if d.first_fail is not None]
+    first = min(fails + problems) if fails or problems else None
+    firsts = [d.first_diff for d in diffs if d.first_diff is not None] + [p for p, _ in problems]
+    verdict = "fail" if first else ("exact" if all(d.exact for d in diffs) else "noise")
+    return AuditCheck(
+        run, rid, hook, layer, verdict, kind, bound, len(group), sum(e.meta.key.n_tokens for e in group),
+        max_abs=max((d.max_abs for d in diffs), default=0.0), max_rel=max((d.max_rel for d in diffs), default=0.0),
+        rel_l2=max((d.rel_l2 for d in diffs), default=0.0), first_diff=min(firsts) if firsts else None,
+        first_fail=first[0] if first else None, detail=first[1] if first else "",
+    )
+
+
+# ------------------------------------------------------------------------------ the audit
+
+
+def run_audit(catalog: Any, read: ReadRecords, model_id: str, model: Any, *, model_name: str,
+              run_id: str | None = None, requests: int | None = None, request_ids: Sequence[str] | None = None,
+              seed: int = 0, exact: bool = False, record: bool = True) -> AuditReport:
+    """Audit ``model_id``'s capture against ``model`` (see ``Store.audit``)."""
+    if requests is not None and request_ids is not None:
+        raise InvalidArgumentError("give requests=N (a sample) or request_ids=[...], not both")
+    kind = "exact" if exact else "batched"
+    if request_ids is not None:
+        chosen = _named(catalog, model_id, run_id, list(request_ids))
+    else:
+        token_entries = catalog.find_records(model_id, hook="token_ids", run_id=run_id)
+        if not token_entries:
+            raise AuditError(f"model {model_id!r}{'' if run_id is None else f' run {run_id!r}'} has no requests "
+                             "with token_ids records to audit (capture with the token_ids hook)")
+        chosen = sample_requests(token_entries, 8 if requests is None else requests, seed)
+    checks: list[AuditCheck] = []
+    for run, rid in chosen:
+        entries = catalog.find_records(model_id, request_id=rid, run_id=run)
+        checks.extend(audit_request(model, run, rid, entries, read, kind))
+    report = AuditReport(f"audit-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}",
+                         model_id, model_name, seed, kind, time.time(), tuple(chosen), tuple(checks))
+    if record:
+        catalog.record_audit(audit_rows(report))
+    return report
+
+
+def audit_rows(report: AuditReport) -> list[dict[str, Any]]:
+    """The catalog rows of ``report``: one per check (positions ``-1`` for none)."""
+    common = {"audit_id": report.audit_id, "model_id": report.model_id, "model": report.model,
+              "seed": report.seed, "audited_at": report.audited_at}
+    rows = []
+    for c in report.checks:
+        row = {**common, **c.as_dict()}
+        row["first_diff"] = -1 if c.first_diff is None else c.first_diff
+        row["first_fail"] = -1 if c.first_fail is None else c.first_fail
+        rows.append(row)
+    return rows
+
+
+def _named(catalog: Any, model_id: str, run_id: str | None, request_ids: list[str]) -> list[tuple[str, str]]:
+    if not request_ids:
+        raise InvalidArgumentError("request_ids is empty")
+    chosen = []
+    for rid in request_ids:
+        runs = sorted({e.meta.key.run_id for e in catalog.find_records(model_id, request_id=rid, run_id=run_id)})
+        if not runs:
+            raise RecordNotFoundError(f"model {model_id!r} has no request {rid!r}"
+                                      f"{'' if run_id is None else f' in run {run_id!r}'}")
+        if len(runs) > 1:
+            raise AuditError(f"request {rid!r} was captured in {len(runs)} runs ({', '.join(runs)}); choose one "
+                             "with run_id= (dmi: --run)")
+        chosen.append((runs[0], rid))
+    return chosen

@@ -1,0 +1,43 @@
+"""``dmi audit`` and the audit lines of ``dmi show``: what the command line prints."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+from typing import Any
+
+__all__ = ["run_audit_command", "audit_lines"]
+
+
+def run_audit_command(store: Any, args: argparse.Namespace) -> Any:
+    """Load ``--model`` and audit ``args.model_id``; returns the :class:`AuditReport`."""
+    from dmi._models import load_model
+
+    loaded = load_model(args.model, attn_implementation=args.attn_implementation)
+    return store.audit(args.model_id, model=loaded.model, model_name=args.model, run_id=args.run,
+                       requests=args.requests, request_ids=args.request, seed=args.seed, exact=args.exact)
+
+
+def report_lines(report: Any) -> list[str]:
+    """A line per request (its counts), a line per failed check, and the outcome."""
+    lines = []
+    for run, rid in report.requests:
+        mine = [c for c in report.checks if (c.run_id, c.request_id) == (run, rid)]
+        count = {v: sum(c.verdict == v for c in mine) for v in ("exact", "noise", "fail")}
+        lines.append(f"request {rid} (run {run}): {len(mine)} hook/layer checks, {count['exact']} exact, "
+                     f"{count['noise']} within {report.tolerance} noise, {count['fail']} failed")
+    lines += ["FAIL " + c.describe() for c in report.failures]
+    outcome = "passed" if report.passed else f"FAILED ({len(report.failures)} checks)"
+    lines.append(f"audit {report.audit_id} of {report.model_id} against {report.model}: {outcome}")
+    return lines
+
+
+def audit_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """``dmi show``'s line per audit of a request (rows of ``Catalog.audits``)."""
+    lines = []
+    for r in rows:
+        when = datetime.datetime.fromtimestamp(r["audited_at"], datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+        outcome = f"FAILED first at {r['first_failure']}" if r["failed"] else "passed"
+        lines.append(f"audit {r['audit_id']} {when} against {r['model']}: {outcome} ({r['checks']} checks, "
+                     f"{r['exact']} exact, {r['noise']} within {r['tolerance']} noise, {r['failed']} failed)")
+    return lines

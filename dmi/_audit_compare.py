@@ -1,0 +1,88 @@
+"""How a captured record is compared with its re-run, and the tolerance each case allows.
+
+The error of one token position is ``max |captured - rerun| / max |rerun|`` over that
+position's values (its row; for ``attn_pattern`` one query row of every head): relative to
+the position's own scale, so a small activation is held to the same standard as a large
+one, and free of the division by near-zero values an element-wise relative error has.
+
+Tolerances (see docs/audit.md for the measurements behind them):
+
+* ``exact``: the capture ran alone on this device (same batch composition as the re-run):
+  the values must be bit-identical.
+* ``batched``: the capture ran in a (left-padded) batch: batched matrix products sum in
+  another order, which moves each value by a few units in the last place of its dtype.
+  The bound is the worst per-position error ``bench/bench_audit_noise.py`` measured for
+  the dtype, times a margin of 8.
+* ``tp``: tensor-parallel capture against a single-process re-run (the sums of the row-
+  parallel projections are split across ranks). Reserved: TP capture is not built yet.
+
+Integer hooks (``token_ids``, ``router_topk``) must always match exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dmi.storage.errors import AuditError
+
+__all__ = ["BATCHED_NOISE", "MARGIN", "TOLERANCE_KINDS", "Difference", "tolerance", "compare"]
+
+BATCHED_NOISE = {
+    torch.float32: 2.6e-6,
+    torch.bfloat16: 3.4e-2,
+    torch.float16: 4.3e-3,
+}
+"""Worst per-position error ``bench/bench_audit_noise.py`` measured between a batched capture
+and the alone re-run, rounded up (CPU, 2 threads, torch 2.13; docs/audit.md). Other
+floating dtypes get the float16 figure."""
+
+MARGIN = 8.0
+TOLERANCE_KINDS = ("exact", "batched", "tp")
+
+
+@dataclass(frozen=True, slots=True)
+class Difference:
+    """Captured vs re-run for one record: ``exact`` when bit-identical; otherwise the
+    largest absolute and per-position relative error, the relative L2 error over the
+    record, the first position that differs at all, and the first beyond ``bound``."""
+
+    exact: bool
+    max_abs: float
+    max_rel: float
+    rel_l2: float
+    first_diff: int | None
+    first_fail: int | None
+
+
+def tolerance(kind: str, dtype: torch.dtype) -> float:
+    """The per-position bound for ``kind`` (one of :data:`TOLERANCE_KINDS`) and ``dtype``."""
+    if kind == "exact" or not dtype.is_floating_point:
+        return 0.0
+    if kind == "batched":
+        return BATCHED_NOISE.get(dtype, BATCHED_NOISE[torch.float16]) * MARGIN
+    raise AuditError(f"no {kind!r} tolerance: tensor-parallel audits are not built yet; kinds: exact, batched")
+
+
+def compare(captured: torch.Tensor, rerun: torch.Tensor, *, token_axis: int, start: int, bound: float) -> Difference:
+    """Compare two same-shape tensors whose ``token_axis`` runs over positions from ``start``."""
+    if torch.equal(captured, rerun):
+        return Difference(True, 0.0, 0.0, 0.0, None, None)
+    a = captured.movedim(token_axis, 0).reshape(captured.shape[token_axis], -1).double()
+    r = rerun.movedim(token_axis, 0).reshape(rerun.shape[token_axis], -1).double()
+    delta = (a - r).abs()
+    delta = torch.where(torch.isnan(a) ^ torch.isnan(r), torch.full_like(delta, float("inf")), delta.nan_to_num(0.0))
+    scale = r.abs().amax(dim=1).clamp_min(torch.finfo(torch.float64).tiny)
+    per_position = delta.amax(dim=1) / scale
+    differs = (delta.amax(dim=1) > 0).nonzero().flatten()
+    beyond = (per_position > bound).nonzero().flatten()
+    norm = r.norm().item()
+    return Difference(
+        exact=False,
+        max_abs=delta.max().item(),
+        max_rel=per_position.max().item(),
+        rel_l2=(a - r).nan_to_num(0.0).norm().item() / norm if norm > 0 else float("inf"),
+        first_diff=start + int(differs[0]) if len(differs) else None,
+        first_fail=start + int(beyond[0]) if len(beyond) else None,
+    )
