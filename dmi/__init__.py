@@ -45,6 +45,9 @@ _LAZY = {
     "RecoveredPack": "dmi._values",
     "TokenLoader": "dmi._loader",
     "ShuffleQuality": "dmi._loader",
+    "CapturePlan": "dmi._plan_file",
+    "load_plan": "dmi._plan_file",
+    "dump_plan": "dmi._plan_file",
 }
 
 __all__ = [
@@ -64,6 +67,9 @@ __all__ = [
     "TokenLoader",
     "ShuffleQuality",
     "default_home",
+    "CapturePlan",
+    "load_plan",
+    "dump_plan",
     *_errors.__all__,
 ]
 

@@ -153,8 +153,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_capture(args: argparse.Namespace) -> int:
-    from dmi._capture_cli import run_capture
+    from dmi._capture_cli import apply_plan, run_capture
 
+    plan = apply_plan(args)
     prompts = list(args.prompt or [])
     if args.prompts_file:
         prompts.extend(_read_prompts(args.prompts_file))
@@ -162,7 +163,7 @@ def _cmd_capture(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("no prompts: give --prompt TEXT (repeatable) or --prompts-file FILE")
     layers = parse_layers(args.layers)
     with _open_store(args) as store:
-        result = run_capture(store, args, prompts, layers=layers,
+        result = run_capture(store, args, prompts, layers=layers, plan=plan,
                              progress=lambda total: _progress(args, "capturing", total))
     if args.json:
         _emit_json(result)
@@ -400,8 +401,11 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--plot", metavar="PNG", help="where to write the plot (default: HOME/demo.png)")
 
     cap = add("capture", _cmd_capture, "run prompts through a model and capture its internals", [tabular])
-    cap.add_argument("--model", required=True, metavar="DIR|NAME",
-                     help="a local Hugging Face model directory, or a built-in model: tiny-llama, small-llama")
+    cap.add_argument("--model", metavar="DIR|NAME",
+                     help="a local Hugging Face model directory, or a built-in model: tiny-llama, small-llama "
+                          "(required unless the --plan names one)")
+    cap.add_argument("--plan", metavar="PLAN.yaml",
+                     help="a capture plan file (hooks, layers, schedule, ids, codec, ring, store; docs/plans.md)")
     cap.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
     cap.add_argument("--prompts-file", metavar="FILE", help="prompts, one per line ('-' for stdin)")
     cap.add_argument("--hooks", default="resid_post",

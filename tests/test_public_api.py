@@ -30,7 +30,7 @@ def test_facade_reexports_errors():
 DMI_ALL = [
     "__version__", "open", "capture", "Store", "LazyInternal", "ModelSummary", "RequestSummary", "HookSummary",
     "RequestContents", "Loss", "VerifyReport", "Problem", "RecoveredPack", "TokenLoader", "ShuffleQuality",
-    "default_home",
+    "default_home", "CapturePlan", "load_plan", "dump_plan",
 ]
 
 CAPTURE_ALL = [
