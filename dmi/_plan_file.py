@@ -365,8 +365,6 @@ def _layers_text(layers: range | tuple[int, ...] | None) -> Any:
 
 def dump_plan(plan: CapturePlan) -> str:
     """The plan as a YAML document (every field written out); ``parse_plan`` reads it back equal."""
-    import yaml
-
     doc: dict[str, Any] = {"version": plan.version}
     for key in ("model", "model_id", "run_id"):
         if getattr(plan, key) is not None:
@@ -384,6 +382,13 @@ def dump_plan(plan: CapturePlan) -> str:
     r = plan.ring
     doc["ring"] = {"slots": r.slots, "slot_bytes": r.slot_bytes, "timeout": r.timeout, "drop_policy": r.drop_policy}
     doc["decode_chunk_steps"] = plan.decode_chunk_steps
+    return dump_document(doc)
+
+
+def dump_document(doc: dict[str, Any]) -> str:
+    """YAML as DMI writes it: mappings as blocks, lists on one line, keys in the given order."""
+    import yaml
+
     return yaml.dump(doc, Dumper=_plan_dumper(), sort_keys=False, default_flow_style=False)
 
 

@@ -363,6 +363,23 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _emit_document(args: argparse.Namespace, document: dict[str, Any]) -> None:
+    """A nested document: JSON with ``--json``, YAML otherwise."""
+    if args.json:
+        _emit_json(document)
+        return
+    from dmi._plan_file import dump_document
+
+    sys.stdout.write(dump_document(document))
+
+
+def _cmd_describe_model(args: argparse.Namespace) -> int:
+    from dmi._describe import describe_model
+
+    _emit_document(args, describe_model(args.model, dtype=args.dtype).as_dict())
+    return EXIT_OK
+
+
 # ----------------------------------------------------------------------------- the parser
 
 
@@ -457,6 +474,13 @@ def _build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--shard-rank", type=int, metavar="RANK", help="only this tensor-parallel rank's shard")
     plot.add_argument("--size", type=_parse_size, default=(1200, 500), metavar="WxH",
                       help="image size in pixels (default: 1200x500)")
+
+    desc = add("describe-model", _cmd_describe_model,
+               "a model's geometry and every hook on it, from its config alone (no weights); YAML or --json",
+               [tabular])
+    desc.add_argument("model", metavar="DIR|config.json|NAME", help="a model directory, its config.json, or a built-in model")
+    desc.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                      help="the dtype to size hooks in (default: the config's torch_dtype, else float32)")
     return parser
 
 
