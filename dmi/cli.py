@@ -380,6 +380,45 @@ def _cmd_describe_model(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from dmi._estimate import estimate_plan_file
+    from dmi._human import human_bytes, human_count
+
+    est = estimate_plan_file(args.plan, model=args.model, dtype=args.dtype, tokens=args.tokens,
+                             new_tokens=args.new_tokens, batch=args.batch, tp=args.tp)
+    if args.json:
+        _emit_json(est.as_dict())
+        return EXIT_OK
+    rank = f", worst of {est.tp} tensor-parallel ranks" if est.tp > 1 else ""
+    print(f"{est.model}: requests of {est.tokens} prompt tokens, {est.new_tokens} new, batch {est.batch}{rank}")
+    _emit(args, [_asdict(h) for h in est.hooks], [
+        ("hook", "hook", None),
+        ("layers", "layers", _layer_span),
+        ("dtype", "dtype", None),
+        ("bytes_per_token", "bytes/token/layer", str),
+        ("records_per_request", "records/request", human_count),
+        ("raw_bytes_per_request", "raw/request", human_bytes),
+        ("ring_bytes_per_step", "ring/step", human_bytes),
+    ])
+    ratio = f"{est.ratio:.3f}x" if est.ratio else "no measured ratio: counted raw"
+    print(f"per request: {human_bytes(est.raw_bytes_per_request)} raw, {human_count(est.records_per_request)} records")
+    print(f"per million tokens: {human_bytes(est.raw_bytes_per_million_tokens)} raw, "
+          f"{human_bytes(est.stored_bytes_per_million_tokens)} stored with {est.codec} ({ratio}), "
+          f"{human_count(est.records_per_million_tokens)} records, {human_count(est.packs_per_million_tokens)} packs, "
+          f"{human_count(est.catalog_rows_per_million_tokens)} catalog rows")
+    fits = "fits" if est.fits_slot else "does NOT fit (that slot's buffer grows; raise ring.slot_bytes)"
+    print(f"ring: peak step {human_bytes(est.peak_step_bytes)} {fits} a slot of {human_bytes(est.slot_bytes)} "
+          f"({est.ring_slots} slots, {human_bytes(est.ring_slots * est.slot_bytes)} host memory)")
+    _say(args, f"ratio source: {est.ratio_source}")
+    return EXIT_OK
+
+
+def _asdict(value: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(value)
+
+
 # ----------------------------------------------------------------------------- the parser
 
 
@@ -481,6 +520,19 @@ def _build_parser() -> argparse.ArgumentParser:
     desc.add_argument("model", metavar="DIR|config.json|NAME", help="a model directory, its config.json, or a built-in model")
     desc.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                       help="the dtype to size hooks in (default: the config's torch_dtype, else float32)")
+
+    est = add("estimate", _cmd_estimate,
+              "what a capture plan will store: bytes per token and hook, per request, per million tokens, ring, packs",
+              [tabular])
+    est.add_argument("--plan", required=True, metavar="PLAN.yaml", help="the capture plan (docs/plans.md)")
+    est.add_argument("--model", metavar="DIR|config.json|NAME", help="the model (default: the plan's model)")
+    est.add_argument("--tokens", type=int, default=512, metavar="N", help="prompt tokens per request (default: 512)")
+    est.add_argument("--new-tokens", type=int, default=0, metavar="N",
+                     help="tokens generated per request (default: 0 = a scoring forward)")
+    est.add_argument("--batch", type=int, default=1, metavar="B", help="requests per forward (default: 1)")
+    est.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel ranks (default: 1)")
+    est.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                     help="the model's dtype (default: the config's torch_dtype, else float32)")
     return parser
 
 
