@@ -89,18 +89,26 @@ class Estimate:
     packs_per_million_tokens: int
     catalog_rows_per_million_tokens: int
     peak_step_bytes: int
+    largest_tensor_bytes: int  # the largest single (hook, layer) reservation of a step
     slot_bytes: int
     ring_slots: int
 
     @property
     def fits_slot(self) -> bool:
-        """Whether the largest step fits one ring slot (else that slot's buffer grows)."""
-        return self.peak_step_bytes <= self.slot_bytes
+        """Whether every (hook, layer) tensor fits one ring slot (a bigger one grows its slot's buffer)."""
+        return self.largest_tensor_bytes <= self.slot_bytes
+
+    @property
+    def step_fits_ring(self) -> bool:
+        """Whether the largest step fits the whole ring (else the model waits on the drain
+        thread within that step, up to ``ring.timeout``)."""
+        return self.peak_step_bytes <= self.slot_bytes * self.ring_slots
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["hooks"] = [dataclasses.asdict(h) for h in self.hooks]
         d["fits_slot"] = self.fits_slot
+        d["step_fits_ring"] = self.step_fits_ring
         return d
 
 
@@ -177,7 +185,8 @@ def _workload(plan: Any, tokens: int, new_tokens: int, batch: int) -> _Workload:
     if not w.prompt_captured and not w.decode_steps:
         raise InvalidArgumentError(
             f"the plan captures nothing of this workload: its phases are {', '.join(s.phases)}, the workload runs "
-            f"{phase}" + (" and decode" if new_tokens > 1 else "") + " (--new-tokens 0 is a scoring forward)")
+            f"{phase}" + (" and decode" if new_tokens > 1 else "") + " (--new-tokens 0 is a scoring forward, "
+            "1 a prefill alone, N a prefill and N - 1 decode steps)")
     return w
 
 
@@ -257,6 +266,7 @@ def estimate_plan(plan: Any, geometry: Any, *, model: str, tokens: int = 512, ne
         records_per_million_tokens=records_m, packs_per_million_tokens=packs_m,
         catalog_rows_per_million_tokens=records_m + packs_m,
         peak_step_bytes=_peak_step_bytes(g, hooks, w, prompt_ring),
+        largest_tensor_bytes=max(h.ring_bytes_per_step // len(h.layers) for h in per_hook),
         slot_bytes=plan.ring.slot_bytes, ring_slots=plan.ring.slots,
     )
 

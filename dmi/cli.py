@@ -406,9 +406,11 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
           f"{human_bytes(est.stored_bytes_per_million_tokens)} stored with {est.codec} ({ratio}), "
           f"{human_count(est.records_per_million_tokens)} records, {human_count(est.packs_per_million_tokens)} packs, "
           f"{human_count(est.catalog_rows_per_million_tokens)} catalog rows")
-    fits = "fits" if est.fits_slot else "does NOT fit (that slot's buffer grows; raise ring.slot_bytes)"
-    print(f"ring: peak step {human_bytes(est.peak_step_bytes)} {fits} a slot of {human_bytes(est.slot_bytes)} "
-          f"({est.ring_slots} slots, {human_bytes(est.ring_slots * est.slot_bytes)} host memory)")
+    print(f"ring: {est.ring_slots} slots of {human_bytes(est.slot_bytes)} "
+          f"({human_bytes(est.ring_slots * est.slot_bytes)} host memory); largest tensor "
+          f"{human_bytes(est.largest_tensor_bytes)}" + ("" if est.fits_slot else " > a slot: its slot grows")
+          + f"; peak step {human_bytes(est.peak_step_bytes)}"
+          + ("" if est.step_fits_ring else " > the ring: the model waits on the drain within the step"))
     _say(args, f"ratio source: {est.ratio_source}")
     return EXIT_OK
 

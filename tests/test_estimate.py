@@ -117,7 +117,11 @@ def test_bytes_per_token_and_per_million():
     assert est.stored_bytes_per_million_tokens == math.ceil(est.raw_bytes_per_request / 1.468 * 1000)
     assert est.records_per_million_tokens == 4 * 1000 and est.catalog_rows_per_million_tokens == 4000 + est.packs_per_million_tokens
     assert est.packs_per_million_tokens == math.ceil(est.stored_bytes_per_million_tokens / (256 << 20))
-    assert est.peak_step_bytes == 4 * est.raw_bytes_per_request and est.fits_slot is False  # 147 MiB vs 32 MiB
+    assert est.peak_step_bytes == 4 * est.raw_bytes_per_request  # 281 MiB > the 8 x 32 MiB ring
+    assert est.largest_tensor_bytes == 4 * 1000 * 14336 * 2  # one layer of mlp_post: 109 MiB > a 32 MiB slot
+    assert (est.fits_slot, est.step_fits_ring) == (False, False)
+    small = estimate_plan(plan, LLAMA_8B, model="m", tokens=100)
+    assert (small.fits_slot, small.step_fits_ring) == (True, True)
 
 
 def test_request_stride_divides_the_traffic_captured():
