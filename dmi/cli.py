@@ -415,6 +415,34 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_ui(args: argparse.Namespace) -> int:
+    import secrets
+    import webbrowser
+
+    import dmi
+    from dmi._models import BUILTIN_MODELS
+    from dmi._plan_file import load_plan
+    from dmi._ui import UIConfig, is_loopback, start_server
+
+    named = list(args.model or [])
+    if args.plan and os.path.exists(args.plan):
+        model = load_plan(args.plan).model
+        named += [model] if model else []
+    models = tuple(dict.fromkeys([*named, *BUILTIN_MODELS]))
+    config = UIConfig(plan_path=args.plan, models=models,
+                      open_store=lambda: dmi.open(catalog=args.catalog, packs=args.packs, home=args.home),
+                      token=None if is_loopback(args.host) else secrets.token_urlsafe(16))
+    server = start_server(config, args.host, args.port or 8765, scan=0 if args.port else 50)
+    print(f"dmi ui: {server.url}  (Ctrl-C stops)", flush=True)
+    if not args.no_browser:
+        webbrowser.open(server.url)
+    try:
+        server.thread.join()
+    except KeyboardInterrupt:
+        server.close()
+    return EXIT_OK
+
+
 def _asdict(value: Any) -> dict[str, Any]:
     import dataclasses
 
@@ -535,6 +563,15 @@ def _build_parser() -> argparse.ArgumentParser:
     est.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel ranks (default: 1)")
     est.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                      help="the model's dtype (default: the config's torch_dtype, else float32)")
+
+    ui = add("ui", _cmd_ui, "a local web page: build a capture plan, watch its estimate, browse the store")
+    ui.add_argument("--plan", metavar="PLAN.yaml", help="the plan file the page reads and saves (the only file it writes)")
+    ui.add_argument("--model", action="append", metavar="DIR|config.json",
+                    help="a model the page may describe (repeatable; the plan's and the built-in ones are offered too)")
+    ui.add_argument("--host", default="127.0.0.1",
+                    help="address to bind (default: 127.0.0.1; any non-loopback one requires the printed token)")
+    ui.add_argument("--port", type=int, metavar="N", help="port (default: 8765, or the next free one)")
+    ui.add_argument("--no-browser", action="store_true", help="do not open a browser")
     return parser
 
 
