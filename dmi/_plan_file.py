@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 import functools
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,6 +185,17 @@ def _strict_loader():
                 seen.add(key)
             return super().construct_mapping(node, deep=deep)
 
+    # YAML 1.1 reads `8:24` as the base-60 integer 504: a layer range written unquoted would
+    # silently become one layer. Plans read integers as YAML 1.2 does (no sexagesimal form).
+    StrictLoader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:int"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    StrictLoader.add_implicit_resolver(
+        "tag:yaml.org,2002:int",
+        re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+        list("-+0123456789"),
+    )
     return StrictLoader
 
 

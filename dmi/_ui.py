@@ -39,6 +39,9 @@ from dmi.storage.errors import DMIError, InvalidArgumentError, PlanError
 __all__ = ["UIConfig", "UIServer", "is_loopback", "start_server"]
 
 _MAX_BODY = 1 << 20
+_ONE_AT_A_TIME = threading.Lock()
+"""Endpoints run one at a time: the catalog serialises its statements anyway, and lazy
+imports (``transformers``) are not safe to race from two request threads."""
 
 
 def is_loopback(host: str) -> bool:
@@ -133,7 +136,8 @@ class _Handler(BaseHTTPRequestHandler):
             route = _ROUTES.get((method, url.path))
             if route is None:
                 raise _Refused(HTTPStatus.NOT_FOUND, f"no {method} {url.path}")
-            status, ctype, body = route(self, query)
+            with _ONE_AT_A_TIME:
+                status, ctype, body = route(self, query)
         except _Refused as exc:
             status, ctype, body = exc.status, "application/json", _json({"error": exc.reason, "field": exc.field})
         except PlanError as exc:
@@ -144,6 +148,15 @@ class _Handler(BaseHTTPRequestHandler):
         except DMIError as exc:
             status, ctype, body = HTTPStatus.NOT_FOUND if isinstance(exc, LookupError) else HTTPStatus.CONFLICT, \
                 "application/json", _json({"error": str(exc), "field": None})
+        except Exception as exc:  # noqa: BLE001 - a bug still answers the page, in one line
+            status, ctype, body = HTTPStatus.INTERNAL_SERVER_ERROR, "application/json", _json(
+                {"error": f"internal error: {type(exc).__name__}: {exc}", "field": None})
+        try:
+            self._send(status, ctype, body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the browser left (navigated away, or a timeout): nobody is waiting for the answer
+
+    def _send(self, status: HTTPStatus, ctype: str, body: bytes) -> None:
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))

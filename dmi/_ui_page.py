@@ -96,21 +96,28 @@ function drawDiagram(d, selected) {
   const svg = [`<svg xmlns="http://www.w3.org/2000/svg" width="${w}" height="${top + (n + 2) * rowH}" role="img">`,
     `<title>${d.model_type}: ${g.layers} layers, hidden ${g.hidden}</title>`,
     `<rect x="10" y="4" width="${w - 20}" height="20" fill="#eef"/><text x="16" y="18">embed (vocab ${g.vocab})</text>`];
-  const spots = {resid_pre: 20, attn_q: 80, attn_k: 95, attn_v: 110, attn_z: 125, attn_pattern: 140, attn_out: 155,
-    resid_mid: 190, mlp_post: 250, router_logits: 265, router_topk: 280, mlp_out: 295, resid_post: 350};
+  const spots = {resid_pre: 30, attn_q: 100, attn_k: 114, attn_v: 128, attn_z: 142, attn_pattern: 156, attn_out: 170,
+    resid_mid: 205, mlp_post: 260, router_logits: 274, router_topk: 288, mlp_out: 302, resid_post: 340};
+  const layers = selectedLayers(g.layers);
   for (let i = 0; i < n; i++) {
     const y = top + i * rowH, layer = i === n - 1 ? g.layers - 1 : i;
-    svg.push(`<rect x="70" y="${y}" width="100" height="20" fill="#dfe"/><text x="74" y="${y + 14}">attn</text>`,
-      `<rect x="240" y="${y}" width="70" height="20" fill="#fde"/><text x="244" y="${y + 14}">mlp</text>`,
+    svg.push(`<rect x="60" y="${y}" width="120" height="20" fill="#dfe"/><text x="63" y="${y + 14}">attn</text>`,
+      `<rect x="225" y="${y}" width="90" height="20" fill="#fde"/><text x="228" y="${y + 14}">mlp</text>`,
       `<text x="${w - 16}" y="${y + 14}" text-anchor="end">${layer}</text>`);
     for (const h of d.hooks.filter((h) => h.scope === "layer")) {
-      const on = selected.has(h.name);
+      const on = selected.has(h.name) && layers.has(layer);
       svg.push(`<circle cx="${spots[h.name] || 0}" cy="${y + 10}" r="4" fill="${on ? "#c30" : "#bbb"}"><title>${h.name} L${layer}: ${h.record_shape} ${h.dtype}</title></circle>`);
     }
   }
   const y = top + n * rowH;
   svg.push(`<rect x="10" y="${y}" width="${w - 20}" height="20" fill="#eef"/><text x="16" y="${y + 14}">final norm, lm head${g.layers > n ? " (" + (g.layers - n) + " layers not drawn)" : ""}</text></svg>`);
   $("diagram").innerHTML = svg.join("");
+}
+function selectedLayers(n) {
+  const text = $("layers").value.trim(), all = [...Array(n).keys()];
+  if (!text || text === "all") return new Set(all);
+  if (text.includes(":")) { const [a, b] = text.split(":").map(Number); return new Set(all.filter((l) => l >= a && l < b)); }
+  return new Set(text.split(",").map(Number).map((l) => (l + n) % n));
 }
 async function describe() {
   const model = $("model").value;
@@ -150,6 +157,20 @@ async function save() {
   try { const r = await api("/api/plan", {plan: plan()}); $("plan-text").textContent = r.plan; say("saved " + r.saved); }
   catch (e) { say(e.message, true); }
 }
+function plot(model, request, run, hook) {
+  const q = new URLSearchParams({model, request, run, hook}); if (token) q.set("token", token);
+  $("plot").src = "/api/plot.png?" + q; $("plot").alt = `${hook} norms of ${request}`; say("plotting " + hook);
+}
+async function browseTo(deep) {
+  /* #model=M&request=R&hook=H opens the store at that request (and plots the hook): a link to share */
+  const model = deep.get("model"), request = deep.get("request"), hook = deep.get("hook");
+  await loadModels();
+  const reqs = await loadRequests(model);
+  const r = (reqs || []).find((r) => r.request_id === request);
+  if (!r) return;
+  await loadContents(model, r.request_id, r.run_id);
+  if (hook) plot(model, r.request_id, r.run_id, hook);
+}
 async function loadModels() {
   try {
     const models = await api("/api/models");
@@ -167,6 +188,7 @@ async function loadRequests(model) {
       b.onclick = () => loadContents(model, r.request_id, r.run_id); return b;
     }));
     say(reqs.length + " requests");
+    return reqs;
   } catch (e) { say(e.message, true); }
 }
 async function loadContents(model, request, run) {
@@ -176,10 +198,7 @@ async function loadContents(model, request, run) {
       el("tr", {}, el("th", {}, "hook"), el("th", {}, "layers"), el("th", {}, "tokens"), el("th", {}, "dtype"), el("th", {}, "raw")),
       ...c.hooks.map((h) => {
         const b = el("button", {}, h.hook);
-        b.onclick = () => {
-          const q = new URLSearchParams({model, request, run, hook: h.hook}); if (token) q.set("token", token);
-          $("plot").src = "/api/plot.png?" + q; $("plot").alt = `${h.hook} norms of ${request}`; say("plotting " + h.hook);
-        };
+        b.onclick = () => plot(model, request, run, h.hook);
         return el("tr", {}, el("td", {}, b), el("td", {}, String(h.layers.length)), el("td", {}, String(h.n_tokens)),
           el("td", {}, h.dtype), el("td", {}, human(h.raw_bytes)));
       })));
@@ -192,6 +211,7 @@ async function start() {
   $("model").value = session.fields.model || session.models[0];
   $("layers").value = Array.isArray(session.fields.layers) ? session.fields.layers.join(",") : session.fields.layers;
   document.querySelectorAll("input[name=phase]").forEach((c) => { c.checked = session.fields.phases.includes(c.value); });
+  if (!session.fields.phases.includes("forward")) $("new_tokens").value = 16;  // a generate workload
   $("plan-path").textContent = session.plan_path ? "to " + session.plan_path : "(no plan path: dmi ui --plan FILE)";
   $("plan-text").textContent = session.plan;
   $("save").disabled = !session.plan_path;
@@ -201,6 +221,8 @@ async function start() {
   $("load-models").onclick = loadModels;
   document.querySelector("main").addEventListener("input", (e) => { if (e.target.id !== "model") update(); });
   await describe();
+  const deep = new URLSearchParams(location.hash.slice(1));
+  if (deep.get("model") && session.store) await browseTo(deep);
 }
 start().catch((e) => say(e.message, true));
 </script></body></html>

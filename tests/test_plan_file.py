@@ -72,6 +72,13 @@ def test_attach_options_are_the_capture_keywords():
     assert load_plan(PLANS / "layer_list.yaml").attach_options()["layers"] == [0, 2, -1]
 
 
+@pytest.mark.parametrize(("written", "layers"), [("8:24", range(8, 24)), ("1:4", range(1, 4)), ("'1:4'", range(1, 4)),
+                                                 ("12", (12,)), ("[0x1, 010]", (1, 8))])
+def test_layer_ranges_are_never_base_60_integers(written, layers):
+    """YAML 1.1 reads ``8:24`` as 504; a plan reads it as the range it looks like."""
+    assert parse_plan(f"{BASE}layers: {written}\n").layers == layers
+
+
 def test_hooks_may_be_one_string():
     assert parse_plan("version: 1\nhooks: 'resid_post, logits attn'\n").hooks == ("resid_post", "logits", "attn")
 

@@ -5,6 +5,7 @@ written, and the guards (token off loopback, Host, Origin, JSON bodies) refuse f
 from __future__ import annotations
 
 import http.client
+import shutil
 import json
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -177,3 +178,58 @@ def test_port_scan_moves_to_the_next_free_port():
             second.close()
     finally:
         first.close()
+
+
+def test_dmi_ui_prints_its_url_and_stops_on_interrupt(tmp_path):
+    """The command: binds loopback (next free port from 8765), prints the URL, offers the
+    plan's model and the built-in ones, exits 0 on Ctrl-C."""
+    import signal
+    import subprocess
+    import sys
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    proc = subprocess.Popen([sys.executable, "-m", "dmi.cli", "ui", "--plan", str(plan), "--no-browser",
+                             "--home", str(tmp_path / "home")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("dmi ui: http://127.0.0.1:") and line.rstrip().endswith("(Ctrl-C stops)")
+        url = line.split()[2]
+        assert 8765 <= urlsplit(url).port <= 8815
+        status, _, session = _call(url, path="/api/session")
+        assert status == 200 and session["models"] == ["tiny-llama", *[m for m in BUILTIN_MODELS if m != "tiny-llama"]]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and err == ""
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (apt-get install chromium)")
+def test_page_in_headless_chromium(home, tmp_path):
+    """A real browser runs the page's script: it reads the plan, describes the model, shows the
+    estimate the API computes, and (``#model=...&request=...&hook=...``) browses the captured
+    run to its hooks and plot. Checked on the DOM after the scripts ran; screenshots taken."""
+    import re
+    import subprocess
+
+    plan_path = tmp_path / "plan.yaml"
+    plan_path.write_text(PLAN)
+    srv = start_server(UIConfig(str(plan_path), ("tiny-llama",), lambda: dmi.open(home=home), None),
+                       "127.0.0.1", 0)
+    cmd = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+           f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=10000", "--window-size=1300,1000"]
+    browse = srv.url + "#model=ui-model&request=r0&hook=resid_post"
+    try:
+        dom = subprocess.run([*cmd, "--dump-dom", browse], capture_output=True, text=True, timeout=120).stdout
+        for name, url in (("plan", srv.url), ("store", browse)):
+            subprocess.run([*cmd, f"--screenshot={tmp_path / name}.png", url], capture_output=True, timeout=120,
+                           check=True)
+    finally:
+        srv.close()
+    expected = estimate_plan_file(str(plan_path), tokens=512).raw_bytes_per_million_tokens
+    assert re.search(r'id="estimate-total" data-raw="(\d+)"', dom).group(1) == str(expected)
+    assert "Requests of ui-model" in dom and "Hooks of r0" in dom
+    assert re.search(r'<img id="plot" alt="resid_post norms of r0"[^>]*src="/api/plot.png\?model=ui-model', dom)
+    for name in ("plan", "store"):
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
