@@ -196,3 +196,12 @@ def test_cli_needs_a_model(tmp_path):
     rc, out, err = _cli("estimate", "--plan", str(plan))
     assert rc == 2 and err == f"dmi: error: {plan}: model: the plan names no model; add `model:` or give --model " \
                               "DIR|config.json|NAME\n"
+
+
+@pytest.mark.parametrize("command", ["describe-model", "estimate", "ui"])
+def test_new_commands_have_help(command, capsys):
+    from dmi.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith(f"usage: dmi {command}")
