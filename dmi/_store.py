@@ -129,7 +129,8 @@ def capture(model: Any, *, hooks: Any = "resid_post", layers: Any = None, store:
             target.close()
 
 
-def _plan_options(model: Any, plan: Any, hooks: Any, layers: Any, options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def _plan_options(model: Any, plan: Any, hooks: Any, layers: Any,
+                  options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The plan (loaded if a path) and the keyword arguments it stands for; an argument given
     both in the plan and to ``capture`` is refused rather than silently preferring one."""
     from dmi._plan_file import CapturePlan, load_plan

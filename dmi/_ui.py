@@ -265,7 +265,8 @@ def _estimate(h: _Handler, query: dict[str, str]):
     name = _allowed_model(h, plan.model or h.ui.models[0])
     where, config = read_model_config(name)
     workload = {k: body[k] for k in ("tokens", "new_tokens", "batch", "tp") if k in body}
-    return _ok(estimate_plan(plan, model_geometry(config, where=where), model=name, source="plan", **workload).as_dict())
+    geometry = model_geometry(config, where=where)
+    return _ok(estimate_plan(plan, geometry, model=name, source="plan", **workload).as_dict())
 
 
 def _save(h: _Handler, query: dict[str, str]):

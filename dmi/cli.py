@@ -547,7 +547,8 @@ def _build_parser() -> argparse.ArgumentParser:
     desc = add("describe-model", _cmd_describe_model,
                "a model's geometry and every hook on it, from its config alone (no weights); YAML or --json",
                [tabular])
-    desc.add_argument("model", metavar="DIR|config.json|NAME", help="a model directory, its config.json, or a built-in model")
+    desc.add_argument("model", metavar="DIR|config.json|NAME",
+                      help="a model directory, its config.json, or a built-in model")
     desc.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                       help="the dtype to size hooks in (default: the config's torch_dtype, else float32)")
 
@@ -565,7 +566,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="the model's dtype (default: the config's torch_dtype, else float32)")
 
     ui = add("ui", _cmd_ui, "a local web page: build a capture plan, watch its estimate, browse the store")
-    ui.add_argument("--plan", metavar="PLAN.yaml", help="the plan file the page reads and saves (the only file it writes)")
+    ui.add_argument("--plan", metavar="PLAN.yaml",
+                    help="the plan file the page reads and saves (the only file it writes)")
     ui.add_argument("--model", action="append", metavar="DIR|config.json",
                     help="a model the page may describe (repeatable; the plan's and the built-in ones are offered too)")
     ui.add_argument("--host", default="127.0.0.1",

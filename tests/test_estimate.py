@@ -115,7 +115,8 @@ def test_bytes_per_token_and_per_million():
     assert est.raw_bytes_per_million_tokens == est.raw_bytes_per_request * 1000
     assert est.ratio == MEASURED_RATIOS[("split-zstd", "bfloat16")] == 1.468 and est.ratio_source == RATIO_SOURCE
     assert est.stored_bytes_per_million_tokens == math.ceil(est.raw_bytes_per_request / 1.468 * 1000)
-    assert est.records_per_million_tokens == 4 * 1000 and est.catalog_rows_per_million_tokens == 4000 + est.packs_per_million_tokens
+    assert est.records_per_million_tokens == 4 * 1000
+    assert est.catalog_rows_per_million_tokens == 4000 + est.packs_per_million_tokens
     assert est.packs_per_million_tokens == math.ceil(est.stored_bytes_per_million_tokens / (256 << 20))
     assert est.peak_step_bytes == 4 * est.raw_bytes_per_request  # 281 MiB > the 8 x 32 MiB ring
     assert est.largest_tensor_bytes == 4 * 1000 * 14336 * 2  # one layer of mlp_post: 109 MiB > a 32 MiB slot
@@ -152,7 +153,8 @@ def test_codecs_without_a_measured_ratio_count_raw():
 
 
 @pytest.mark.parametrize(("text", "workload", "error", "words"), [
-    ("version: 1\nhooks: [router_logits]\n", {}, PlanError, "hook 'router_logits' does not exist on model type 'llama'"),
+    ("version: 1\nhooks: [router_logits]\n", {}, PlanError,
+     "hook 'router_logits' does not exist on model type 'llama'"),
     ("version: 1\nhooks: [resid_post]\nlayers: '0:40'\n", {}, PlanError, "reaches past the model"),
     ("version: 1\nhooks: [resid_post]\nschedule: {phases: [decode]}\n", {}, InvalidArgumentError,
      "captures nothing of this workload"),

@@ -244,21 +244,36 @@ def test_cli_capture_with_plan_takes_model_and_store_from_the_plan(tmp_path):
 
 def test_cli_refuses_flags_the_plan_sets(tmp_path):
     plan = _write(tmp_path, "version: 1\nmodel: tiny-llama\nhooks: [resid_pre]\n")
-    rc, out, err = _cli("capture", "--plan", str(plan), "--hooks", "embed", "--layers", "0", "--prompt", "x")
+    rc, out, err = _cli("capture", "--plan", str(plan), "--hooks", "embed", "--layers", "0", "--prompt", "x",
+                        "--home", str(tmp_path / "home"))
     assert rc == 2 and out == ""
     assert err == f"dmi: error: --hooks, --layers given with --plan; set them in the plan file {plan}\n"
 
 
 def test_cli_reports_a_plan_error_in_one_line(tmp_path):
     plan = _write(tmp_path, "version: 1\nmodel: tiny-llama\nlayer: 3\n")
-    rc, out, err = _cli("capture", "--plan", str(plan), "--prompt", "x")
+    rc, out, err = _cli("capture", "--plan", str(plan), "--prompt", "x", "--home", str(tmp_path / "home"))
     assert rc == 2
     assert err.startswith(f"dmi: error: {plan}: layer: unknown key 'layer' (did you mean 'layers'?)")
 
 
 def test_cli_capture_needs_a_model(tmp_path):
-    rc, _, err = _cli("capture", "--prompt", "x")
+    rc, _, err = _cli("capture", "--prompt", "x", "--home", str(tmp_path / "home"))
     assert rc == 2 and "no model: give --model" in err
     plan = _write(tmp_path, BASE)
-    rc, _, err = _cli("capture", "--plan", str(plan), "--prompt", "x")
+    rc, _, err = _cli("capture", "--plan", str(plan), "--prompt", "x", "--home", str(tmp_path / "home"))
     assert rc == 2 and "the plan" in err and "names none" in err
+
+
+def test_capture_opens_the_plans_store(tmp_path, monkeypatch):
+    """Without ``store=``, the plan's ``store`` section is what ``dmi.open`` gets (not the
+    default home, which points elsewhere here)."""
+    monkeypatch.setenv("DMI_HOME", str(tmp_path / "default-home"))
+    monkeypatch.delenv("DMI_CATALOG", raising=False)
+    monkeypatch.delenv("DMI_PACKS", raising=False)
+    plan = parse_plan(f"version: 1\nhooks: [embed]\nmodel_id: own-store\nstore: {{home: {json.dumps(str(tmp_path))}}}\n")
+    with dmi.capture(tiny("llama"), plan=plan) as cap:
+        with torch.inference_mode():
+            cap.forward(*left_padded_batch((4, 3)))
+    with dmi.open(home=tmp_path) as store:
+        assert [(m.model_id, m.requests, m.records) for m in store.models()] == [("own-store", 2, 2)]

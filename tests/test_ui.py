@@ -7,7 +7,6 @@ from __future__ import annotations
 import http.client
 import shutil
 import json
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
