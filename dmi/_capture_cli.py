@@ -83,7 +83,7 @@ def run_capture(
     loaded = load_model(args.model, attn_implementation=args.attn_implementation)
     tokenizer = loaded.tokenizer
     request_ids: list[str] = []
-    options = ({"plan": plan} if plan is not None else
+    options = ({"plan": args.plan} if plan is not None else
                {"hooks": args.hooks, "layers": layers, "model_id": args.model_id, "schedule": schedule})
     with dmi.capture(loaded.model, store=store, **options) as session, progress(len(prompts)) as bar:
         for start in range(0, len(prompts), args.batch_size):

@@ -136,6 +136,7 @@ def _plan_options(model: Any, plan: Any, hooks: Any, layers: Any,
     from dmi._plan_file import CapturePlan, load_plan
     from dmi.capture import resolve_architecture
 
+    source = os.fspath(plan) if isinstance(plan, (str, os.PathLike)) else "<plan>"
     if isinstance(plan, (str, os.PathLike)):
         plan = load_plan(plan)
     if not isinstance(plan, CapturePlan):
@@ -144,7 +145,7 @@ def _plan_options(model: Any, plan: Any, hooks: Any, layers: Any,
     if hooks != "resid_post" or layers is not None or given:
         both = ", ".join(["hooks"] * (hooks != "resid_post") + ["layers"] * (layers is not None) + given)
         raise InvalidArgumentError(f"{both} given both by the plan and as arguments; set them in one place")
-    plan.check_layers(resolve_architecture(model).n_layers)
+    plan.check_layers(resolve_architecture(model).n_layers, source)
     return plan, {**plan.attach_options(), **options}
 
 

@@ -257,6 +257,13 @@ def test_cli_reports_a_plan_error_in_one_line(tmp_path):
     assert err.startswith(f"dmi: error: {plan}: layer: unknown key 'layer' (did you mean 'layers'?)")
 
 
+def test_cli_checks_plan_layers_against_the_model(tmp_path):
+    plan = _write(tmp_path, "version: 1\nmodel: tiny-llama\nlayers: [0, 4]\n")  # tiny-llama: 4 layers
+    rc, out, err = _cli("capture", "--plan", str(plan), "--prompt", "x", "--home", str(tmp_path / "home"))
+    assert (rc, out) == (2, "")
+    assert err == f"dmi: error: {plan}: layers[1]: layer 4 is out of range; the model has 4 layers (0..3)\n"
+
+
 def test_cli_capture_needs_a_model(tmp_path):
     rc, _, err = _cli("capture", "--prompt", "x", "--home", str(tmp_path / "home"))
     assert rc == 2 and "no model: give --model" in err
