@@ -51,6 +51,9 @@ _LAZY = {
     "DeleteReport": "dmi._values",
     "AuditReport": "dmi._audit",
     "AuditCheck": "dmi._audit",
+    "CapturePlan": "dmi._plan_file",
+    "load_plan": "dmi._plan_file",
+    "dump_plan": "dmi._plan_file",
 }
 
 __all__ = [
@@ -76,6 +79,9 @@ __all__ = [
     "default_home",
     "load_model",
     "LoadedModel",
+    "CapturePlan",
+    "load_plan",
+    "dump_plan",
     *_errors.__all__,
 ]
 

@@ -9,7 +9,34 @@ from typing import Any
 
 from dmi.storage.errors import InvalidArgumentError
 
-__all__ = ["run_capture", "stored_totals"]
+__all__ = ["run_capture", "stored_totals", "apply_plan"]
+
+_PLAN_FLAGS = {"hooks": "resid_post", "layers": None, "phases": "prefill,decode", "step_stride": 1,
+               "request_stride": 1, "warmup": 0, "model_id": None}
+"""``dmi capture`` flags a plan file also sets, with their defaults: given with ``--plan``, refused."""
+
+
+def apply_plan(args: argparse.Namespace) -> Any:
+    """Load ``--plan`` (``None`` without it): refuse flags the plan also sets, take the model
+    and the store location from the plan where the command line leaves them out."""
+    from dmi._plan_file import load_plan
+
+    if args.plan is None:
+        if args.model is None:
+            raise InvalidArgumentError("no model: give --model DIR|NAME, or --plan FILE with a model")
+        return None
+    plan = load_plan(args.plan)
+    both = [name for name, default in _PLAN_FLAGS.items() if getattr(args, name) != default]
+    if both:
+        flags = ", ".join("--" + name.replace("_", "-") for name in both)
+        raise InvalidArgumentError(f"{flags} given with --plan; set them in the plan file {args.plan}")
+    if args.model is None:
+        if plan.model is None:
+            raise InvalidArgumentError(f"no model: the plan {args.plan} names none; give --model DIR|NAME")
+        args.model = plan.model
+    if not any((args.home, args.catalog, args.packs)):
+        args.home, args.catalog, args.packs = plan.store.home, plan.store.catalog, plan.store.packs
+    return plan
 
 
 def stored_totals(descriptors: Sequence[Any]) -> dict[str, int]:
@@ -32,11 +59,13 @@ def run_capture(
     layers: Any,
     progress: Callable[[int], Any],
     status: Callable[[str], AbstractContextManager[Any]],
+    plan: Any = None,
 ) -> dict[str, Any]:
     """Capture ``prompts`` through the model ``args.model`` into ``store``; returns ids and totals.
 
     ``--max-new-tokens 0`` runs one scoring pass per batch (phase ``forward``); otherwise
-    ``generate`` runs greedily and ``--phases`` chooses prefill and/or decode.
+    ``generate`` runs greedily and ``--phases`` chooses prefill and/or decode. With a
+    ``plan`` (``--plan``), the plan gives hooks, layers, schedule, ids, codec and ring.
     ``status(text)`` shows what happens while torch and the model load (seconds to
     minutes, with no countable progress); ``progress(total)`` then counts prompts.
     """
@@ -59,8 +88,9 @@ def run_capture(
         loaded = load_model(args.model, attn_implementation=args.attn_implementation)
     tokenizer = loaded.tokenizer
     request_ids: list[str] = []
-    with dmi.capture(loaded.model, hooks=args.hooks, layers=layers, store=store,
-                     model_id=args.model_id, schedule=schedule) as session, progress(len(prompts)) as bar:
+    options = ({"plan": args.plan} if plan is not None else
+               {"hooks": args.hooks, "layers": layers, "model_id": args.model_id, "schedule": schedule})
+    with dmi.capture(loaded.model, store=store, **options) as session, progress(len(prompts)) as bar:
         for start in range(0, len(prompts), args.batch_size):
             batch = list(prompts[start:start + args.batch_size])
             enc = tokenizer(batch, return_tensors="pt", padding=True)

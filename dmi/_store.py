@@ -96,7 +96,7 @@ def open(catalog: str | None = None, packs: str | None = None, *, home: str | os
 
 @contextmanager
 def capture(model: Any, *, hooks: Any = "resid_post", layers: Any = None, store: Store | None = None,
-            **options: Any) -> Iterator[Any]:
+            plan: Any = None, **options: Any) -> Iterator[Any]:
     """Capture ``model``'s internals into ``store`` (default: ``dmi.open()``) while the block runs.
 
     Yields the capture session (``dmi.capture.CaptureSession``): call
@@ -108,14 +108,25 @@ def capture(model: Any, *, hooks: Any = "resid_post", layers: Any = None, store:
     ``ring_slots``, ``drop_policy``, ...). On exit every hook is removed and every record is
     sealed and published.
 
+    ``plan``: a capture plan (``dmi.CapturePlan`` or the path of a plan file, see
+    ``docs/plans.md``) instead of ``hooks``/``layers``/options: the plan becomes the same
+    keyword arguments, its layers are checked against ``model`` first (``PlanError``), and
+    its ``store`` section is opened when ``store`` is not given.
+
     Raises ``HookSelectionError`` (unknown hook or group, empty layer range),
     ``AttachError`` (the model is already attached), ``AttentionImplementationError``,
-    ``InvalidIdentifierError``, and on exit ``DrainError`` if writing failed.
+    ``InvalidIdentifierError``, ``PlanError``, and on exit ``DrainError`` if writing failed.
     """
     from dmi.capture import attach
 
+    if plan is not None:
+        plan, options = _plan_options(model, plan, hooks, layers, options)
+        hooks, layers = options.pop("hooks"), options.pop("layers")
     own = store is None
-    target = open() if own else store
+    if own and plan is not None and plan.store.given:
+        target = open(plan.store.catalog, plan.store.packs, home=plan.store.home)
+    else:
+        target = open() if own else store
     try:
         with attach(model, hooks=hooks, layers=layers, store=target.packs, catalog=target.catalog,
                     **options) as session:
@@ -123,6 +134,26 @@ def capture(model: Any, *, hooks: Any = "resid_post", layers: Any = None, store:
     finally:
         if own:
             target.close()
+
+
+def _plan_options(model: Any, plan: Any, hooks: Any, layers: Any,
+                  options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The plan (loaded if a path) and the keyword arguments it stands for; an argument given
+    both in the plan and to ``capture`` is refused rather than silently preferring one."""
+    from dmi._plan_file import CapturePlan, load_plan
+    from dmi.capture import resolve_architecture
+
+    source = os.fspath(plan) if isinstance(plan, (str, os.PathLike)) else "<plan>"
+    if isinstance(plan, (str, os.PathLike)):
+        plan = load_plan(plan)
+    if not isinstance(plan, CapturePlan):
+        raise InvalidArgumentError(f"plan must be a dmi.CapturePlan or a plan file path, not {type(plan).__name__}")
+    given = [k for k in options if k in plan.attach_options()]
+    if hooks != "resid_post" or layers is not None or given:
+        both = ", ".join(["hooks"] * (hooks != "resid_post") + ["layers"] * (layers is not None) + given)
+        raise InvalidArgumentError(f"{both} given both by the plan and as arguments; set them in one place")
+    plan.check_layers(resolve_architecture(model).n_layers, source)
+    return plan, {**plan.attach_options(), **options}
 
 
 class Store:

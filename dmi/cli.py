@@ -174,8 +174,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_capture(args: argparse.Namespace) -> int:
-    from dmi._capture_cli import run_capture
+    from dmi._capture_cli import apply_plan, run_capture
 
+    plan = apply_plan(args)
     prompts = list(args.prompt or [])
     if args.prompts_file:
         prompts.extend(_read_prompts(args.prompts_file))
@@ -183,7 +184,7 @@ def _cmd_capture(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("no prompts: give --prompt TEXT (repeatable) or --prompts-file FILE")
     layers = parse_layers(args.layers)
     with _open_store(args) as store:
-        result = run_capture(store, args, prompts, layers=layers,
+        result = run_capture(store, args, prompts, layers=layers, plan=plan,
                              progress=lambda total: _progress(args, "capturing", total),
                              status=lambda text: _status(args, text))
     if args.json:
@@ -479,6 +480,92 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _emit_document(args: argparse.Namespace, document: dict[str, Any]) -> None:
+    """A nested document: JSON with ``--json``, YAML otherwise."""
+    if args.json:
+        _emit_json(document)
+        return
+    from dmi._plan_file import dump_document
+
+    sys.stdout.write(dump_document(document))
+
+
+def _cmd_describe_model(args: argparse.Namespace) -> int:
+    from dmi._describe import describe_model
+
+    _emit_document(args, describe_model(args.model, dtype=args.dtype).as_dict())
+    return EXIT_OK
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from dmi._estimate import estimate_plan_file
+    from dmi._human import human_bytes, human_count
+
+    est = estimate_plan_file(args.plan, model=args.model, dtype=args.dtype, tokens=args.tokens,
+                             new_tokens=args.new_tokens, batch=args.batch, tp=args.tp)
+    if args.json:
+        _emit_json(est.as_dict())
+        return EXIT_OK
+    rank = f", worst of {est.tp} tensor-parallel ranks" if est.tp > 1 else ""
+    print(f"{est.model}: requests of {est.tokens} prompt tokens, {est.new_tokens} new, batch {est.batch}{rank}")
+    _emit(args, [_asdict(h) for h in est.hooks], [
+        ("hook", "hook", None),
+        ("layers", "layers", _layer_span),
+        ("dtype", "dtype", None),
+        ("bytes_per_token", "bytes/token/layer", str),
+        ("records_per_request", "records/request", human_count),
+        ("raw_bytes_per_request", "raw/request", human_bytes),
+        ("ring_bytes_per_step", "ring/step", human_bytes),
+    ])
+    ratio = f"{est.ratio:.3f}x" if est.ratio else "no measured ratio: counted raw"
+    print(f"per request: {human_bytes(est.raw_bytes_per_request)} raw, {human_count(est.records_per_request)} records")
+    print(f"per million tokens: {human_bytes(est.raw_bytes_per_million_tokens)} raw, "
+          f"{human_bytes(est.stored_bytes_per_million_tokens)} stored with {est.codec} ({ratio}), "
+          f"{human_count(est.records_per_million_tokens)} records, {human_count(est.packs_per_million_tokens)} packs, "
+          f"{human_count(est.catalog_rows_per_million_tokens)} catalog rows")
+    print(f"ring: {est.ring_slots} slots of {human_bytes(est.slot_bytes)} "
+          f"({human_bytes(est.ring_slots * est.slot_bytes)} host memory); largest tensor "
+          f"{human_bytes(est.largest_tensor_bytes)}" + ("" if est.fits_slot else " > a slot: its slot grows")
+          + f"; peak step {human_bytes(est.peak_step_bytes)}"
+          + ("" if est.step_fits_ring else " > the ring: the model waits on the drain within the step"))
+    _say(args, f"ratio source: {est.ratio_source}")
+    return EXIT_OK
+
+
+def _cmd_ui(args: argparse.Namespace) -> int:
+    import secrets
+    import webbrowser
+
+    import dmi
+    from dmi._models import BUILTIN_MODELS
+    from dmi._plan_file import load_plan
+    from dmi._ui import UIConfig, is_loopback, start_server
+
+    named = list(args.model or [])
+    if args.plan and os.path.exists(args.plan):
+        model = load_plan(args.plan).model
+        named += [model] if model else []
+    models = tuple(dict.fromkeys([*named, *BUILTIN_MODELS]))
+    config = UIConfig(plan_path=args.plan, models=models,
+                      open_store=lambda: dmi.open(catalog=args.catalog, packs=args.packs, home=args.home),
+                      token=None if is_loopback(args.host) else secrets.token_urlsafe(16))
+    server = start_server(config, args.host, args.port or 8765, scan=0 if args.port else 50)
+    print(f"dmi ui: {server.url}  (Ctrl-C stops)", flush=True)
+    if not args.no_browser:
+        webbrowser.open(server.url)
+    try:
+        server.thread.join()
+    except KeyboardInterrupt:
+        server.close()
+    return EXIT_OK
+
+
+def _asdict(value: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(value)
+
+
 # ----------------------------------------------------------------------------- the parser
 
 
@@ -517,8 +604,11 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--plot", metavar="PNG", help="where to write the plot (default: HOME/demo.png)")
 
     cap = add("capture", _cmd_capture, "run prompts through a model and capture its internals", [tabular])
-    cap.add_argument("--model", required=True, metavar="DIR|NAME",
-                     help="a local Hugging Face model directory, or a built-in model: tiny-llama, small-llama")
+    cap.add_argument("--model", metavar="DIR|NAME",
+                     help="a local Hugging Face model directory, or a built-in model: tiny-llama, small-llama "
+                          "(required unless the --plan names one)")
+    cap.add_argument("--plan", metavar="PLAN.yaml",
+                     help="a capture plan file (hooks, layers, schedule, ids, codec, ring, store; docs/plans.md)")
     cap.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
     cap.add_argument("--prompts-file", metavar="FILE", help="prompts, one per line ('-' for stdin)")
     cap.add_argument("--hooks", default="resid_post",
@@ -593,6 +683,37 @@ def _build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--shard-rank", type=int, metavar="RANK", help="only this tensor-parallel rank's shard")
     plot.add_argument("--size", type=_parse_size, default=(1200, 500), metavar="WxH",
                       help="image size in pixels (default: 1200x500)")
+
+    desc = add("describe-model", _cmd_describe_model,
+               "a model's geometry and every hook on it, from its config alone (no weights); YAML or --json",
+               [tabular])
+    desc.add_argument("model", metavar="DIR|config.json|NAME",
+                      help="a model directory, its config.json, or a built-in model")
+    desc.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                      help="the dtype to size hooks in (default: the config's torch_dtype, else float32)")
+
+    est = add("estimate", _cmd_estimate,
+              "what a capture plan will store: bytes per token and hook, per request, per million tokens, ring, packs",
+              [tabular])
+    est.add_argument("--plan", required=True, metavar="PLAN.yaml", help="the capture plan (docs/plans.md)")
+    est.add_argument("--model", metavar="DIR|config.json|NAME", help="the model (default: the plan's model)")
+    est.add_argument("--tokens", type=int, default=512, metavar="N", help="prompt tokens per request (default: 512)")
+    est.add_argument("--new-tokens", type=int, default=0, metavar="N",
+                     help="tokens generated per request (default: 0 = a scoring forward)")
+    est.add_argument("--batch", type=int, default=1, metavar="B", help="requests per forward (default: 1)")
+    est.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel ranks (default: 1)")
+    est.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                     help="the model's dtype (default: the config's torch_dtype, else float32)")
+
+    ui = add("ui", _cmd_ui, "a local web page: build a capture plan, watch its estimate, browse the store")
+    ui.add_argument("--plan", metavar="PLAN.yaml",
+                    help="the plan file the page reads and saves (the only file it writes)")
+    ui.add_argument("--model", action="append", metavar="DIR|config.json",
+                    help="a model the page may describe (repeatable; the plan's and the built-in ones are offered too)")
+    ui.add_argument("--host", default="127.0.0.1",
+                    help="address to bind (default: 127.0.0.1; any non-loopback one requires the printed token)")
+    ui.add_argument("--port", type=int, metavar="N", help="port (default: 8765, or the next free one)")
+    ui.add_argument("--no-browser", action="store_true", help="do not open a browser")
     return parser
 
 

@@ -10,7 +10,8 @@ exception types. Builtin mix-ins are added where callers naturally expect them.
 
     DMIError
     ├── InvalidArgumentError (ValueError)        bad input rejected where it enters
-    │   └── InvalidIdentifierError               model/request id, scope, db/table name
+    │   ├── InvalidIdentifierError               model/request id, scope, db/table name
+    │   └── PlanError                            a capture plan file refused, at a field path
     ├── PackError                                the pack files (format, storage)
     │   ├── PackNotFoundError (FileNotFoundError)
     │   ├── PackCorruptError                     checksum mismatch, undecodable payload
@@ -49,6 +50,7 @@ __all__ = [
     "DMIError",
     "InvalidArgumentError",
     "InvalidIdentifierError",
+    "PlanError",
     "PackError",
     "PackNotFoundError",
     "PackCorruptError",
@@ -92,6 +94,17 @@ class InvalidArgumentError(DMIError, ValueError):
 
 class InvalidIdentifierError(InvalidArgumentError):
     """A model id, request id, scope, database or table name is not acceptable."""
+
+
+class PlanError(InvalidArgumentError):
+    """A capture plan (YAML) was refused; ``field`` is the path of the field that caused it
+    (``"schedule.step_stride"``, ``"hooks[2]"``) and ``source`` the file (or ``"<string>"``)."""
+
+    def __init__(self, source: str, field: str, reason: str):
+        super().__init__(f"{source}: {field}: {reason}")
+        self.source = source
+        self.field = field
+        self.reason = reason
 
 
 class PackError(DMIError):

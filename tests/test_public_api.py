@@ -31,6 +31,7 @@ DMI_ALL = [
     "__version__", "open", "capture", "Store", "LazyInternal", "ModelSummary", "RequestSummary", "HookSummary",
     "RequestContents", "Loss", "VerifyReport", "Problem", "RecoveredPack", "TokenLoader", "ShuffleQuality",
     "RunSummary", "DeleteReport", "AuditReport", "AuditCheck", "default_home", "load_model", "LoadedModel",
+    "CapturePlan", "load_plan", "dump_plan",
 ]
 
 CAPTURE_ALL = [

@@ -1,0 +1,157 @@
+"""``dmi describe-model``: a model's geometry and every hook DMI offers on it, from its config alone.
+
+No weights are loaded and ``transformers`` is not needed: ``config.json`` is read as JSON,
+for the families capture supports (Llama, Qwen2, Qwen3, Mistral, Mixtral, GPT-2 and its
+``n_embd``/``n_layer``/``n_head``/``n_inner`` naming). The geometry is
+``dmi.capture.ModelGeometry.from_config`` — the same reading of the config the capture
+runtime does — and every shape, dtype, scope and tensor-parallel axis comes from the hook
+catalogue (``dmi.capture.HOOKS``). Encoder-decoder and unknown architectures are refused
+by name. A built-in model name (``tiny-llama``) is described from its built-in config.
+
+Reference: ``docs/plans.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from dmi.storage.errors import InvalidArgumentError
+
+__all__ = ["HookDescription", "ModelDescription", "read_model_config", "model_geometry", "offered_hooks",
+           "describe_model"]
+
+_ENCODER_DECODER = ("t5", "mt5", "umt5", "longt5", "bart", "mbart", "marian", "pegasus", "pegasus_x", "led",
+                    "bigbird_pegasus", "blenderbot", "blenderbot-small", "fsmt", "prophetnet", "switch_transformers",
+                    "whisper", "encoder-decoder", "speech-encoder-decoder", "vision-encoder-decoder", "seamless_m4t")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class HookDescription:
+    """One catalogue hook as it exists on one model."""
+
+    name: str
+    scope: str  # "layer" (one record per layer) or "global"
+    shape_per_token: tuple[int, ...]  # attn_pattern: (heads,) per (query, key) pair
+    record_shape: str  # the stored record's shape, symbolically
+    dtype: str
+    tp_axis: int | None  # axis of the stored record split across tensor-parallel ranks
+    doc: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "scope": self.scope, "shape_per_token": list(self.shape_per_token),
+                "record_shape": self.record_shape, "dtype": self.dtype, "tp_axis": self.tp_axis, "doc": self.doc}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDescription:
+    """What ``dmi describe-model`` prints."""
+
+    source: str
+    model_type: str
+    geometry: Any  # dmi.capture.ModelGeometry
+    hooks: tuple[HookDescription, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        g = self.geometry
+        return {
+            "source": self.source,
+            "model_type": self.model_type,
+            "geometry": {"layers": g.n_layers, "hidden": g.hidden, "heads": g.n_heads, "kv_heads": g.n_kv_heads,
+                         "head_dim": g.head_dim, "intermediate": g.intermediate, "experts": g.n_experts,
+                         "experts_per_token": g.top_k, "vocab": g.vocab, "dtype": _dtype_name(g.dtype)},
+            "hooks": [h.as_dict() for h in self.hooks],
+        }
+
+
+def read_model_config(source: str) -> tuple[str, dict[str, Any]]:
+    """``(where, config)`` for a model directory, a ``config.json`` path or a built-in model name."""
+    from dmi._models import BUILTIN_MODELS
+
+    if source in BUILTIN_MODELS:
+        return source, _builtin_config(BUILTIN_MODELS[source])
+    path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except FileNotFoundError as exc:
+        raise InvalidArgumentError(
+            f"no model config at {path}: give a model directory (with config.json), a config.json file, "
+            f"or a built-in model ({', '.join(BUILTIN_MODELS)})") from exc
+    except OSError as exc:
+        raise InvalidArgumentError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise InvalidArgumentError(f"{path} is not JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise InvalidArgumentError(f"{path} is not a model config (a JSON object)")
+    return path, config
+
+
+def _builtin_config(spec: Any) -> dict[str, Any]:
+    from dmi._models import byte_tokenizer
+
+    return {"model_type": "llama", "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+            "num_hidden_layers": spec.num_hidden_layers, "num_attention_heads": spec.num_attention_heads,
+            "num_key_value_heads": spec.num_key_value_heads, "vocab_size": len(byte_tokenizer()),
+            "torch_dtype": spec.dtype}
+
+
+def model_geometry(config: dict[str, Any], *, where: str = "the config", dtype: str | None = None) -> Any:
+    """The capture runtime's ``ModelGeometry`` for a config dict (``dtype`` overrides the
+    config's ``torch_dtype``; float32 when neither says)."""
+    import torch
+
+    from dmi.capture import SUPPORTED_MODEL_TYPES, ModelGeometry
+
+    model_type = config.get("model_type")
+    if config.get("is_encoder_decoder") or model_type in _ENCODER_DECODER:
+        raise InvalidArgumentError(
+            f"{where}: model type {model_type!r} is an encoder-decoder; DMI captures decoder-only models "
+            f"({', '.join(SUPPORTED_MODEL_TYPES)})")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise InvalidArgumentError(
+            f"{where}: model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    name = dtype or config.get("torch_dtype") or config.get("dtype") or "float32"
+    if name not in _DTYPES:
+        raise InvalidArgumentError(f"{where}: dtype {name!r} is not one of {', '.join(_DTYPES)}")
+    geometry = ModelGeometry.from_config(SimpleNamespace(**config), getattr(torch, name))
+    missing = [f for f in ("n_layers", "hidden", "n_heads", "vocab") if getattr(geometry, f) <= 0]
+    if missing:
+        raise InvalidArgumentError(f"{where}: the config gives no {', '.join(missing)} for a {model_type} model")
+    return geometry
+
+
+def offered_hooks(geometry: Any) -> tuple[str, ...]:
+    """The catalogue hooks a model of this geometry has: router hooks only on MoE models, and
+    no ``mlp_post`` there (the experts share no down projection to hook). The test over real
+    models of every family checks this agrees with what the runtime finds on the modules."""
+    from dmi.capture import HOOKS
+
+    moe = geometry.n_experts > 0
+    return tuple(name for name, spec in HOOKS.items()
+                 if (moe or not spec.moe_only) and not (moe and name == "mlp_post"))
+
+
+def describe_model(source: str, *, dtype: str | None = None) -> ModelDescription:
+    """Describe the model at ``source`` (directory, config.json or built-in name)."""
+    from dmi.capture import HOOKS
+
+    where, config = read_model_config(source)
+    g = model_geometry(config, where=where, dtype=dtype)
+    hooks = []
+    for name in offered_hooks(g):
+        spec = HOOKS[name]
+        shape = spec.feature_shape(g)
+        record = "heads x q_tokens x kv_tokens" if name == "attn_pattern" else " x ".join(
+            ["tokens", *map(str, shape)])
+        hooks.append(HookDescription(name, "layer" if spec.per_layer else "global", tuple(shape), record,
+                                     _dtype_name(spec.dtype(g)), spec.tp_axis, spec.doc))
+    return ModelDescription(where, g.model_type, g, tuple(hooks))
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,234 @@
+"""``dmi ui``: the HTTP contract, against a real server on loopback — every endpoint answers
+what the plan / describe / estimate / store code answers, the plan path is the only file
+written, and the guards (token off loopback, Host, Origin, JSON bodies) refuse from outside."""
+
+from __future__ import annotations
+
+import http.client
+import shutil
+import json
+from urllib.parse import urlsplit
+
+import pytest
+import torch
+
+import dmi
+from dmi._describe import describe_model
+from dmi._estimate import estimate_plan_file
+from dmi._models import BUILTIN_MODELS
+from dmi._ui import UIConfig, is_loopback, start_server
+from dmi.storage.errors import InvalidArgumentError
+from tests._models import left_padded_batch, tiny
+
+PLAN = "version: 1\nmodel: tiny-llama\nhooks: [resid_post, logits]\nlayers: '0:2'\nschedule: {phases: [forward]}\n"
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    """A store with one captured request, to browse."""
+    home = tmp_path_factory.mktemp("ui-home")
+    with dmi.open(home=home) as store:
+        with dmi.capture(tiny("llama"), hooks="resid_post", store=store, model_id="ui-model", run_id="ui-run") as cap:
+            with torch.inference_mode():
+                cap.forward(*left_padded_batch((5,)), request_ids=["r0"])
+    return home
+
+
+@pytest.fixture
+def server(home, tmp_path):
+    plan_path = tmp_path / "plan.yaml"
+    plan_path.write_text(PLAN)
+    config = UIConfig(plan_path=str(plan_path), models=("tiny-llama", "small-llama"),
+                      open_store=lambda: dmi.open(home=home), token=None)
+    srv = start_server(config, "127.0.0.1", 0)
+    yield srv, plan_path
+    srv.close()
+
+
+def _call(url: str, method: str = "GET", path: str = "/", body=None, headers=None):
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    hdrs = {"Content-Type": "application/json"} if body is not None else {}
+    hdrs.update(headers or {})
+    conn.request(method, path, body=data, headers=hdrs)
+    resp = conn.getresponse()
+    raw = resp.read()
+    conn.close()
+    ctype = resp.getheader("Content-Type", "")
+    return resp.status, ctype, json.loads(raw) if ctype == "application/json" else raw
+
+
+def test_page_and_session(server):
+    srv, plan_path = server
+    status, ctype, page = _call(srv.url)
+    assert status == 200 and ctype.startswith("text/html") and b'aria-live="polite"' in page
+    status, _, session = _call(srv.url, path="/api/session")
+    assert status == 200
+    assert session["fields"] == {"model": "tiny-llama", "hooks": ["resid_post", "logits"], "layers": "0:2",
+                                 "phases": ["forward"]}
+    assert session["plan_path"] == str(plan_path) and session["store"] is True
+
+
+def test_describe_is_describe_model(server):
+    srv, _ = server
+    status, _, doc = _call(srv.url, path="/api/describe?model=tiny-llama")
+    assert status == 200 and doc == json.loads(json.dumps(describe_model("tiny-llama").as_dict()))
+
+
+def test_describe_refuses_models_not_named_at_launch(server, tmp_path):
+    srv, _ = server
+    (tmp_path / "config.json").write_text("{}")
+    status, _, err = _call(srv.url, path=f"/api/describe?model={tmp_path}")
+    assert status == 403 and err["field"] == "model" and "not named at launch" in err["error"]
+
+
+def test_estimate_is_estimate_plan(server):
+    srv, plan_path = server
+    status, _, doc = _call(srv.url, "POST", "/api/estimate", {"plan": PLAN, "tokens": 32, "batch": 2})
+    assert status == 200
+    assert doc == json.loads(json.dumps(estimate_plan_file(str(plan_path), tokens=32, batch=2).as_dict(), default=str))
+
+
+def test_estimate_reports_plan_errors_at_their_field(server):
+    srv, _ = server
+    status, _, err = _call(srv.url, "POST", "/api/estimate", {"plan": PLAN + "layer: 3\n"})
+    assert status == 400 and err["field"] == "layer" and "did you mean 'layers'" in err["error"]
+
+
+def test_save_writes_only_the_plan_path(server):
+    srv, plan_path = server
+    text = '{"version": 1, "model": "small-llama", "hooks": ["embed"], "layers": "1:3"}'
+    status, _, doc = _call(srv.url, "POST", "/api/plan", {"plan": text})
+    assert status == 200 and doc["saved"] == str(plan_path)
+    assert plan_path.read_text() == doc["plan"] and dmi.load_plan(plan_path).hooks == ("embed",)
+    assert sorted(p.name for p in plan_path.parent.iterdir()) == ["plan.yaml"]
+    status, _, _ = _call(srv.url, "POST", "/api/plan", {"plan": "version: 1\nhooks: [nope]\n"})
+    assert status == 400 and dmi.load_plan(plan_path).hooks == ("embed",)  # a refused plan is not written
+
+
+def test_browse_the_store(server, home):
+    srv, _ = server
+    status, _, models = _call(srv.url, path="/api/models")
+    with dmi.open(home=home) as store:
+        assert status == 200 and models == [m.as_dict() for m in store.models()]
+        status, _, reqs = _call(srv.url, path="/api/requests?model=ui-model")
+        assert status == 200 and [r["request_id"] for r in reqs] == ["r0"]
+        status, _, contents = _call(srv.url, path="/api/contents?model=ui-model&request=r0&run=ui-run")
+        assert contents == json.loads(json.dumps(store.contents("ui-model", "r0", run_id="ui-run").as_dict()))
+    status, ctype, png = _call(srv.url, path="/api/plot.png?model=ui-model&request=r0&hook=resid_post")
+    assert (status, ctype) == (200, "image/png") and png[:8] == b"\x89PNG\r\n\x1a\n"
+    status, _, err = _call(srv.url, path="/api/requests?model=nope")
+    assert status == 404 and "nope" in err["error"]
+
+
+def test_cross_origin_and_foreign_host_refused(server):
+    srv, _ = server
+    port = urlsplit(srv.url).port
+    assert _call(srv.url, path="/api/session", headers={"Origin": f"http://127.0.0.1:{port}"})[0] == 200
+    status, _, err = _call(srv.url, path="/api/session", headers={"Origin": "http://evil.example"})
+    assert status == 403 and "cross-origin" in err["error"]
+    status, _, err = _call(srv.url, path="/api/session", headers={"Host": f"evil.example:{port}"})
+    assert status == 403 and "another host" in err["error"]
+    status, _, _ = _call(srv.url, "POST", "/api/plan", {"plan": PLAN}, headers={"Content-Type": "text/plain"})
+    assert status == 415
+
+
+def test_unknown_route_and_bad_body(server):
+    srv, _ = server
+    assert _call(srv.url, path="/etc/passwd")[0] == 404
+    status, _, err = _call(srv.url, "POST", "/api/estimate", b"{not json")
+    assert status == 400 and "not JSON" in err["error"]
+
+
+def test_off_loopback_needs_the_token(home):
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and not is_loopback("0.0.0.0")
+    config = UIConfig(plan_path=None, models=("tiny-llama",), open_store=None, token=None)
+    with pytest.raises(InvalidArgumentError, match="needs a per-launch token"):
+        start_server(config, "0.0.0.0", 0)
+    config = UIConfig(plan_path=None, models=("tiny-llama",), open_store=None, token="s3cret")
+    srv = start_server(config, "0.0.0.0", 0)
+    try:
+        assert srv.url.endswith("/?token=s3cret")
+        port = urlsplit(srv.url).port
+        local = f"http://127.0.0.1:{port}/"
+        host = {"Host": f"0.0.0.0:{port}"}
+        status, _, err = _call(local, path="/api/session", headers=host)
+        assert status == 403 and "token" in err["error"]
+        assert _call(local, path="/api/session", headers={**host, "X-DMI-Token": "wrong"})[0] == 403
+        status, _, session = _call(local, path="/api/session?token=s3cret", headers=host)
+        assert status == 200 and session["store"] is False and session["plan_path"] is None
+        assert _call(local, path="/api/session", headers={**host, "X-DMI-Token": "s3cret"})[0] == 200
+    finally:
+        srv.close()
+
+
+def test_port_scan_moves_to_the_next_free_port():
+    config = UIConfig(plan_path=None, models=tuple(BUILTIN_MODELS), open_store=None, token=None)
+    first = start_server(config, "127.0.0.1", 0)
+    try:
+        taken = urlsplit(first.url).port
+        with pytest.raises(InvalidArgumentError, match="cannot listen"):
+            start_server(config, "127.0.0.1", taken)
+        second = start_server(config, "127.0.0.1", taken, scan=5)
+        try:
+            assert taken < urlsplit(second.url).port <= taken + 5
+        finally:
+            second.close()
+    finally:
+        first.close()
+
+
+def test_dmi_ui_prints_its_url_and_stops_on_interrupt(tmp_path):
+    """The command: binds loopback (next free port from 8765), prints the URL, offers the
+    plan's model and the built-in ones, exits 0 on Ctrl-C."""
+    import signal
+    import subprocess
+    import sys
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    proc = subprocess.Popen([sys.executable, "-m", "dmi.cli", "ui", "--plan", str(plan), "--no-browser",
+                             "--home", str(tmp_path / "home")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("dmi ui: http://127.0.0.1:") and line.rstrip().endswith("(Ctrl-C stops)")
+        url = line.split()[2]
+        assert 8765 <= urlsplit(url).port <= 8815
+        status, _, session = _call(url, path="/api/session")
+        assert status == 200 and session["models"] == ["tiny-llama", *[m for m in BUILTIN_MODELS if m != "tiny-llama"]]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and err == ""
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (apt-get install chromium)")
+def test_page_in_headless_chromium(home, tmp_path):
+    """A real browser runs the page's script: it reads the plan, describes the model, shows the
+    estimate the API computes, and (``#model=...&request=...&hook=...``) browses the captured
+    run to its hooks and plot. Checked on the DOM after the scripts ran; screenshots taken."""
+    import re
+    import subprocess
+
+    plan_path = tmp_path / "plan.yaml"
+    plan_path.write_text(PLAN)
+    srv = start_server(UIConfig(str(plan_path), ("tiny-llama",), lambda: dmi.open(home=home), None),
+                       "127.0.0.1", 0)
+    cmd = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+           f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=10000", "--window-size=1300,1000"]
+    browse = srv.url + "#model=ui-model&request=r0&hook=resid_post"
+    try:
+        dom = subprocess.run([*cmd, "--dump-dom", browse], capture_output=True, text=True, timeout=120).stdout
+        for name, url in (("plan", srv.url), ("store", browse)):
+            subprocess.run([*cmd, f"--screenshot={tmp_path / name}.png", url], capture_output=True, timeout=120,
+                           check=True)
+    finally:
+        srv.close()
+    expected = estimate_plan_file(str(plan_path), tokens=512).raw_bytes_per_million_tokens
+    assert re.search(r'id="estimate-total" data-raw="(\d+)"', dom).group(1) == str(expected)
+    assert "Requests of ui-model" in dom and "Hooks of r0" in dom
+    assert re.search(r'<img id="plot" alt="resid_post norms of r0"[^>]*src="/api/plot.png\?model=ui-model', dom)
+    for name in ("plan", "store"):
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
