@@ -396,6 +396,7 @@ class Store:
         ``RecordNotFoundError``, ``InvalidArgumentError``.
         """
         from dmi._audit import run_audit
+        from dmi.reader import read_records
 
         name = model_name or (model if isinstance(model, str) else type(model).__name__)
         if isinstance(model, str):

@@ -427,7 +427,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         for bad in report.problems:
             print(f"{bad.kind}: pack {bad.pack_id}: {bad.describe()}")
         if report.unpublished_packs:  # said even with --quiet: data the catalog does not show
-            print(f"dmi: {plural(len(report.unpublished_packs), 'sealed pack')} on disk not (fully) in the catalog: "
+            n = len(report.unpublished_packs)
+            print(f"dmi: {plural(n, 'sealed pack')} on disk {'is' if n == 1 else 'are'} not (fully) in the catalog: "
                   "run `dmi recover`", file=sys.stderr)
     if report.problems:
         packs = len({bad.pack_id for bad in report.problems})

@@ -57,10 +57,10 @@ class Tamper:
         change = self.change
         real_append = writer.append
 
-        def append(key, data, *, shard=None):
+        def append(key, data, **layout):
             changed = change(key, data)
             for new_key, new_data in changed if isinstance(changed, list) else [changed]:
-                real_append(new_key, new_data, shard=shard)
+                real_append(new_key, new_data, **layout)
 
         writer.append = append
         return writer
@@ -434,19 +434,19 @@ def test_an_honest_capture_of_the_real_smollm2_passes_where_installed(tmp_path):
 
 
 def test_only_the_sampled_requests_records_are_read(store, monkeypatch):
-    import dmi._store
+    import dmi.reader
 
     model = tiny("qwen2")
     ids, mask = left_padded_batch(lengths=(7, 4, 6, 3, 5))
     model_id, rids = _capture(store, model, ids, mask)
     read = []
-    real = dmi._store.read_records
+    real = dmi.reader.read_records
 
     def spy(packs, entries, **kw):
         read.extend(e.meta.key.request_id for e in entries)
         return real(packs, entries, **kw)
 
-    monkeypatch.setattr(dmi._store, "read_records", spy)
+    monkeypatch.setattr(dmi.reader, "read_records", spy)  # the store imports it when it reads
     report = store.audit(model_id, model=model, requests=2)
     chosen = {rid for _, rid in report.requests}
     assert len(chosen) == 2 and set(read) == chosen

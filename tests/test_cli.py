@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 LAYERS = [0, 1, 2, 3]
 
 _BATCH = r"""
-import contextlib, io, json, sys
+import contextlib, io, json, sys, traceback
 from dmi.cli import main
 results = []
 for argv in json.load(sys.stdin):
@@ -39,6 +39,9 @@ for argv in json.load(sys.stdin):
             rc = main(argv)
         except SystemExit as exc:
             rc = exc.code
+        except BaseException:
+            rc = None
+            err.write(traceback.format_exc())
     results.append({"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue()})
 json.dump(results, sys.stdout)
 """

@@ -19,27 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli import _env, dmi, parsed
+from tests.test_cli import _BATCH, _env, dmi, parsed
 
 pytestmark = pytest.mark.slow
 
-_BATCH = r"""
-import contextlib, io, json, sys, traceback
-from dmi.cli import main
-results = []
-for argv in json.load(sys.stdin):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(argv)
-        except SystemExit as exc:
-            rc = exc.code
-        except BaseException:
-            rc = None
-            err.write(traceback.format_exc())
-    results.append({"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue()})
-json.dump(results, sys.stdout)
-"""
 
 def _bad_commands(run_id: str, request_id: str, out: Path, prompts: Path) -> dict[str, list[str]]:
     """Each case: a name and an argv that is wrong in exactly one way. ``missing`` lies under
