@@ -12,12 +12,16 @@ chDB facts this backend is built around:
 So a session is held **per unit of catalog work**, not per process (:class:`_EmbeddedSession`):
 
 * Every statement runs inside :meth:`_EmbeddedSession.use`, which opens a session on the
-  directory if none is open, and re-enters it otherwise. When the outermost use ends the
-  session stays open for :data:`IDLE_CLOSE_SECONDS` (back-to-back calls such as a query then
-  a byte-range lookup share one session), then a background thread closes it. A session
-  busy for longer than :data:`MAX_HOLD_SECONDS` is closed at the end of its current use and
+  directory if none is open, and re-enters it otherwise. Reopening costs tens to hundreds
+  of milliseconds, so a session is given up only when someone needs it: a process waiting
+  for its turn says so by holding a shared ``flock`` on ``<directory>/dmi.waiting``, and the
+  holder checks that signal (a non-blocking exclusive attempt). An idle session is closed
+  at once when someone waits (a background thread looks every :data:`WAITER_POLL_SECONDS`)
+  and otherwise after :data:`IDLE_CLOSE_SECONDS`; a session busy for longer than
+  :data:`MAX_HOLD_SECONDS` is closed at the end of its current use when someone waits, and
   not reopened for :data:`YIELD_SECONDS`, so a reader in a tight loop cannot starve a
-  capture in another process (nor the other way round).
+  capture in another process (nor the other way round). Without contention nothing is
+  closed and reopened.
 * Processes take turns through DMI's own lock, ``flock`` on ``<directory>/dmi.lock``, taken
   before chDB is asked and released after chDB has closed. Before opening, the flock chDB
   itself takes on ``<directory>/status`` is tried too (non-blocking), so a process that is
@@ -60,8 +64,10 @@ from dmi.storage.errors import (
 )
 
 #: How long an idle session stays open after its last statement (seconds).
-IDLE_CLOSE_SECONDS = 0.2
-#: A session busy this long is closed at the end of its current use, to let others in.
+IDLE_CLOSE_SECONDS = 2.0
+#: How often the idle session looks for a process waiting for its turn.
+WAITER_POLL_SECONDS = 0.02
+#: A session busy this long is closed at the end of its current use when another waits.
 MAX_HOLD_SECONDS = 1.0
 #: After such a forced close, this process waits this long before reopening.
 YIELD_SECONDS = 0.05
@@ -71,6 +77,7 @@ LOCK_TIMEOUT_SECONDS = 60.0
 POLL_SECONDS = 0.005
 
 LOCK_FILE = "dmi.lock"
+WAITING_FILE = "dmi.waiting"
 
 
 def _import_chdb():
@@ -132,6 +139,38 @@ def read_only_error(directory: Path) -> CatalogReadOnlyError:
     )
 
 
+@contextlib.contextmanager
+def _waiting(directory: Path) -> Iterator[None]:
+    """Say "I am waiting for this directory" for as long as the block runs: a shared flock on
+    ``<directory>/dmi.waiting`` that the session's holder can see (:func:`_someone_waits`)."""
+    try:
+        fd = os.open(directory / WAITING_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:  # cannot signal (the lock file's own error is reported where it is made)
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # releases the shared flock
+
+
+def _someone_waits(directory: Path) -> bool:
+    """Whether another process is waiting for its turn on ``directory`` (holds the shared
+    flock :func:`_waiting` takes): an exclusive attempt that does not wait fails then."""
+    try:
+        fd = os.open(directory / WAITING_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def _open_lock_file(directory: Path) -> int:
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -189,7 +228,7 @@ class _EmbeddedSession:
     def _finish_use(self) -> None:
         now = time.monotonic()
         self._last_used = now
-        if now - self._opened_at >= MAX_HOLD_SECONDS:
+        if now - self._opened_at >= MAX_HOLD_SECONDS and _someone_waits(self._key[0]):
             self._close()
             self._reopen_after = time.monotonic() + YIELD_SECONDS
         else:
@@ -218,19 +257,20 @@ class _EmbeddedSession:
     @staticmethod
     def _wait_for_turn(fd: int, directory: Path, lock_timeout: float) -> None:
         deadline = time.monotonic() + lock_timeout
-        while True:
-            if _try_flock(fd):
-                if _status_free(directory):
-                    return
-                fcntl.flock(fd, fcntl.LOCK_UN)  # someone other than DMI holds chDB's lock
-            if time.monotonic() >= deadline:
-                raise CatalogLockedError(
-                    f"the embedded catalog directory {directory} stayed in use by another process for "
-                    f"{lock_timeout:g} s (DMI processes take turns on it, one unit of catalog work at a "
-                    "time). Wait for that process, raise the wait with open_catalog(..., lock_timeout=...), "
-                    "or use a ClickHouse server for many busy processes."
-                )
-            time.sleep(POLL_SECONDS)
+        with _waiting(directory):
+            while True:
+                if _try_flock(fd):
+                    if _status_free(directory):
+                        return
+                    fcntl.flock(fd, fcntl.LOCK_UN)  # someone other than DMI holds chDB's lock
+                if time.monotonic() >= deadline:
+                    raise CatalogLockedError(
+                        f"the embedded catalog directory {directory} stayed in use by another process for "
+                        f"{lock_timeout:g} s (DMI processes take turns on it, one unit of catalog work at a "
+                        "time). Wait for that process, raise the wait with open_catalog(..., lock_timeout=...), "
+                        "or use a ClickHouse server for many busy processes."
+                    )
+                time.sleep(POLL_SECONDS)
 
     def _close(self) -> None:
         conn, fd = self._conn, self._lock_fd
@@ -258,10 +298,10 @@ class _EmbeddedSession:
                     if self._conn is None:
                         break
                     idle = time.monotonic() - self._last_used
-                    if self._depth == 0 and idle >= IDLE_CLOSE_SECONDS:
+                    if self._depth == 0 and (idle >= IDLE_CLOSE_SECONDS or _someone_waits(self._key[0])):
                         self._close()
                         break
-                time.sleep(max(IDLE_CLOSE_SECONDS - idle, POLL_SECONDS))
+                time.sleep(min(max(IDLE_CLOSE_SECONDS - idle, POLL_SECONDS), WAITER_POLL_SECONDS))
 
     def forget(self) -> None:
         """In a forked child: drop the parent's session without closing it (it is the parent's).
