@@ -369,8 +369,6 @@ class LocalPackStore(PackStore):
     def _list_names(self) -> list[str]:
         try:
             return os.listdir(self.root)
-        except FileNotFoundError:
-            return []
         except OSError as exc:
             raise PackError(f"cannot list pack store {self.uri}: {exc}") from exc
 
