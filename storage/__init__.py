@@ -27,6 +27,7 @@ _LAZY = {
     "verify_pack": "_pack_read",
     "PackStore": "_store",
     "LocalPackStore": "_store",
+    "FileSystemPackStore": "_store",
     "PackInput": "_store",
     "PackSink": "_store",
     "PackWriter": "_writer",

@@ -1,4 +1,12 @@
-"""Where pack files live: a directory on a ``pyarrow.fs`` filesystem.
+"""Where pack files live: the :class:`PackStore` contract and its two stores.
+
+A store is a flat namespace of sealed packs named ``<pack_id>.arrow``. The contract is four
+primitives each store implements — list the names it holds, open one pack for ranged reads
+(:class:`PackInput`), create a :class:`PackSink` whose :meth:`PackSink.seal` makes the pack
+visible exactly once and refuses an id that already exists, delete — plus where a pack is
+(``location``, ``uri``). The base class validates pack ids, filters listings down to pack
+names and derives ``exists``, so every store shares those rules; ``tests/pack_store_conformance.py``
+is the suite every store passes.
 
 Sealing is an operation of the store, not of the writer, because it differs by backend:
 
@@ -6,9 +14,9 @@ Sealing is an operation of the store, not of the writer, because it differs by b
   name, fsyncs the file, renames it to ``<pack_id>.arrow`` and fsyncs the directory. A
   crash at any point leaves either the sealed pack or a temporary file that
   :meth:`PackStore.list_packs` never reports and no pack id can name.
-* :class:`PackStore` (any other ``pyarrow.fs`` filesystem, e.g. S3) writes the final key
-  directly: object stores have no atomic rename, and a multipart upload becomes visible
-  only when it completes.
+* :class:`FileSystemPackStore` (any other ``pyarrow.fs`` filesystem, e.g. S3) writes the
+  final key directly: object stores have no atomic rename, and a multipart upload becomes
+  visible only when it completes.
 
 Range reads go through :class:`PackInput`, which reads straight into caller-owned
 buffers (``os.preadv`` locally, no intermediate copy) and turns short reads into
@@ -20,6 +28,8 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from contextlib import suppress
 
 import pyarrow as pa
@@ -34,7 +44,7 @@ from dmi.storage.errors import (
     PackTruncatedError,
 )
 
-__all__ = ["PackStore", "LocalPackStore", "PackInput", "PackSink"]
+__all__ = ["PackStore", "LocalPackStore", "FileSystemPackStore", "PackInput", "PackSink"]
 
 
 def _check_pack_id(pack_id: str) -> None:
@@ -131,16 +141,39 @@ class _LocalPackInput(PackInput):
             self._fd = -1
 
 
-class PackSink:
-    """A pack being written. ``stream`` takes the bytes; :meth:`seal` makes them a pack."""
+class PackSink(ABC):
+    """A pack being written. ``stream`` takes the bytes; :meth:`seal` makes them a pack.
 
-    def __init__(self, store: PackStore, pack_id: str, stream: pa.NativeFile):
+    A sink is used once: either :meth:`seal` (the pack becomes visible under its id, or
+    :class:`PackSealError` and nothing new is visible) or :meth:`abort`.
+    """
+
+    store: PackStore
+    pack_id: str
+    stream: pa.NativeFile
+
+    @abstractmethod
+    def seal(self) -> int:
+        """Make the pack durable and visible under its id; return its size in bytes.
+
+        Raises :class:`PackSealError` if the bytes cannot be made a pack, or if a pack with
+        this id already exists (which stays as it was).
+        """
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Give up: nothing under this pack id becomes (or stays) visible."""
+
+
+class _FileSystemPackSink(PackSink):
+    """Writes the final key directly; closing the stream completes the upload."""
+
+    def __init__(self, store: FileSystemPackStore, pack_id: str, stream: pa.NativeFile):
         self.store = store
         self.pack_id = pack_id
         self.stream = stream
 
     def seal(self) -> int:
-        """Make the pack durable and visible under its id; return its size in bytes."""
         try:
             size = self.stream.tell()
             self.stream.close()
@@ -149,7 +182,6 @@ class PackSink:
         return size
 
     def abort(self) -> None:
-        """Give up: nothing under this pack id becomes (or stays) visible."""
         with suppress(OSError):
             self.stream.close()
         with suppress(OSError):
@@ -216,16 +248,14 @@ class _LocalPackSink(PackSink):
             os.close(fd)
 
 
-class PackStore:
-    """Pack files in one directory of a ``pyarrow.fs`` filesystem (object storage path).
+class PackStore(ABC):
+    """The pack storage contract: list, open for ranged reads, seal-once write, delete.
 
-    Use :meth:`local` or :meth:`from_uri`; construct directly to choose a filesystem.
+    Use :meth:`local` or :meth:`from_uri`, or construct a concrete store. Subclasses
+    implement the primitives (``_list_names``, ``_open_input``, ``_create``, ``_delete``,
+    ``_location``, :attr:`uri`); the public methods here check the pack id first, so no
+    primitive ever sees a malformed one (a path like ``../x`` never reaches a filesystem).
     """
-
-    def __init__(self, filesystem: pafs.FileSystem, root: str, *, uri: str | None = None):
-        self.filesystem = filesystem
-        self.root = root.rstrip("/") or "/"
-        self._uri = uri or f"{filesystem.type_name}://{self.root}"
 
     @staticmethod
     def local(path: str | os.PathLike) -> LocalPackStore:
@@ -244,7 +274,140 @@ class PackStore:
             raise InvalidArgumentError(f"cannot open pack store {text!r}: {exc}") from exc
         if isinstance(filesystem, pafs.LocalFileSystem):
             return LocalPackStore(path)
-        return PackStore(filesystem, path, uri=text)
+        return FileSystemPackStore(filesystem, path, uri=text)
+
+    @property
+    @abstractmethod
+    def uri(self) -> str:
+        """The store itself as a URI (``file://<dir>`` for local stores)."""
+
+    def location(self, pack_id: str) -> str:
+        """Where the pack's file is: a URI (a plain path for local stores)."""
+        _check_pack_id(pack_id)
+        return self._location(pack_id)
+
+    def list_packs(self) -> list[str]:
+        """Ids of sealed packs, sorted. Temporary and foreign files are never listed."""
+        return sorted(pack_id for pack_id in map(_pack_id_of, self._list_names()) if pack_id)
+
+    def exists(self, pack_id: str) -> bool:
+        """Whether a sealed pack has this id."""
+        _check_pack_id(pack_id)
+        return self._exists(pack_id)
+
+    def open_input(self, pack_id: str) -> PackInput:
+        """Open a sealed pack for range reads; :class:`PackNotFoundError` if it is not there."""
+        _check_pack_id(pack_id)
+        return self._open_input(pack_id)
+
+    def create(self, pack_id: str) -> PackSink:
+        """Start writing a new pack; it becomes visible only when the sink is sealed."""
+        _check_pack_id(pack_id)
+        return self._create(pack_id)
+
+    def delete(self, pack_id: str) -> None:
+        """Remove a sealed pack (garbage collection of deleted runs, tooling).
+
+        A pack that is not there is a :class:`PackNotFoundError`, so a caller that races
+        another deleter (``purge``) sees it and can skip, and a typo is not silent.
+        """
+        _check_pack_id(pack_id)
+        self._delete(pack_id)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.uri!r})"
+
+    @abstractmethod
+    def _location(self, pack_id: str) -> str:
+        """The location of a (valid) pack id."""
+
+    @abstractmethod
+    def _list_names(self) -> Iterable[str]:
+        """Base names of the files in the store (an empty store, or no store yet: none)."""
+
+    @abstractmethod
+    def _open_input(self, pack_id: str) -> PackInput:
+        """Open a sealed pack; :class:`PackNotFoundError` if there is none."""
+
+    @abstractmethod
+    def _create(self, pack_id: str) -> PackSink:
+        """A sink for a new pack, invisible until sealed."""
+
+    @abstractmethod
+    def _delete(self, pack_id: str) -> None:
+        """Remove a sealed pack; :class:`PackNotFoundError` if there is none."""
+
+    def _exists(self, pack_id: str) -> bool:
+        """Derived from opening the pack; stores with a cheaper lookup override it."""
+        try:
+            self._open_input(pack_id).close()
+        except PackNotFoundError:
+            return False
+        return True
+
+
+class LocalPackStore(PackStore):
+    """A local directory: temp-name + fsync + rename + fsync-dir sealing, ``preadv`` reads."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.root = os.path.abspath(os.fspath(path))
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as exc:
+            raise PackError(f"cannot create pack directory {self.root}: {exc}") from exc
+
+    @property
+    def uri(self) -> str:
+        return f"file://{self.root}"
+
+    def _path(self, pack_id: str) -> str:
+        return os.path.join(self.root, f"{pack_id}{PACK_SUFFIX}")
+
+    def _location(self, pack_id: str) -> str:
+        return self._path(pack_id)
+
+    def _list_names(self) -> list[str]:
+        try:
+            return os.listdir(self.root)
+        except OSError as exc:
+            raise PackError(f"cannot list pack store {self.uri}: {exc}") from exc
+
+    def _exists(self, pack_id: str) -> bool:
+        return os.path.isfile(self._path(pack_id))
+
+    def _open_input(self, pack_id: str) -> PackInput:
+        return _LocalPackInput(pack_id, self._path(pack_id))
+
+    def _create(self, pack_id: str) -> PackSink:
+        return _LocalPackSink(self, pack_id)  # an existing pack is refused at rename time
+
+    def _delete(self, pack_id: str) -> None:
+        try:
+            os.unlink(self._path(pack_id))
+        except OSError as exc:
+            if _is_missing(exc):
+                raise PackNotFoundError(f"pack {pack_id} not found in {self.uri}") from exc
+            raise PackError(f"pack {pack_id}: cannot delete: {exc}") from exc
+
+
+class FileSystemPackStore(PackStore):
+    """Pack files in one directory of any ``pyarrow.fs`` filesystem (the object-storage path).
+
+    A pack is written straight to its final key and becomes visible when the upload
+    completes (object stores have no atomic rename). What guards a double write is the
+    check in :meth:`create`: an id that already exists is refused before anything is
+    written. Two sinks created concurrently for the same id are not refused by that check
+    (on S3 the later upload would replace the earlier one); pack ids are 128 random bits, so
+    only a bug reuses one, and making the final write create-if-absent (S3 conditional
+    writes) is the object-storage issue's job. On filesystems that show a file as soon as it
+    is opened for writing (pyarrow's ``LocalFileSystem``), an unsealed pack is visible
+    under its name while it is written; use :class:`LocalPackStore` for local disks.
+    """
+
+    def __init__(self, filesystem: pafs.FileSystem, root: str, *, uri: str | None = None):
+        self.filesystem = filesystem
+        self.root = root.rstrip("/") or "/"
+        self._uri = uri or f"{filesystem.type_name}://{self.root}"
 
     @property
     def uri(self) -> str:
@@ -253,26 +416,17 @@ class PackStore:
     def _path(self, pack_id: str) -> str:
         return f"{self.root}/{pack_id}{PACK_SUFFIX}"
 
-    def location(self, pack_id: str) -> str:
-        """Where the pack's file is: a URI (a plain path for local stores)."""
-        _check_pack_id(pack_id)
+    def _location(self, pack_id: str) -> str:
         return f"{self._uri.rstrip('/')}/{pack_id}{PACK_SUFFIX}"
 
-    def list_packs(self) -> list[str]:
-        """Ids of sealed packs, sorted. Temporary files are never listed."""
+    def _list_names(self) -> list[str]:
         try:
             infos = self.filesystem.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
         except OSError as exc:
             raise PackError(f"cannot list pack store {self._uri}: {exc}") from exc
-        return sorted(_pack_id_of(info.base_name) for info in infos if _pack_id_of(info.base_name))
+        return [info.base_name for info in infos if info.type == pafs.FileType.File]
 
-    def exists(self, pack_id: str) -> bool:
-        _check_pack_id(pack_id)
-        return self.filesystem.get_file_info(self._path(pack_id)).type == pafs.FileType.File
-
-    def open_input(self, pack_id: str) -> PackInput:
-        """Open a sealed pack for range reads; :class:`PackNotFoundError` if it is not there."""
-        _check_pack_id(pack_id)
+    def _open_input(self, pack_id: str) -> PackInput:
         try:
             return PackInput(pack_id, self.filesystem.open_input_file(self._path(pack_id)))
         except OSError as exc:
@@ -280,59 +434,23 @@ class PackStore:
                 raise PackNotFoundError(f"pack {pack_id} not found in {self._uri}") from exc
             raise PackError(f"pack {pack_id}: cannot open in {self._uri}: {exc}") from exc
 
-    def create(self, pack_id: str) -> PackSink:
-        """Start writing a new pack; it becomes visible only when the sink is sealed."""
-        _check_pack_id(pack_id)
+    def _create(self, pack_id: str) -> PackSink:
+        if self._exists(pack_id):
+            raise PackSealError(f"pack {pack_id} already exists in {self._uri}")
         try:
-            if self.exists(pack_id):
-                raise PackSealError(f"pack {pack_id} already exists in {self._uri}")
             self.filesystem.create_dir(self.root, recursive=True)
-            return PackSink(self, pack_id, self.filesystem.open_output_stream(self._path(pack_id)))
-        except PackSealError:
-            raise
+            stream = self.filesystem.open_output_stream(self._path(pack_id))
         except OSError as exc:
             raise PackSealError(f"pack {pack_id}: cannot create in {self._uri}: {exc}") from exc
+        return _FileSystemPackSink(self, pack_id, stream)
 
-    def delete(self, pack_id: str) -> None:
-        """Remove a sealed pack (garbage collection of unpublished test packs, tooling)."""
-        _check_pack_id(pack_id)
+    def _delete(self, pack_id: str) -> None:
         try:
             self.filesystem.delete_file(self._path(pack_id))
         except OSError as exc:
             if _is_missing(exc):
                 raise PackNotFoundError(f"pack {pack_id} not found in {self._uri}") from exc
             raise PackError(f"pack {pack_id}: cannot delete: {exc}") from exc
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._uri!r})"
-
-
-class LocalPackStore(PackStore):
-    """A local directory: temp-name + fsync + rename + fsync-dir sealing, ``preadv`` reads."""
-
-    def __init__(self, path: str | os.PathLike):
-        root = os.path.abspath(os.fspath(path))
-        try:
-            os.makedirs(root, exist_ok=True)
-        except OSError as exc:
-            raise PackError(f"cannot create pack directory {root}: {exc}") from exc
-        super().__init__(pafs.LocalFileSystem(), root, uri=f"file://{root}")
-
-    def location(self, pack_id: str) -> str:
-        _check_pack_id(pack_id)
-        return self._path(pack_id)
-
-    def exists(self, pack_id: str) -> bool:
-        _check_pack_id(pack_id)
-        return os.path.isfile(self._path(pack_id))
-
-    def open_input(self, pack_id: str) -> PackInput:
-        _check_pack_id(pack_id)
-        return _LocalPackInput(pack_id, self._path(pack_id))
-
-    def create(self, pack_id: str) -> PackSink:
-        _check_pack_id(pack_id)
-        return _LocalPackSink(self, pack_id)  # an existing pack is refused at rename time
 
 
 def _pack_id_of(name: str) -> str | None:

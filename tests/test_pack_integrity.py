@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dmi.storage import (
+    FileSystemPackStore,
     PackCorruptError,
     PackError,
     PackFormatError,
@@ -62,7 +63,7 @@ def damaged_copy(root, tmp_path, pack_id, mutate, kind="local"):
     data = bytearray(path.read_bytes())
     path.write_bytes(mutate(data))
     if kind == "generic":  # the object-storage code path: pyarrow range reads
-        return PackStore(pafs.LocalFileSystem(), str(tmp_path / "copy"))
+        return FileSystemPackStore(pafs.LocalFileSystem(), str(tmp_path / "copy"))
     return PackStore.local(tmp_path / "copy")
 
 
