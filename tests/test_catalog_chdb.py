@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -193,3 +194,41 @@ def test_bad_uris_and_names_are_refused(tmp_path):
         open_catalog("clickhouse://default:@127.0.0.1:1/bad%25name")
     with pytest.raises(InvalidIdentifierError):
         open_catalog(f"chdb://{tmp_path / 'n'}", table_prefix="x`")
+
+
+def test_without_contention_the_session_is_kept_not_reopened(tmp_path):
+    """Nobody waits: neither idle gaps longer than the old 0.2 s close nor more than
+    MAX_HOLD_SECONDS of use make the process give its session up (a reopen costs 10–400 ms)."""
+    from dmi.catalog import _chdb
+
+    with open_catalog(f"chdb://{tmp_path / 'c'}") as catalog:
+        catalog.models()
+        session = _chdb._SESSION._conn
+        deadline = time.monotonic() + _chdb.MAX_HOLD_SECONDS + 0.5
+        while time.monotonic() < deadline:
+            time.sleep(0.3)
+            catalog.models()
+            assert _chdb._SESSION._conn is session
+
+
+def test_an_idle_holder_gives_its_session_up_when_another_process_waits(tmp_path):
+    """The holder would keep its idle session for an hour; the waiter's signal (a shared flock
+    on dmi.waiting) makes it close at once, so the waiter gets in well inside its wait."""
+    directory = tmp_path / "signal"
+    open_catalog(f"chdb://{directory}").close()
+    holder = _holder(f"""
+        import time
+        from dmi.catalog import _chdb, open_catalog
+        _chdb.IDLE_CLOSE_SECONDS = 3600.0
+        catalog = open_catalog({str(directory)!r})
+        catalog.models()
+        print("HELD", flush=True)
+        time.sleep(60)
+    """)
+    try:
+        _wait_held(holder)
+        out = _python(OPEN_WITH_SHORT_WAIT.replace("lock_timeout=0.5", "lock_timeout=10").format(directory=str(directory)))
+    finally:
+        holder.kill()
+        holder.communicate()
+    assert out.stdout.strip() == "OPENED", out.stdout + out.stderr
