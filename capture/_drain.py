@@ -7,10 +7,19 @@ publishes every pack the writer sealed meanwhile. ``flush()`` seals the open pac
 publishes it; any exception the thread hit is re-raised there (and at the next reservation
 on the model thread) as :class:`DrainError` with the original as ``__cause__`` — an error
 in the thread is never swallowed.
+
+**Adaptive encoding**: as it takes each slot (and at each flush) the drain reads the ring's
+fill — the bytes handed to it and not yet released, as a fraction of the ring. At or above
+``fallback_fill`` it is behind the model, and the records it appends until the next reading
+are stored with ``fallback_codec`` (``raw``: a copy and a checksum, no compression) instead
+of the writer's own codec — lossless either way, and each record carries its codec. Every
+switch into the fallback and every record stored with it is counted (:class:`DrainStats`).
+A writer whose ``append`` takes no ``codec=`` (a custom sink) is never switched.
 """
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
 import time
@@ -35,6 +44,8 @@ class DrainStats:
     packs_published: int = 0
     records_lost: int = 0
     busy_seconds: float = 0.0
+    codec_switches: int = 0  # times the drain went from the writer's codec to the fallback
+    records_fallback: int = 0  # records stored with the fallback codec
 
 
 @dataclass(slots=True)
@@ -72,7 +83,8 @@ class Drain:
 
     def __init__(self, ring, writer, ctx: KeyContext, *, publish=None, record_losses=None,
                  tick=None, tick_seconds: float = 5.0, decode_chunk_steps: int = 32,
-                 decode_chunk_bytes: int = 16 << 20, start=None, name: str = "dmi-drain"):
+                 decode_chunk_bytes: int = 16 << 20, start=None, fallback_codec: str | None = None,
+                 fallback_fill: float = 0.5, name: str = "dmi-drain"):
         self.ring = ring
         self.writer = writer
         self.ctx = ctx
@@ -86,6 +98,9 @@ class Drain:
         self.decode_chunk_steps = decode_chunk_steps
         self.decode_chunk_bytes = decode_chunk_bytes
         self._staged: dict[tuple[str, int], _Staged] = {}
+        self._fallback = fallback_codec if fallback_codec and _switchable(writer, fallback_codec) else None
+        self._fallback_fill = fallback_fill
+        self._codec: str | None = None  # the fallback while behind, else None (the writer's codec)
         self.error: BaseException | None = None
         self.published: list = []
         self.lost_keys: list[RecordKey] = []
@@ -189,6 +204,7 @@ class Drain:
                 self.ring.release(item)
 
     def _seal_and_publish(self) -> None:
+        self._choose_codec()
         self._emit_all_staged()
         self._flush_losses()
         desc = self.writer.seal()
@@ -240,13 +256,29 @@ class Drain:
             key = RecordKey(key.model_id, key.run_id, key.request_id, key.hook, key.layer, key.start_token,
                             n_tokens, key.step, key.phase, key.shard_rank, key.tp_size)
         spec = HOOKS[hook]
-        self.writer.append(key, rec, shard=self._shard(hook, tuple(rec.shape)),
-                           token_axis=spec.token_axis, key_axis=spec.key_axis)
+        shard = self._shard(hook, tuple(rec.shape))
+        if self._codec is None:
+            self.writer.append(key, rec, shard=shard, token_axis=spec.token_axis, key_axis=spec.key_axis)
+        else:
+            self.writer.append(key, rec, shard=shard, token_axis=spec.token_axis, key_axis=spec.key_axis,
+                               codec=self._codec)
+            self.stats.records_fallback += 1
         self.stats.records += 1
+
+    def _choose_codec(self) -> None:
+        """The fallback codec while the ring is at least ``fallback_fill`` full, else the
+        writer's own; a switch into the fallback is counted."""
+        if self._fallback is None:
+            return
+        behind = self.ring.fill >= self._fallback_fill
+        if behind and self._codec is None:
+            self.stats.codec_switches += 1
+        self._codec = self._fallback if behind else None
 
     def _process(self, slot) -> None:
         if slot.event is not None:
             slot.event.synchronize()
+        self._choose_codec()
         buf = slot.buffer
         chunk = self.decode_chunk_steps
         for e in slot.entries:
@@ -303,6 +335,17 @@ class _Staged:
     parts: list = field(default_factory=list)
     last_step: int = -1
     nbytes: int = 0
+
+
+def _switchable(writer, codec: str) -> bool:
+    """Whether ``writer.append`` takes a per-record ``codec=`` and its own codec is another."""
+    if getattr(writer, "codec", None) == codec:
+        return False
+    try:
+        params = inspect.signature(writer.append).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: assume it takes none
+        return False
+    return "codec" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _shifted(first, current):

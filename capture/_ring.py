@@ -2,22 +2,40 @@
 
 The model thread *reserves* a region of the open slot for each (hook, layer) tensor, copies
 into it, and notes an :class:`Entry` (where the bytes are and which step plan cuts them
-into records). A slot that is full — or at the end of every step — is *submitted* to the
-drain thread, which turns it into records and *releases* it.
+into records). **Slots fill by bytes, across steps**: one slot holds as many steps' tensors
+as fit, so a small model's steps do not each take a whole slot.
+
+When the open slot is *submitted* to the drain thread (which turns it into records and
+*releases* it) — the latency rule:
+
+* when the next tensor does not fit in it (it is full);
+* at the end of a step (:meth:`Ring.end_step`) when the drain has fewer than
+  ``HANDOVER_DEPTH`` (2) slots in hand — so the drain always has the next slot queued
+  behind the one it works on, and otherwise (the drain is behind, or still acquiring its
+  publisher lease at the start) the open slot keeps taking the next steps' bytes: the ring
+  absorbs the start instead of spending a slot per step;
+* on :meth:`Ring.submit` — the session's ``flush()`` and detach.
+
+Also:
 
 * Slots are pinned host memory when CUDA is available. On CUDA the copies run on a side
   stream that first ``wait_stream``s the model's stream; the source is
   ``record_stream``-ed on the side stream so the allocator cannot recycle it early, and an
-  event recorded at submission tells the drain thread when the bytes are there. Nothing
-  synchronises the model's stream.
+  event recorded at submission (after every copy into the slot, of every step it holds)
+  tells the drain thread when the bytes are there. Nothing synchronises the model's stream.
 * On CPU the copy is a plain memcpy (``copy_`` / ``index_select(out=)``) into the slot —
   the model cannot overwrite a tensor we only referenced, because we never keep references.
-* **Lossless by default** (``drop_policy="wait"``): with no free slot the producer waits up
-  to ``timeout`` seconds, then raises :class:`RingFullError`. With ``drop_policy="drop"``
-  the tensor is not copied and the caller counts every record it would have produced as a
-  loss — nothing is dropped silently.
+* **Lossless by default** (``drop_policy="wait"``): when a tensor fits neither in the open
+  slot nor in a free one, the open slot goes to the drain and the producer waits up to
+  ``timeout`` seconds for a free slot, then raises :class:`RingFullError`. With
+  ``drop_policy="drop"`` that tensor is not copied (counted in :class:`RingStats`, and the
+  caller counts every record it would have produced as a loss — nothing is dropped
+  silently); the open slot stays open, so a later, smaller tensor that fits is still kept.
 * A tensor larger than a slot grows that slot's buffer (memory stays bounded by the largest
   single tensor times the slot count).
+* :attr:`Ring.fill` — the bytes handed to the drain and not yet released, as a fraction of
+  the ring — tells the drain how far behind it is (it switches to a cheaper codec above a
+  threshold; see ``_drain.py``).
 """
 
 from __future__ import annotations
@@ -30,9 +48,10 @@ import torch
 
 from dmi.storage.errors import InvalidArgumentError, RingFullError
 
-__all__ = ["Entry", "Slot", "Ring", "RingStats"]
+__all__ = ["Entry", "Slot", "Ring", "RingStats", "HANDOVER_DEPTH"]
 
 _ALIGN = 16
+HANDOVER_DEPTH = 2  # at a step end the open slot is handed over while the drain holds fewer slots
 
 
 @dataclass(slots=True)
@@ -72,6 +91,9 @@ class RingStats:
     waits: int = 0
     wait_seconds: float = 0.0
     dropped_tensors: int = 0
+    dropped_bytes: int = 0  # bytes (16-aligned) of the dropped tensors
+    steps: int = 0  # step ends seen with bytes in the open slot
+    steps_packed: int = 0  # of those, the ends at which the slot stayed open for the next step
 
 
 class Ring:
@@ -105,6 +127,9 @@ class Ring:
         self._free = list(reversed(self._slots))
         self._cond = threading.Condition()
         self._current: Slot | None = None
+        self._capacity = n_slots * slot_bytes
+        self._in_flight = 0  # slots handed to the drain and not yet released
+        self._backlog = 0  # bytes in those slots
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8)
@@ -113,6 +138,17 @@ class Ring:
     @property
     def n_slots(self) -> int:
         return len(self._slots)
+
+    @property
+    def in_flight(self) -> int:
+        """Slots handed to the drain and not yet released."""
+        return self._in_flight
+
+    @property
+    def fill(self) -> float:
+        """Bytes handed to the drain and not yet released, as a fraction of the ring's
+        ``n_slots × slot_bytes`` (above 1 only when grown slots are waiting)."""
+        return self._backlog / self._capacity
 
     def connect(self, on_submit, *, stamp=None) -> None:
         """Hand every filled slot to ``on_submit(slot)`` (the drain). ``stamp()``, if given, is
@@ -124,33 +160,45 @@ class Ring:
     # -- producer side (model thread) ---------------------------------------------------------
     def reserve(self, nbytes: int, *, check=None) -> tuple[Slot, int] | None:
         """A region of ``nbytes`` (rounded up to 16) in the open slot, or ``None`` when the
-        drop policy drops it. ``check`` is called while waiting (to surface drain errors)."""
+        drop policy drops it. ``check`` is called before a new slot is taken (to surface
+        drain errors)."""
         need = (nbytes + _ALIGN - 1) & ~(_ALIGN - 1)
         slot = self._current
         if slot is None or slot.used + need > slot.capacity:
-            if check is not None:
-                check()  # a failed drain surfaces here, before more is copied
-            if slot is not None:
-                self.submit()
-            slot = self._acquire(check)
+            slot = self._next_slot(need, check)
             if slot is None:
-                self.stats.dropped_tensors += 1
                 return None
-            if need > slot.capacity:
-                slot.buffer = self._alloc(need)
-            self._current = slot
         off = slot.used
         slot.used += need
         self.stats.reservations += 1
         self.stats.reserved_bytes += need
         return slot, off
 
-    def _acquire(self, check) -> Slot | None:
-        with self._cond:
-            if self._free:
-                return self._free.pop()
+    def _next_slot(self, need: int, check) -> Slot | None:
+        """A slot with room for ``need`` bytes, made the open one; ``None`` when dropped."""
+        if check is not None:
+            check()  # a failed drain surfaces here, before more is copied
+        slot = self._take_free()
+        if slot is None:
             if self.drop_policy == "drop":
-                return None
+                self.stats.dropped_tensors += 1
+                self.stats.dropped_bytes += need
+                return None  # the open slot stays open: a later tensor that fits is kept
+            self.submit()  # the drain gets what is filled while we wait
+            slot = self._wait_free(check)
+        else:
+            self.submit()
+        if need > slot.capacity:
+            slot.buffer = self._alloc(need)
+        self._current = slot
+        return slot
+
+    def _take_free(self) -> Slot | None:
+        with self._cond:
+            return self._free.pop() if self._free else None
+
+    def _wait_free(self, check) -> Slot:
+        with self._cond:
             self.stats.waits += 1
             t0 = time.monotonic()
             deadline = t0 + self.timeout
@@ -170,6 +218,18 @@ class Ring:
             self.stats.wait_seconds += time.monotonic() - t0
             return self._free.pop()
 
+    def end_step(self) -> None:
+        """A step ended: hand the open slot over if the drain holds fewer than
+        ``HANDOVER_DEPTH`` slots, else keep it open for the next step's bytes."""
+        slot = self._current
+        if slot is None or not slot.entries:
+            return
+        self.stats.steps += 1
+        if self._in_flight < HANDOVER_DEPTH:
+            self.submit()
+        else:
+            self.stats.steps_packed += 1
+
     def submit(self) -> None:
         """Hand the open slot (if it holds anything) to the drain."""
         slot = self._current
@@ -177,15 +237,25 @@ class Ring:
             return
         self._current = None
         if not slot.entries:
-            self.release(slot)
+            self._recycle(slot)
             return
         if self._stamp is not None:
             slot.event = self._stamp()
+        with self._cond:
+            self._in_flight += 1
+            self._backlog += slot.used
         self.stats.submitted_slots += 1
         self._on_submit(slot)
 
     # -- consumer side (drain thread) ---------------------------------------------------------
     def release(self, slot: Slot) -> None:
+        """The drain is done with ``slot`` (handed over by :meth:`submit`): free it."""
+        with self._cond:
+            self._in_flight -= 1
+            self._backlog -= slot.used
+        self._recycle(slot)
+
+    def _recycle(self, slot: Slot) -> None:
         slot.used = 0
         slot.entries = []
         slot.event = None

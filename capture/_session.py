@@ -184,11 +184,15 @@ class CaptureSession:
             "ring_waits": r.waits,
             "ring_wait_seconds": r.wait_seconds,
             "tensors_dropped": r.dropped_tensors,
+            "bytes_dropped": r.dropped_bytes,
+            "steps_packed": r.steps_packed,
             "records": d.records,
             "records_lost": d.records_lost,
             "packs_sealed": d.packs_sealed,
             "packs_published": d.packs_published,
             "drain_busy_seconds": d.busy_seconds,
+            "codec_switches": d.codec_switches,
+            "records_fallback_codec": d.records_fallback,
             "hook_seconds": self._hook_seconds,
         }
 
@@ -234,7 +238,6 @@ class CaptureSession:
     def _close_call(self):
         self._call = None
         self._plan = None
-        self.ring.submit()
 
     # -- hooks ----------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -330,6 +333,7 @@ class CaptureSession:
         rows = [i for i in range(b) if call.admitted[i]]
         if not rows:
             return None
+        self.drain.check()  # the open slot may have room: a failed drain must stop the copies here
         plan = StepPlan.build(batch=b, tokens=t, phase=phase, step=call.step, first_cols=first_cols,
                               starts=starts, kv_pads=call.pads, rows=rows, request_ids=call.request_ids,
                               geometry=self.geometry, hooks=self.selection.hooks, call_id=call.call_id)
@@ -343,7 +347,7 @@ class CaptureSession:
     def _on_model_post(self, module, args, output):
         t0 = perf_counter()
         self._plan = None
-        self.ring.submit()
+        self.ring.end_step()
         self._hook_seconds += perf_counter() - t0
         return None
 
@@ -517,6 +521,7 @@ def attach(
     slot_bytes: int = 32 << 20,
     ring_timeout: float = 60.0,
     drop_policy: str = "wait",
+    adaptive_codec: float | None = 0.5,
     writer_options: dict | None = None,
     publish_scope: str | None = None,
     lease_seconds: float = 30.0,
@@ -541,6 +546,9 @@ def attach(
       ``ring_timeout``: how long the producer waits for a free slot before
       :class:`RingFullError`; ``drop_policy="drop"``: drop (and count in the catalog's losses)
       instead of waiting.
+    * ``adaptive_codec``: the ring fill (bytes waiting for the drain / ring bytes) at or above
+      which the drain stores records ``raw`` instead of the writer's codec, to catch up
+      without stalling the model (lossless; counted in ``stats``); ``None``: never switch.
     * ``decode_chunk_steps``: consecutive decode steps of a call are stored as one record per
       (request, hook, layer) covering up to this many tokens (``1``: one record per step).
     * ``tp_rank`` / ``tp_size``: this process's tensor-parallel shard; by default read from the
@@ -562,6 +570,7 @@ def attach(
     enabled = (tp_ranks is None or tp_rank in set(tp_ranks)) and (pp_ranks is None or pp_rank in set(pp_ranks))
     if isinstance(decode_chunk_steps, bool) or not isinstance(decode_chunk_steps, int) or decode_chunk_steps < 1:
         raise InvalidArgumentError(f"decode_chunk_steps must be an int >= 1, got {decode_chunk_steps!r}")
+    _check_fill("adaptive_codec", adaptive_codec)
     if writer is None and store is None:
         raise InvalidArgumentError("attach needs a pack store (store=PackStore.local(path))")
     geometry = ModelGeometry.from_config(model.config, _model_dtype(model))
@@ -589,7 +598,9 @@ def attach(
                       record_losses=None if publisher is None else publisher.record_losses,
                       tick=None if publisher is None else publisher.keep_alive,
                       start=None if publisher is None else publisher.start,
-                      tick_seconds=lease_seconds / 4, decode_chunk_steps=decode_chunk_steps)
+                      tick_seconds=lease_seconds / 4, decode_chunk_steps=decode_chunk_steps,
+                      fallback_codec=None if adaptive_codec is None else "raw",
+                      fallback_fill=1.0 if adaptive_codec is None else adaptive_codec)
         session = CaptureSession(model, arch, selection, geometry, model_id=model_id, run_id=run_id,
                                  schedule=schedule, ring=ring, drain=drain, publisher=publisher,
                                  tp_rank=tp_rank, tp_size=tp_size, capture_enabled=enabled)
@@ -625,6 +636,14 @@ def attach(
             with _OWNERS_LOCK:
                 _OWNERS.pop(owner_key, None)
 
+
+
+def _check_fill(name: str, value) -> None:
+    """``None`` or a number in (0, 1]."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise InvalidArgumentError(f"{name} must be a fraction in (0, 1] or None, got {value!r}")
 
 
 def default_publish_scope(model_id: str, run_id: str, tp_rank: int, tp_size: int) -> str:

@@ -95,18 +95,23 @@ class PackWriter:
         shape: tuple[int, ...] | None = None,
         token_axis: int = 0,
         key_axis: int | None = None,
+        codec: str | None = None,
     ) -> None:
         """Add one record. ``data``: a tensor, or bytes/a buffer described by ``dtype``/``shape``.
 
         ``token_axis``/``key_axis``: the record's token layout (see :class:`RecordMeta`),
         as the hook catalogue declares it; they must be distinct axes of the stored shape.
+        ``codec``: this record's codec instead of the writer's (the capture drain stores
+        ``raw`` while it is behind the model); recorded in the record's row like any other.
         """
         self._check_open()
         if not isinstance(key, RecordKey):
             raise InvalidArgumentError(f"key must be a RecordKey, got {type(key).__name__}")
         if shard is not None and not isinstance(shard, ShardGeometry):
             raise InvalidArgumentError(f"shard must be a ShardGeometry, got {type(shard).__name__}")
-        encoded = self._encode(key, data, shard, dtype, shape)
+        if codec is not None and codec not in CODECS:
+            raise InvalidArgumentError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+        encoded = self._encode(key, data, shard, dtype, shape, codec or self.codec)
         encoded = _with_layout(encoded, token_axis, key_axis)
         with self._lock:
             self._check_open()
@@ -165,16 +170,16 @@ class PackWriter:
             self.on_seal(descriptor)
         return descriptor
 
-    def _encode(self, key, data, shard, dtype, shape) -> _Encoded:
+    def _encode(self, key, data, shard, dtype, shape, codec: str) -> _Encoded:
         flat, tensor, dtype_str, shape_t = _as_bytes(data, dtype, shape)
-        stored = encode(self.codec, flat, torch_dtype(dtype_str).itemsize)
+        stored = encode(codec, flat, torch_dtype(dtype_str).itemsize)
         view = memoryview(stored).cast("B") if not isinstance(stored, np.ndarray) else stored
         length = view.nbytes
         meta = RecordMeta(
             key=key,
             dtype=dtype_str,
             shape=shape_t,
-            codec=self.codec,
+            codec=codec,
             raw_size=flat.nbytes,
             checksum=checksum(view),
             shard=shard,
