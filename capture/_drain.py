@@ -4,8 +4,8 @@ For each submitted slot the thread waits the slot's CUDA event (if any), cuts ev
 into per-request records using the entry's step plan, appends them to the pack writer (which
 copies, compresses and checksums them — zstd releases the GIL), frees the slot, and
 publishes every pack the writer sealed meanwhile. ``flush()`` seals the open pack and
-publishes it; any exception the thread hit is re-raised there (and at the next reservation
-on the model thread) as :class:`DrainError` with the original as ``__cause__`` — an error
+publishes it; any exception the thread hit is re-raised there (and on the model thread at
+the start of the next step or the next slot taken) as :class:`DrainError` with the original as ``__cause__`` — an error
 in the thread is never swallowed.
 
 **Adaptive encoding**: as it takes each slot (and at each flush) the drain reads the ring's
