@@ -101,7 +101,8 @@ def _param_value(text: str) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
-def _resolve_layers(store: Any, args: argparse.Namespace, hooks: tuple[str, ...], layers: Any) -> tuple[int, ...] | None:
+def _resolve_layers(store: Any, args: argparse.Namespace, hooks: tuple[str, ...],
+                    layers: Any) -> tuple[int, ...] | None:
     """``--layers`` by the rule of ``capture``/``get``/``plot`` (``dmi.capture.layer_numbers``),
     against the layers the model holds for the selected hooks, runs and phases: negative numbers
     and open ranges count from the last held layer; a layer not held is refused."""

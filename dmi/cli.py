@@ -1,4 +1,4 @@
-"""The ``dmi`` command line: try DMI, capture from a model, list, read, query, check, plot.
+"""The ``dmi`` command line: try DMI, capture from a model, list, read, export, query, check, plot.
 
 Every subcommand opens the same store ``dmi.open()`` opens (``--home``, ``--catalog``,
 ``--packs`` or their environment variables choose it), prints human-sized numbers, and

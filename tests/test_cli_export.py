@@ -254,6 +254,19 @@ def test_progress_is_drawn_on_a_terminal(home, tmp_path):
     assert proc.stdout.startswith(f"exported {len(ALL)} rows")
 
 
+def test_help_names_every_flag(capsys):
+    from dmi.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and out.startswith("usage: dmi export")
+    for flag in ("--home", "--format", "--hooks", "--layers", "--runs", "--phases", "--where", "--param", "--dtype",
+                 "--layout", "--normalize", "--with-tokens", "--batch-size", "--drop-last", "--seed", "--no-shuffle",
+                 "--shuffle-buffer", "--epoch", "--rank", "--world-size", "--on-error", "--json"):
+        assert flag in out, flag
+
+
 def _drain(fd: int, into: bytearray) -> None:
     """Read a pty until its other end is closed (so the writer never blocks on a full buffer)."""
     while True:
