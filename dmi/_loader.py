@@ -284,14 +284,15 @@ class TokenLoader:
                 "drop_last": c.drop_last, "rank": self.rank, "world_size": self.world_size,
                 "num_workers": self.num_workers}
 
-    def export(self, directory: Any, *, suffix: str = ".safetensors") -> Any:
+    def export(self, directory: Any, *, suffix: str = ".safetensors", on_shard: Any = None) -> Any:
         """Write the next epoch as one shard file per batch (``.safetensors``, ``.npy``, ``.pt``)
         plus ``manifest.json`` (and ``tokens.parquet`` with ``with_tokens=True``) under
-        ``directory``; returns the manifest's path. Raises ``InvalidArgumentError`` (unknown
-        suffix, non-empty directory, a dtype the format cannot hold) and what iteration raises."""
+        ``directory``; returns the manifest's path. ``on_shard(entry)`` is called as each shard
+        is written. Raises ``InvalidArgumentError`` (unknown suffix, a directory that cannot be
+        made or is not empty, a dtype the format cannot hold) and what iteration raises."""
         from dmi._loader_export import export_epoch
 
-        return export_epoch(self, directory, suffix=suffix)
+        return export_epoch(self, directory, suffix=suffix, on_shard=on_shard)
 
     def shuffle_quality(self, batches: int = 64, *, epoch: int | None = None) -> ShuffleQuality:
         """How well mixed this loader's batches are, from the plan alone (no payload read):

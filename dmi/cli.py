@@ -1,4 +1,4 @@
-"""The ``dmi`` command line: try DMI, capture from a model, list, read, query, check, plot.
+"""The ``dmi`` command line: try DMI, capture from a model, list, read, export, query, check, plot.
 
 Every subcommand opens the same store ``dmi.open()`` opens (``--home``, ``--catalog``,
 ``--packs`` or their environment variables choose it), prints human-sized numbers, and
@@ -481,6 +481,27 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from dmi._human import human_bytes, human_count, plural
+    from dmi._loader_cli import run_export
+
+    layers = parse_layers(args.layers)
+    with _open_store(args) as store:
+        summary = run_export(store, args, layers=layers, progress=lambda total: _progress(args, "exporting", total))
+    if summary.skipped_rows:  # said even with --quiet or --json: rows the files do not hold
+        print(f"dmi: skipped {plural(summary.skipped_rows, 'row', human_count)} of "
+              f"{plural(len(summary.damaged_records), 'damaged record')} (listed in {summary.manifest}); "
+              "run `dmi verify`", file=sys.stderr)
+    if args.json:
+        _emit_json(summary.as_dict())
+        return EXIT_OK
+    _say(args, f"exported {plural(summary.rows, 'row', human_count)} x {', '.join(summary.features)} "
+               f"({summary.dtype.removeprefix('torch.')}, epoch {summary.epoch}) as "
+               f"{plural(summary.shards, 'shard')}, {human_bytes(summary.bytes)}, to {summary.directory}")
+    _say(args, f"manifest: {summary.manifest}")
+    return EXIT_OK
+
+
 def _emit_document(args: argparse.Namespace, document: dict[str, Any]) -> None:
     """A nested document: JSON with ``--json``, YAML otherwise."""
     if args.json:
@@ -684,6 +705,46 @@ def _build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--shard-rank", type=int, metavar="RANK", help="only this tensor-parallel rank's shard")
     plot.add_argument("--size", type=_parse_size, default=(1200, 500), metavar="WxH",
                       help="image size in pixels (default: 1200x500)")
+
+    exp = add("export", _cmd_export, "write a training-loader selection as shard files (one per batch), "
+              "a manifest and a token index (docs/loader.md)", [tabular])
+    exp.add_argument("model_id")
+    exp.add_argument("-o", "--output", required=True, metavar="DIR", help="a new or empty directory")
+    exp.add_argument("--format", choices=("safetensors", "npy", "pt"), default="safetensors",
+                     help="shard file format (default: safetensors)")
+    chosen = exp.add_argument_group("which rows")
+    chosen.add_argument("--hooks", default="resid_post", help="hook names, comma separated (default: resid_post)")
+    chosen.add_argument("--layers", metavar="RANGE",
+                        help="START:STOP, START:, N, or N,M,...; negative N counts from the last stored layer "
+                             "(default: every stored layer)")
+    chosen.add_argument("--runs", metavar="RUN[,RUN...]", help="only these runs (default: every run)")
+    chosen.add_argument("--phases", metavar="PHASE[,PHASE...]", help="only prefill, decode and/or forward records")
+    chosen.add_argument("--where", metavar="SQL", help="your own condition over the {records} columns, values as "
+                                                       "%%(name)s (e.g. \"l2_norm < %%(cap)s\")")
+    chosen.add_argument("--param", action="append", metavar="NAME=VALUE",
+                        help="a --where value (repeatable); VALUE is read as JSON when it parses "
+                             "(3, 0.5, '\"text\"', '[\"a\",\"b\"]' for IN), else as text")
+    rows = exp.add_argument_group("how rows come out")
+    rows.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64", "stored"), default="float32",
+                      help="the shards' dtype (default: float32; stored: as captured)")
+    rows.add_argument("--layout", choices=("stack", "concat"), default="stack",
+                      help="several features: [rows, features, d] (stack) or [rows, sum of d] (concat)")
+    rows.add_argument("--normalize", action="store_true",
+                      help="scale each feature to unit mean squared norm (from the catalog's statistics)")
+    rows.add_argument("--with-tokens", action="store_true",
+                      help="also write tokens.parquet: each row's run, request and position")
+    rows.add_argument("--batch-size", type=int, default=4096, metavar="N", help="rows per shard (default: 4096)")
+    rows.add_argument("--drop-last", action="store_true", help="leave out each share's last partial shard")
+    order = exp.add_argument_group("order and share")
+    order.add_argument("--seed", type=int, default=0, help="the shuffle's seed (default: 0)")
+    order.add_argument("--no-shuffle", action="store_true", help="in (run, request, position) order")
+    order.add_argument("--shuffle-buffer", type=int, default=65536, metavar="ROWS",
+                       help="rows permuted together (default: 65536; more mixes better, costs memory)")
+    order.add_argument("--epoch", type=int, default=0, metavar="N", help="which epoch's order to write (default: 0)")
+    order.add_argument("--rank", type=int, metavar="R", help="write only this rank's share (with --world-size)")
+    order.add_argument("--world-size", type=int, metavar="W", help="how many shares the epoch is split into")
+    order.add_argument("--on-error", choices=("raise", "skip"), default="raise",
+                       help="a damaged record: stop with its error (default), or skip its rows and count them")
 
     desc = add("describe-model", _cmd_describe_model,
                "a model's geometry and every hook on it, from its config alone (no weights); YAML or --json",
