@@ -15,7 +15,7 @@ from dmi._plot import token_norms, write_norm_plot
 from dmi.cli import _build_parser, main, parse_layers
 
 COMMANDS = ("demo", "capture", "models", "runs", "requests", "show", "get", "sql", "audit", "verify", "recover",
-            "delete", "plot")
+            "delete", "plot", "export")
 
 
 def png_size(path) -> tuple[int, int]:
@@ -54,6 +54,7 @@ def _required(command: str) -> list[str]:
         "sql": ["SELECT 1"],
         "audit": ["m", "--model", "tiny-llama"],
         "plot": ["m", "r"],
+        "export": ["m", "-o", "out"],
     }.get(command, [])
 
 
