@@ -9,7 +9,7 @@
 * two ``clickhouse-server`` processes (the binary the ``live`` chain finds), each with the
   project's config (``docker/clickhouse/``) plus a ``config.d`` override: own ports and paths,
   ``interserver_http_host`` 127.0.0.1, macros ``shard``/``replica``, the ``remote_servers``
-  cluster :data:`CLUSTER_NAME` of 1 shard x 2 replicas, the ``zookeeper`` section and the
+  cluster :data:`CLUSTER_NAME` of 1 shard x 2 replicas (and :data:`SHARDED_CLUSTER_NAME`), the ``zookeeper`` section and the
   distributed DDL queue. Each is ready once ``system.zookeeper`` answers on it.
 
 Ports are free ports found by binding port 0. Stopping is TERM, then KILL after a deadline.
@@ -19,6 +19,7 @@ A replica can be stopped and started again (same ports, same data) to test a rep
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -30,6 +31,8 @@ from urllib.parse import quote
 from tests._clickhouse import find_server_binary, free_port, render_config, wait_for_ping
 
 CLUSTER_NAME = "dmi_test_cluster"
+#: The same two servers as two shards of one replica each (a layout the catalog refuses).
+SHARDED_CLUSTER_NAME = "dmi_test_two_shards"
 ZOOKEEPER_JARS = ("/usr/share/java/zookeeper.jar",)
 ZOOKEEPER_JAVA = os.environ.get("DMI_ZOOKEEPER_JAVA", "java")
 STOP_DEADLINE = 15.0
@@ -132,6 +135,7 @@ def cluster_override(*, replica: str, interserver_port: int, zookeeper_port: int
     replicas = "".join(
         f"<replica><host>{host}</host><port>{port}</port></replica>" for host, port in nodes
     )
+    shards = "".join(f"<shard>{replica}</shard>" for replica in re.findall(r"<replica>.*?</replica>", replicas))
     return f"""<?xml version="1.0"?>
 <yandex>
     <interserver_http_host>127.0.0.1</interserver_http_host>
@@ -139,6 +143,7 @@ def cluster_override(*, replica: str, interserver_port: int, zookeeper_port: int
     <macros><shard>01</shard><replica>{replica}</replica></macros>
     <remote_servers>
         <{CLUSTER_NAME}><shard><internal_replication>true</internal_replication>{replicas}</shard></{CLUSTER_NAME}>
+        <{SHARDED_CLUSTER_NAME}>{shards}</{SHARDED_CLUSTER_NAME}>
     </remote_servers>
     <zookeeper>
         <node><host>127.0.0.1</host><port>{zookeeper_port}</port></node>

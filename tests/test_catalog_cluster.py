@@ -38,7 +38,7 @@ from dmi.storage import (
     QuorumError,
     RecordKey,
 )
-from tests._cluster import CLUSTER_NAME, ClusterUnavailable, LocalCluster
+from tests._cluster import CLUSTER_NAME, SHARDED_CLUSTER_NAME, ClusterUnavailable, LocalCluster
 from tests.catalog_conformance import CatalogConformance, pack
 
 REPO = Path(__file__).resolve().parent.parent
@@ -289,10 +289,32 @@ def test_a_killed_replica_makes_the_outcome_unknown_and_the_publisher_quarantine
 
 
 @pytest.mark.cluster
-def test_a_uri_naming_an_unknown_cluster_is_refused(local_cluster, cluster_database):
+def test_a_uri_naming_an_unknown_or_sharded_cluster_is_refused(local_cluster, cluster_database):
     node = local_cluster.nodes[0]
     with pytest.raises(InvalidArgumentError, match="no cluster 'nope'"):
-        open_catalog(f"clickhouse://default:@{node.host}:{node.port}/{cluster_database}?cluster=nope")
+        open_catalog(node.uri(cluster_database, cluster="nope"))
+    with pytest.raises(InvalidArgumentError, match="has 2 shards; the catalog runs on one shard"):
+        open_catalog(node.uri(cluster_database, cluster=SHARDED_CLUSTER_NAME))
+
+
+def ddl_tasks(node) -> int:
+    client = admin(node)
+    try:
+        return client.execute("SELECT count() FROM system.zookeeper WHERE path = '/clickhouse/task_queue/ddl'")[0][0]
+    finally:
+        client.disconnect()
+
+
+@pytest.mark.cluster
+def test_reopening_a_catalog_queues_no_cluster_ddl(local_cluster, cluster_database):
+    """Every table exists on the entry replica, so no CREATE goes through the DDL queue again."""
+    first, second = local_cluster.nodes
+    with open_catalog(first.uri(cluster_database)):
+        pass
+    before = ddl_tasks(first)
+    with open_catalog(second.uri(cluster_database)) as again:
+        assert again.schema_version() == SCHEMA_VERSION
+    assert ddl_tasks(first) == before
 
 
 def test_a_skip_under_a_forced_mode_is_a_failure(tmp_path):
