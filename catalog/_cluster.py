@@ -11,18 +11,23 @@ knows about them:
   (the servers' macros). A DDL statement this module cannot place on the cluster is refused,
   never run on one replica only. ``distributed_ddl_task_timeout`` is set with ``SET`` before
   each one (clickhouse-driver 0.2.11 sends it to 18.16 as a setting in a form the server reads
-  as a negative number, which waits forever).
+  as a negative number, which waits forever). A ``CREATE ... IF NOT EXISTS`` of something the
+  entry replica already has is skipped, so reopening a catalog queues no DDL.
 * **Quorum writes, sequentially consistent reads.** Every insert is written with
   ``insert_quorum`` = the number of replicas, so an insert returns only once every replica
-  has the rows; every read runs with ``select_sequential_consistency=1``, so a replica that
-  lacks a quorum-written part refuses the read instead of answering from older data. A claim,
+  has the rows; every read runs with ``select_sequential_consistency=1``, so a part whose quorum
+  is not confirmed yet is not read (not even on the replica that took it), and a replica that
+  lacks a confirmed part refuses the read instead of answering from older data. A claim,
   fence or watermark confirmed through one replica is thus what readers of every replica see.
   Index rows are written with the same quorum, so a watermark is never visible on a replica
-  before the records it names.
+  before the records it names. Servers that have ``insert_quorum_parallel`` (newer than 18.16)
+  get it set to 0: sequential consistency is defined over linearized quorum inserts.
 * **What a quorum failure means** (:func:`quorum_error`): ClickHouse checks the number of live
   replicas before it writes anything, so ``TOO_FEW_LIVE_REPLICAS`` (285) certainly wrote
   nothing; ``UNSATISFIED_QUORUM_FOR_PREVIOUS_WRITE`` (286, another quorum insert into the table
-  is still in flight) also wrote nothing and is retried until ``quorum_timeout``;
+  is still in flight: refused by the same check, or by the ZooKeeper transaction that would
+  have committed the part, which then commits nothing) also wrote nothing and is retried until
+  ``quorum_timeout``;
   ``UNKNOWN_STATUS_OF_INSERT`` (319, the rows were written on the entry replica but not
   confirmed by the others within ``insert_quorum_timeout``) is an unknown outcome, which the
   lease protocol answers with quarantine.
@@ -50,8 +55,8 @@ UNSATISFIED_QUORUM_FOR_PREVIOUS_WRITE = 286
 UNKNOWN_STATUS_OF_INSERT = 319
 
 #: Settings the cluster backend owns: the consistency argument above depends on their values.
-OWNED_SETTINGS = ("insert_quorum", "insert_quorum_timeout", "select_sequential_consistency",
-                  "distributed_ddl_task_timeout")
+OWNED_SETTINGS = ("insert_quorum", "insert_quorum_timeout", "insert_quorum_parallel",
+                  "select_sequential_consistency", "distributed_ddl_task_timeout")
 
 _NAME = r"(?:`[^`]+`|[A-Za-z_][A-Za-z0-9_]*)"
 _QUALIFIED = rf"{_NAME}(?:\.{_NAME})?"
@@ -205,6 +210,8 @@ class ClusterBackend(ServerBackend):
                 insert_quorum_timeout=int(self.quorum_timeout * 1000),
                 select_sequential_consistency=1,
             )
+            if self._server_has_setting("insert_quorum_parallel"):  # newer servers; 18.16 always linearizes
+                self._client.settings["insert_quorum_parallel"] = 0
             if create_database:
                 self.command(f"CREATE DATABASE IF NOT EXISTS `{self.database}`")
         except BaseException:
@@ -261,6 +268,10 @@ class ClusterBackend(ServerBackend):
         with self._lock:  # the SET and the DDL on one connection, nothing in between
             super().command(f"SET distributed_ddl_task_timeout = {int(self.ddl_timeout)}")
             super().command(placed, params)
+
+    def _server_has_setting(self, name: str) -> bool:
+        rows = self.query("SELECT count() AS n FROM system.settings WHERE name = %(name)s", {"name": name})
+        return rows.column("n").to_pylist() == [1]
 
     def _exists(self, name: tuple[str, ...] | None) -> bool:
         """Whether the database or table ``name`` exists on the entry replica (False for None).

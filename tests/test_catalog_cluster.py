@@ -377,3 +377,21 @@ def test_the_uri_takes_only_a_valid_cluster_name(query):
 def test_settings_the_cluster_owns_are_refused():
     with pytest.raises(InvalidArgumentError, match="insert_quorum"):
         open_catalog("clickhouse://default:@127.0.0.1:1/db?cluster=c", insert_quorum=1)
+
+
+def test_the_compose_cluster_file_parses_and_names_its_config_files():
+    """docker/docker-compose.cluster.yml cannot be run here (no container engine): check that it
+    is YAML with the services the docs name, and that every file it mounts exists."""
+    from xml.etree import ElementTree
+
+    import yaml
+
+    compose = yaml.safe_load((REPO / "docker" / "docker-compose.cluster.yml").read_text())
+    services = compose["services"]
+    assert {"keeper", "clickhouse-1", "clickhouse-2", "minio"} <= set(services)
+    mounts = [volume.split(":")[0] for service in services.values() for volume in service.get("volumes", [])
+              if volume.startswith("./")]
+    assert len(mounts) == 5
+    for mount in mounts:
+        assert ElementTree.parse(REPO / "docker" / mount).getroot().tag == "clickhouse", mount
+    assert services["clickhouse-1"]["image"] == services["clickhouse-2"]["image"]
