@@ -64,7 +64,8 @@ HEADER = (
 
 def row(label: str, r: dict) -> str:
     return (f"| {label} | {r['rows'] / r['arrow_ingest_s']:,.0f} | {r['rows'] / r['publish_all_s']:,.0f} "
-            f"| {r['point_p50_ms']:.2f} / {r['point_p99_ms']:.2f} | {r['publish_p50_ms']:.1f} / {r['publish_p99_ms']:.1f} "
+            f"| {r['point_p50_ms']:.2f} / {r['point_p99_ms']:.2f} "
+            f"| {r['publish_p50_ms']:.1f} / {r['publish_p99_ms']:.1f} "
             f"| {r['open_first_s']:.2f} / {r['open_again_s']:.2f} |")
 
 
@@ -90,7 +91,8 @@ def main(argv=None) -> None:
     results: dict[str, dict] = {}
     scratch = Path(tempfile.mkdtemp(prefix="catalog-cluster-bench-"))
     try:
-        run_one("chDB (embedded)", lambda name: f"chdb://{scratch}/chdb/{name}", descriptors, points, args.publishes, results)
+        run_one("chDB (embedded)", lambda name: f"chdb://{scratch}/chdb/{name}", descriptors, points,
+                args.publishes, results)
         server = LocalServerProcess(binary)
         try:
             live = server.start()

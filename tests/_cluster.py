@@ -9,8 +9,9 @@
 * two ``clickhouse-server`` processes (the binary the ``live`` chain finds), each with the
   project's config (``docker/clickhouse/``) plus a ``config.d`` override: own ports and paths,
   ``interserver_http_host`` 127.0.0.1, macros ``shard``/``replica``, the ``remote_servers``
-  cluster :data:`CLUSTER_NAME` of 1 shard x 2 replicas (and :data:`SHARDED_CLUSTER_NAME`), the ``zookeeper`` section and the
-  distributed DDL queue. Each is ready once ``system.zookeeper`` answers on it.
+  cluster :data:`CLUSTER_NAME` of 1 shard x 2 replicas (and :data:`SHARDED_CLUSTER_NAME`), the
+  ``zookeeper`` section and the distributed DDL queue. Each is ready once ``system.zookeeper``
+  answers on it.
 
 Ports are free ports found by binding port 0. Stopping is TERM, then KILL after a deadline.
 A replica can be stopped and started again (same ports, same data) to test a replica down.
@@ -120,7 +121,9 @@ class ZooKeeperProcess:
         deadline = time.monotonic() + timeout
         while (mode := zookeeper_mode(self.port)) != "standalone":
             if self.proc.poll() is not None:
-                raise RuntimeError(f"ZooKeeper exited with code {self.proc.returncode}; see {self.directory}/zookeeper.log")
+                raise RuntimeError(
+                    f"ZooKeeper exited with code {self.proc.returncode}; see {self.directory}/zookeeper.log"
+                )
             if time.monotonic() > deadline:
                 stop_process(self.proc)
                 raise TimeoutError(f"ZooKeeper on port {self.port} did not answer srvr with standalone (got {mode!r})")
@@ -198,7 +201,9 @@ class ReplicaProcess:
                     return
                 except Error as exc:
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"replica {self.node.replica}: system.zookeeper never answered: {exc}") from exc
+                        raise TimeoutError(
+                            f"replica {self.node.replica}: system.zookeeper never answered: {exc}"
+                        ) from exc
                     time.sleep(0.1)
         finally:
             client.disconnect()
@@ -219,7 +224,9 @@ class LocalCluster:
         jar = find_zookeeper()
         missing = []
         if jar is None:
-            missing.append(f"ZooKeeper ({' or '.join(ZOOKEEPER_JARS)} and {ZOOKEEPER_JAVA!r}; apt-get install zookeeper)")
+            missing.append(
+                f"ZooKeeper ({' or '.join(ZOOKEEPER_JARS)} and {ZOOKEEPER_JAVA!r}; apt-get install zookeeper)"
+            )
         if binary is None:
             missing.append("clickhouse-server (apt-get install clickhouse-server)")
         if missing:

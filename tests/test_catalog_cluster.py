@@ -151,8 +151,9 @@ def test_schema_is_replicated_on_every_replica(local_cluster, cluster_database):
 
 @pytest.mark.cluster
 def test_an_upgrade_through_one_replica_reaches_the_other(local_cluster, cluster_database):
-    """A version-1 records table (no token layout columns) opened through replica 1 gains the
-    columns on replica 2 too, and the version row written by the upgrade is read there."""
+    """Tables left as schema version 1 (records without the token layout columns, version row 1),
+    opened through replica 2, are upgraded on both replicas: replica 1 then has the columns and
+    reads both version rows."""
     first, second = local_cluster.nodes
     with open_catalog(first.uri(cluster_database)) as catalog:
         records = catalog.tables["records"]
