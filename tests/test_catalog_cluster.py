@@ -37,6 +37,7 @@ from dmi.storage import (
     QuarantinedError,
     QuorumError,
     RecordKey,
+    ServerError,
 )
 from tests._cluster import CLUSTER_NAME, SHARDED_CLUSTER_NAME, ClusterUnavailable, LocalCluster
 from tests.catalog_conformance import CatalogConformance, pack
@@ -287,6 +288,22 @@ def test_a_killed_replica_makes_the_outcome_unknown_and_the_publisher_quarantine
     with open_catalog(second.uri(cluster_database)) as catalog:
         successor = catalog.publisher("killed", holder="K", lease_seconds=60)
         assert successor.acquire() > 1  # the renewal that landed later does not keep the old term alive
+
+
+@pytest.mark.cluster
+def test_schema_statements_with_a_replica_down_time_out_and_reach_it_when_it_is_back(local_cluster,
+                                                                                      cluster_database):
+    first, second = local_cluster.nodes
+    local_cluster.replicas[1].stop()
+    started = time.monotonic()
+    with pytest.raises(ServerError) as info:
+        open_catalog(first.uri(cluster_database), ddl_timeout=2)
+    assert time.monotonic() - started < 15 and info.value.code == 159  # TIMEOUT_EXCEEDED, after ddl_timeout
+    local_cluster.replicas[1].start()
+    with open_catalog(first.uri(cluster_database)) as catalog:
+        assert catalog.schema_version() == SCHEMA_VERSION
+    with open_catalog(second.uri(cluster_database)) as other:
+        assert other.schema_version() == SCHEMA_VERSION
 
 
 @pytest.mark.cluster
