@@ -48,7 +48,7 @@ from dmi.catalog._server import ServerBackend
 from dmi.catalog._sql import validate_identifier
 from dmi.storage.errors import CatalogError, InvalidArgumentError, QuorumError, ServerError
 
-__all__ = ["ClusterBackend", "on_cluster", "zookeeper_path", "quorum_error"]
+__all__ = ["ClusterBackend", "on_cluster", "created_if_missing", "zookeeper_path", "quorum_error"]
 
 TOO_FEW_LIVE_REPLICAS = 285
 UNSATISFIED_QUORUM_FOR_PREVIOUS_WRITE = 286
@@ -68,7 +68,7 @@ _PLACEMENTS = [
     re.compile(rf"^\s*ALTER\s+TABLE\s+{_QUALIFIED}", re.IGNORECASE),
 ]
 _CREATE_IF_MISSING = re.compile(
-    rf"^\s*CREATE\s+(?:DATABASE|TABLE|VIEW)\s+IF\s+NOT\s+EXISTS\s+(?P<name>{_QUALIFIED})", re.IGNORECASE
+    rf"^\s*CREATE\s+(?P<kind>DATABASE|TABLE|VIEW)\s+IF\s+NOT\s+EXISTS\s+(?P<name>{_QUALIFIED})", re.IGNORECASE
 )
 _DDL_VERB = re.compile(r"^\s*(CREATE|DROP|ALTER|RENAME|TRUNCATE|ATTACH|DETACH)\b", re.IGNORECASE)
 _ENGINE = re.compile(r"\bENGINE\s*=\s*(?P<engine>[A-Za-z]*)(?P<args>\s*\()?")
@@ -115,11 +115,13 @@ def _replicated_engine(statement: str, table: str) -> str:
 
 def created_if_missing(statement: str) -> tuple[str, ...] | None:
     """``(database,)`` or ``(database, table)`` that a ``CREATE ... IF NOT EXISTS`` statement
-    names, or None for any other statement."""
+    names, or None for any other statement (and for a table not qualified by its database)."""
     match = _CREATE_IF_MISSING.match(statement)
     if match is None:
         return None
-    return tuple(_unquote(part) for part in re.findall(_NAME, match.group("name")))
+    name = tuple(_unquote(part) for part in re.findall(_NAME, match.group("name")))
+    expected = 1 if match.group("kind").upper() == "DATABASE" else 2
+    return name if len(name) == expected else None
 
 
 def on_cluster(statement: str, cluster: str) -> str | None:

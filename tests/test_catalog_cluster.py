@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from dmi.catalog import open_catalog
-from dmi.catalog._cluster import on_cluster, zookeeper_component, zookeeper_path
+from dmi.catalog._cluster import created_if_missing, on_cluster, zookeeper_component, zookeeper_path
 from dmi.catalog._schema import SCHEMA_VERSION, TABLES
 from dmi.storage import (
     CatalogError,
@@ -378,6 +378,14 @@ def test_ddl_is_placed_on_the_cluster_with_replicated_engines():
 def test_ddl_that_cannot_be_placed_on_every_replica_is_refused(statement):
     with pytest.raises(CatalogError, match="cannot"):
         on_cluster(statement, "c")
+
+
+def test_what_a_create_if_not_exists_names():
+    assert created_if_missing("CREATE DATABASE IF NOT EXISTS `d-b`") == ("d-b",)
+    assert created_if_missing(" CREATE TABLE IF NOT EXISTS `db`.`t` (x UInt8)") == ("db", "t")
+    assert created_if_missing("CREATE VIEW IF NOT EXISTS `db`.`v` AS SELECT 1") == ("db", "v")
+    assert created_if_missing("CREATE TABLE IF NOT EXISTS t (x UInt8)") is None  # not a database name
+    assert created_if_missing("CREATE TABLE `db`.`t` (x UInt8)") is None
 
 
 def test_zookeeper_paths_cannot_be_steered_by_a_name():
