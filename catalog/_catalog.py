@@ -112,7 +112,7 @@ class Catalog:
     # ----------------------------------------------------------------- lifecycle
     @property
     def backend(self) -> str:
-        """``"chdb"`` or ``"server"``."""
+        """``"chdb"``, ``"server"`` or ``"cluster"``."""
         return self._backend.kind
 
     @property

@@ -52,7 +52,7 @@ def unavailable(message: str, *, outcome_unknown: bool) -> CatalogUnavailableErr
 class CatalogBackend(ABC):
     """Primitives a ClickHouse backend provides. Thread-safe: callers may share one."""
 
-    #: ``"chdb"`` or ``"server"``.
+    #: ``"chdb"``, ``"server"`` or ``"cluster"``.
     kind: str
     #: Human description of where the data lives (a directory or host:port/database).
     where: str

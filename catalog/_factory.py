@@ -10,6 +10,8 @@ URI                                           catalog
 bare filesystem path)
 ``clickhouse://user:password@host:port/db``   a ClickHouse server over the native protocol
                                               (port 9000 by default, database ``default``)
+``clickhouse://...:port/db?cluster=NAME``     the one-shard replicated cluster ``NAME`` entered
+                                              through that server (``docs/scale-out-cluster.md``)
 ============================================  ===============================================
 
 ``DMI_CATALOG`` may itself hold any of these URIs. Settings (keyword arguments) go to the
@@ -17,15 +19,16 @@ catalog (``table_prefix="dmi_"``) or to the backend (chDB: ``database="dmi"``,
 ``lock_timeout=60`` seconds to wait for another process's turn on the directory, default
 ``$DMI_CATALOG_LOCK_TIMEOUT``; server:
 ``connect_timeout``, ``send_receive_timeout``, ``create_database``, and any ClickHouse
-setting). Backends are imported only when used; a missing one raises
-:class:`~dmi.catalog.BackendNotInstalledError` saying what to install.
+setting; cluster: also ``quorum_timeout`` and ``ddl_timeout`` in seconds). Backends are
+imported only when used; a missing one raises :class:`~dmi.catalog.BackendNotInstalledError`
+saying what to install.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from dmi.catalog._catalog import Catalog
 from dmi.catalog._sql import validate_identifier
@@ -67,15 +70,20 @@ def open_catalog(uri: str | os.PathLike[str] | None = None, **settings) -> Catal
             raise InvalidArgumentError(f"{uri!r} names no directory; write chdb:///absolute/path")
         return _open_chdb(Path(path), settings, catalog_settings)
     if scheme in ("clickhouse", "ch"):
-        if parts.query or parts.fragment:
+        cluster = _cluster_name(uri, parts)
+        if parts.fragment:
             raise InvalidArgumentError(f"{uri!r}: pass settings as keyword arguments, not in the URI")
         database = unquote(parts.path.lstrip("/")) or "default"
         if "/" in database:
             raise InvalidArgumentError(f"{uri!r}: the path must be one database name")
         validate_identifier(database, "database name")
-        from dmi.catalog._server import ServerBackend
+        if cluster is None:
+            from dmi.catalog._server import ServerBackend as backend_class
+        else:
+            from dmi.catalog._cluster import ClusterBackend as backend_class
 
-        backend = ServerBackend(
+            settings["cluster"] = cluster
+        backend = backend_class(
             parts.hostname or "127.0.0.1",
             parts.port or 9000,
             database,
@@ -88,6 +96,18 @@ def open_catalog(uri: str | os.PathLike[str] | None = None, **settings) -> Catal
         f"unknown catalog URI scheme {parts.scheme!r} in {uri!r}; use chdb:///path or "
         "clickhouse://user:password@host:port/database"
     )
+
+
+def _cluster_name(uri: str, parts) -> str | None:
+    """The ``cluster=NAME`` of a server URI's query, or None; any other query item is refused."""
+    if not parts.query:
+        return None
+    items = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False)
+    if len(items) != 1 or items[0][0] != "cluster" or not items[0][1]:
+        raise InvalidArgumentError(
+            f"{uri!r}: the only URI query a server catalog takes is ?cluster=NAME; pass settings as keyword arguments"
+        )
+    return validate_identifier(items[0][1], "cluster name")
 
 
 def _open_chdb(path: Path, settings: dict, catalog_settings: dict) -> Catalog:

@@ -21,6 +21,7 @@ exception types. Builtin mix-ins are added where callers naturally expect them.
     │   └── UnsupportedDtypeError (TypeError)
     ├── CatalogError                             the ClickHouse index
     │   ├── CatalogUnavailableError (ConnectionError)   server unreachable / connection lost
+    │   │   └── QuorumError                      a cluster write not confirmed by every replica
     │   ├── CatalogLockedError                   chDB directory held by another process too long
     │   ├── CatalogReadOnlyError                 chDB directory on a read-only filesystem
     │   ├── BackendNotInstalledError (ImportError)
@@ -60,6 +61,7 @@ __all__ = [
     "UnsupportedDtypeError",
     "CatalogError",
     "CatalogUnavailableError",
+    "QuorumError",
     "CatalogLockedError",
     "CatalogReadOnlyError",
     "BackendNotInstalledError",
@@ -141,6 +143,14 @@ class CatalogError(DMIError):
 
 class CatalogUnavailableError(CatalogError, ConnectionError):
     """The catalog could not be reached, or the connection broke mid-call."""
+
+
+class QuorumError(CatalogUnavailableError):
+    """A write to a replicated (cluster) catalog was not confirmed by every replica.
+
+    ``outcome_unknown`` is ``False`` when ClickHouse refused it before writing anything (too few
+    live replicas), ``True`` when it was written on one replica but not confirmed in time;
+    ``code`` is ClickHouse's error code (285, 286 or 319)."""
 
 
 class CatalogLockedError(CatalogError):

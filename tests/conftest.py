@@ -7,7 +7,9 @@ says which step the chain will take, the summary which server was used.
 
 ``DMI_LIVE_SERVER=env|container|binary`` forces one step and makes the live suite strict: the
 forced step not being available, or any ``live`` test skipping, is a failure (CI runs the live
-suite once per path this way). Tests marked ``container`` need a Docker API themselves; they may
+suite once per path this way). Tests marked ``cluster`` (a local ZooKeeper and two
+``clickhouse-server`` replicas, ``tests/_cluster.py``) are held to the same rule: under a forced
+mode they never skip. Tests marked ``container`` need a Docker API themselves; they may
 skip unless the forced step is ``container``.
 """
 
@@ -51,14 +53,16 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if not report.skipped or hasattr(report, "wasxfail") or item.get_closest_marker("live") is None:
+    strict_markers = ("live", "cluster")  # a cluster test needs the local binary that the forced chain promises
+    if not report.skipped or hasattr(report, "wasxfail") or not any(map(item.get_closest_marker, strict_markers)):
         return
     mode = chain_mode()
     if mode == "auto" or (item.get_closest_marker("container") is not None and mode != "container"):
         return
     reason = report.longrepr[2].removeprefix("Skipped: ") if isinstance(report.longrepr, tuple) else report.longrepr
     report.outcome = "failed"
-    report.longrepr = f"{MODE_VARIABLE}={mode} requires every live test to run, but this one skipped: {reason}"
+    kind = "cluster" if item.get_closest_marker("cluster") is not None else "live"
+    report.longrepr = f"{MODE_VARIABLE}={mode} requires every {kind} test to run, but this one skipped: {reason}"
 
 
 @pytest.fixture(scope="session")
