@@ -579,7 +579,8 @@ class CatalogConformance(RecoveryConformance, DeletionCrashConformance):
         assert catalog.request_runs("gpt2", "r2") == ["run-2"]
         assert catalog.request_runs("ghost", "req-1") == []
         assert catalog.request_contents("gpt2", "r1", run_id="run-1") == {
-            "resid_post": HookContents("resid_post", (0, 1), (0,), (1,), 4, 8, "bfloat16", (8,), 4 * 64, 64 * 10),
+            "resid_post": HookContents("resid_post", (0, 1), (0,), (1,), 4, 8, "bfloat16", (8,), 4 * 64, 64 * 10,
+                                         (-1,)),
         }
         assert catalog.request_contents("gpt2", "r1", run_id="run-2")["logits"].feature_shape == (97,)
         counts = catalog.pack_record_counts([a.pack_id, b.pack_id, hidden.pack_id, a.pack_id])

@@ -168,6 +168,8 @@ def test_sharded_hooks_merge_to_the_full_projection_and_each_shard_is_its_slice(
                 if hook == "mlp_post" and name == "mixtral":
                     continue  # Mixtral's experts are fused parameters: no mlp_post module to hook
                 merged = store.get_internal(name, rid, hook, run_id=RUN)
+                lazy = store.lazy(name, rid, hook, run_id=RUN)
+                assert lazy.shape == merged.shape and torch.equal(lazy[-1], merged[-1])
                 if hook != "attn_z":
                     with torch.no_grad():
                         want = torch.stack([_reference(full, hook, l, resid_pre[l], resid_mid[l])
@@ -180,6 +182,7 @@ def test_sharded_hooks_merge_to_the_full_projection_and_each_shard_is_its_slice(
                             store.get_internal(name, rid, hook, run_id=RUN, shard_rank=rank)
                         continue
                     shard = store.get_internal(name, rid, hook, run_id=RUN, shard_rank=rank)
+                    assert store.lazy(name, rid, hook, run_id=RUN, shard_rank=rank).shape == shard.shape
                     width = merged.shape[2] if replicated else merged.shape[2] // WORLD
                     offset = 0 if replicated else rank * width
                     assert torch.equal(shard, merged.narrow(2, offset, width)), (name, hook, rank)
@@ -202,9 +205,11 @@ def test_contents_show_the_tp_layout(tp_run):
     store = tp_run["store"]
     rid = tp_run["ranks"][0]["llama-kv1"]["request_ids"][0]
     hooks = {h.hook: h for h in store.contents("llama-kv1", rid, run_id=RUN).hooks}
-    assert hooks["attn_q"].shard_ranks == (0, 1)
-    assert hooks["attn_k"].shard_ranks == (0,)  # one kv head on two ranks: replicated, written once
-    assert hooks["resid_post"].shard_ranks == (0,)
+    assert (hooks["attn_q"].shard_ranks, hooks["attn_q"].tp_layout) == ((0, 1), "split on axis 1 over 2 ranks")
+    # one kv head on two ranks: replicated, written once
+    assert (hooks["attn_k"].shard_ranks, hooks["attn_k"].tp_layout) == ((0,), "replicated on 2 ranks, stored by rank(s) [0]")
+    assert hooks["resid_post"].tp_layout == "replicated on 2 ranks, stored by rank(s) [0]"
+    assert hooks["mlp_post"].feature_shape == (48,)  # the model's width, not a rank's
 
 
 # --------------------------------------------------------------------------- a rank killed
@@ -226,7 +231,7 @@ def _capture_then_die(rank: int, world: int, home: str, path: str) -> dict:
     return dict(request_ids=list(rids))
 
 
-def test_a_killed_rank_is_named_and_recovery_completes_it(tmp_path):
+def test_a_killed_rank_is_named_and_recovery_completes_it(tmp_path, capsys):
     import transformers
 
     path = str(tmp_path / "model")
@@ -241,9 +246,16 @@ def test_a_killed_rank_is_named_and_recovery_completes_it(tmp_path):
         with pytest.raises(MissingShardError, match=r"TP rank\(s\) \[1\] of 2 are missing \(present: \[0\]\)") as info:
             store.get_internal("killed", rid, "attn_q", run_id=RUN)
         assert (info.value.present, info.value.missing) == ((0,), (1,))
+        hooks = {h.hook: h.tp_layout for h in store.contents("killed", rid, run_id=RUN).hooks}
+        assert hooks["attn_q"] == "split on axis 1 over 2 ranks; rank(s) [1] missing"
         recovered = store.recover()
         assert len(recovered) == 1 and recovered[0].records > 0
         merged = store.get_internal("killed", rid, "attn_q", run_id=RUN)
         with torch.no_grad():
             want = torch.stack([_reference(full, "attn_q", l, resid_pre[l], None) for l in range(merged.shape[0])])
         torch.testing.assert_close(merged, want, atol=1e-5, rtol=1e-5)
+    from dmi.cli import main
+
+    assert main(["show", "killed", rid, "--run", RUN, "--home", home]) == 0
+    shown = capsys.readouterr().out
+    assert "tensor parallel" in shown and "split on axis 1 over 2 ranks" in shown and "missing" not in shown
