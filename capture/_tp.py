@@ -75,7 +75,7 @@ def _mesh_coordinates(model) -> dict[str, tuple[int, int]]:
     if mesh is None:
         mesh = getattr(model, "_device_mesh", None)
     names = getattr(mesh, "mesh_dim_names", None) if mesh is not None else None
-    if not names:
+    if not names or not set(names) & {"pp", *_DP_DIMS}:  # a TP-only mesh: rank 0 of every other kind
         return {}
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # this process is not in the mesh

@@ -139,6 +139,22 @@ class _NamedMesh:
         return self._sizes[dim]
 
 
+def test_ranks_from_a_real_named_mesh(tmp_path):
+    """A real 4-D DeviceMesh as transformers builds it (world size 1: every coordinate 0)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model = tiny("gpt2")
+        model._device_mesh = init_device_mesh("cpu", (1, 1, 1, 1), mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
+        assert _mesh_coordinates(model) == {"pp": (0, 1), "dp_replicate": (0, 1), "fsdp": (0, 1), "tp": (0, 1)}
+        ranks = resolve_parallel_ranks(model)
+        assert (ranks.tp_rank, ranks.tp_size, ranks.dp_rank, ranks.pp_rank) == (0, 1, 0, 0)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_dp_and_pp_ranks_come_from_the_mesh_coordinates():
     model = tiny("gpt2")
     model._device_mesh = _NamedMesh([1, 1, 0, 1], [2, 2, 2, 2])
