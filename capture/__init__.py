@@ -19,6 +19,9 @@ from ._ring import Ring
 from ._schedule import Schedule
 from ._selection import Selection, layer_numbers, resolve_hooks, resolve_layers
 from ._session import CaptureSession, attach, derive_model_id
+from ._tp import ParallelRanks, resolve_parallel_ranks
+from ._tp_layout import TPReplicated, TPShard
+from ._tp_load import load_tensor_parallel
 
 __all__ = [
     "attach",
@@ -43,4 +46,9 @@ __all__ = [
     "ALIASES",
     "HookAlias",
     "resolve_alias",
+    "TPShard",
+    "TPReplicated",
+    "ParallelRanks",
+    "resolve_parallel_ranks",
+    "load_tensor_parallel",
 ]

@@ -19,6 +19,7 @@ A writer whose ``append`` takes no ``codec=`` (a custom sink) is never switched.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import queue
 import threading
@@ -76,6 +77,9 @@ class KeyContext:
     tp_size: int = 1
     geometry: ModelGeometry | None = None  # the model's sizes: per-token shapes, TP replication
     sealed: list = field(default_factory=list)
+    layout: object = None  # a capture._tp_layout.TPLayout: each hook's shard geometry on this rank
+    dp_rank: int = 0
+    pp_rank: int = 0
 
 
 class Drain:
@@ -237,10 +241,12 @@ class Drain:
     def _key(self, hook, layer, plan, span) -> RecordKey:
         c = self.ctx
         return RecordKey(c.model_id, c.run_id, span.request_id, hook, layer, span.start, span.n,
-                         plan.step, plan.phase, c.shard_rank, c.tp_size)
+                         plan.step, plan.phase, c.shard_rank, c.tp_size, c.dp_rank, c.pp_rank)
 
     def _shard(self, hook: str, shape: tuple[int, ...]) -> ShardGeometry | None:
         c = self.ctx
+        if c.layout is not None:
+            return c.layout.shard(hook, shape)
         spec = HOOKS[hook]
         if spec.replicated(c.geometry, c.tp_size):
             return None  # every rank holds the whole tensor: no geometry to merge by
@@ -253,8 +259,7 @@ class Drain:
     def _append(self, hook, layer, plan, span, rec, *, n_tokens=None) -> None:
         key = self._key(hook, layer, plan, span)
         if n_tokens is not None:
-            key = RecordKey(key.model_id, key.run_id, key.request_id, key.hook, key.layer, key.start_token,
-                            n_tokens, key.step, key.phase, key.shard_rank, key.tp_size)
+            key = dataclasses.replace(key, n_tokens=n_tokens)
         spec = HOOKS[hook]
         shard = self._shard(hook, tuple(rec.shape))
         if self._codec is None:

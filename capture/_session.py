@@ -44,7 +44,8 @@ from ._plan import StepPlan
 from ._ring import Entry, Ring
 from ._schedule import Schedule
 from ._selection import Selection, select
-from ._tp import resolve_tp
+from ._tp import resolve_parallel_ranks
+from ._tp_layout import TPLayout, emitted_hooks
 
 __all__ = ["attach", "CaptureSession", "derive_model_id"]
 
@@ -103,7 +104,8 @@ class CaptureSession:
 
     def __init__(self, model, arch: Architecture, selection: Selection, geometry: ModelGeometry,
                  *, model_id: str, run_id: str, schedule: Schedule, ring: Ring, drain: Drain,
-                 publisher=None, tp_rank: int = 0, tp_size: int = 1, capture_enabled: bool = True):
+                 publisher=None, tp_rank: int = 0, tp_size: int = 1, capture_enabled: bool = True,
+                 emitted_hooks: dict[str, tuple[int, ...]] | None = None):
         self.model = model
         self.arch = arch
         self.selection = selection
@@ -117,6 +119,8 @@ class CaptureSession:
         self.tp_size = tp_size
         self._publisher = publisher
         self._capture_enabled = capture_enabled
+        # the hooks this process writes: the selection, less replicated hooks another TP rank writes
+        self._emitted = dict(selection.hooks if emitted_hooks is None else emitted_hooks)
         self._handles: list = []
         self._plan: StepPlan | None = None
         self._call: _Call | None = None
@@ -246,7 +250,7 @@ class CaptureSession:
         self._handles.append(m.register_forward_hook(self._on_model_post, always_call=True))
         if callable(getattr(m, "generate", None)):
             self._handles.append(_GenerateGuard(m))
-        for tap in self.arch.taps(self.selection.hooks):
+        for tap in self.arch.taps(self._emitted):
             if tap.module is None:
                 raise AttachError(f"module for {[e.hook for e in tap.emissions]} not found")
             if tap.kind == "pre":
@@ -336,10 +340,10 @@ class CaptureSession:
         self.drain.check()  # the open slot may have room: a failed drain must stop the copies here
         plan = StepPlan.build(batch=b, tokens=t, phase=phase, step=call.step, first_cols=first_cols,
                               starts=starts, kv_pads=call.pads, rows=rows, request_ids=call.request_ids,
-                              geometry=self.geometry, hooks=self.selection.hooks, call_id=call.call_id)
+                              geometry=self.geometry, hooks=self._emitted, call_id=call.call_id)
         self._plan = plan
         if ids is not None:
-            for hook in self.selection.hooks:
+            for hook in self._emitted:
                 if HOOKS[hook].source == "input_ids":
                     self._emit(hook, GLOBAL_LAYER, ids, "bt", plan)
         return None
@@ -529,9 +533,12 @@ def attach(
     tp_rank: int | None = None,
     tp_size: int | None = None,
     tp_ranks=None,
-    pp_rank: int = 0,
+    pp_rank: int | None = None,
     pp_ranks=None,
     writer=None,
+    dp_rank: int | None = None,
+    tp_layout=None,
+    tp_replicas: str = "rank0",
 ):
     """Attach capture to ``model``; yields a :class:`CaptureSession`.
 
@@ -554,6 +561,13 @@ def attach(
     * ``tp_rank`` / ``tp_size``: this process's tensor-parallel shard; by default read from the
       TP device mesh of a model transformers sharded, else rank 0 of 1 — never the global
       ``torch.distributed`` rank (see ``dmi.capture._tp``).
+    * ``dp_rank`` / ``pp_rank``: this process's data- and pipeline-parallel ranks, recorded in
+      every record; by default read from the model's device mesh, else 0.
+    * ``tp_layout``: for a model sharded by hand, ``{hook: TPShard(axis, offset, full) |
+      TPReplicated()}`` (see ``dmi.capture._tp_layout``); hooks not named follow the catalogue.
+    * ``tp_replicas``: ``"rank0"`` (default) writes a replicated hook (residual stream, logits,
+      ...) once, from TP rank 0; ``"all"`` writes every rank's copy (the reader checks they
+      agree and returns one).
     * ``tp_ranks`` / ``pp_ranks``: capture only on these ranks (others attach, capture nothing).
     * ``writer``: a ready pack writer (``append``/``seal``/``close``) instead of one made from
       ``store`` — for tests and custom sinks.
@@ -565,8 +579,8 @@ def attach(
     schedule = Schedule.coerce(schedule)
     model_id = _validate_id("model id", model_id if model_id is not None else derive_model_id(model))
     run_id = _validate_id("run id", run_id if run_id is not None else _new_run_id())
-    tp = resolve_tp(model, tp_rank, tp_size)
-    tp_rank, tp_size = tp.rank, tp.size
+    ranks = resolve_parallel_ranks(model, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, pp_rank=pp_rank)
+    tp_rank, tp_size, pp_rank = ranks.tp_rank, ranks.tp_size, ranks.pp_rank
     enabled = (tp_ranks is None or tp_rank in set(tp_ranks)) and (pp_ranks is None or pp_rank in set(pp_ranks))
     if isinstance(decode_chunk_steps, bool) or not isinstance(decode_chunk_steps, int) or decode_chunk_steps < 1:
         raise InvalidArgumentError(f"decode_chunk_steps must be an int >= 1, got {decode_chunk_steps!r}")
@@ -574,6 +588,8 @@ def attach(
     if writer is None and store is None:
         raise InvalidArgumentError("attach needs a pack store (store=PackStore.local(path))")
     geometry = ModelGeometry.from_config(model.config, _model_dtype(model))
+    layout = TPLayout(geometry, tp_rank, tp_size, tp_layout)
+    emitted = emitted_hooks(selection.hooks, layout, tp_replicas)
     owner_key = arch.layers  # shared by a *ForCausalLM and its inner base model
     with _OWNERS_LOCK:
         if owner_key in _OWNERS:
@@ -586,7 +602,8 @@ def attach(
         _OWNERS[owner_key] = None  # type: ignore[assignment]  # reserved while we build
     session = None
     try:
-        ctx = KeyContext(model_id, run_id, tp_rank, tp_size, geometry)
+        ctx = KeyContext(model_id, run_id, tp_rank, tp_size, geometry, layout=layout,
+                         dp_rank=ranks.dp_rank, pp_rank=pp_rank)
         publisher = None
         if catalog is not None:
             publisher = _Publishing(catalog, publish_scope or default_publish_scope(model_id, run_id, tp_rank, tp_size),
@@ -603,7 +620,8 @@ def attach(
                       fallback_fill=1.0 if adaptive_codec is None else adaptive_codec)
         session = CaptureSession(model, arch, selection, geometry, model_id=model_id, run_id=run_id,
                                  schedule=schedule, ring=ring, drain=drain, publisher=publisher,
-                                 tp_rank=tp_rank, tp_size=tp_size, capture_enabled=enabled)
+                                 tp_rank=tp_rank, tp_size=tp_size, capture_enabled=enabled,
+                                 emitted_hooks=emitted)
         ring.connect(drain.submit, stamp=session._copies_done)
         with _OWNERS_LOCK:
             _OWNERS[owner_key] = session

@@ -15,6 +15,11 @@ The rank is the process's position in the *tensor-parallel* group, not its globa
 
 A model whose ``tp_size`` says it is sharded but whose TP mesh cannot be found is refused
 rather than guessed: pass ``tp_rank=`` and ``tp_size=``.
+
+The data- and pipeline-parallel ranks (recorded in every record, so that the replicas of a
+TP x DP run stay apart) come from ``dp_rank=`` / ``pp_rank=`` when given, else from the
+coordinates of this process in transformers' named device mesh (``pp``; ``dp_replicate``,
+``dp``, ``fsdp``, ``dp_shard`` flattened in that order), else 0.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from dataclasses import dataclass
 
 from dmi.storage.errors import InvalidArgumentError
 
-__all__ = ["TensorParallelRank", "resolve_tp"]
+__all__ = ["TensorParallelRank", "ParallelRanks", "resolve_tp", "resolve_parallel_ranks"]
+
+_DP_DIMS = ("dp_replicate", "dp", "fsdp", "dp_shard")
+"""Mesh dimensions that hold data-parallel replicas, outermost first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +40,55 @@ class TensorParallelRank:
 
     rank: int
     size: int
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelRanks:
+    """Where this process sits in a parallel run: its TP shard, DP replica and PP stage."""
+
+    tp_rank: int
+    tp_size: int
+    dp_rank: int = 0
+    pp_rank: int = 0
+
+
+def resolve_parallel_ranks(model, *, tp_rank: int | None = None, tp_size: int | None = None,
+                           dp_rank: int | None = None, pp_rank: int | None = None) -> ParallelRanks:
+    """TP rank and size (:func:`resolve_tp`), then DP and PP ranks (see the module docstring).
+
+    Raises :class:`InvalidArgumentError` for a rank that is not an int >= 0."""
+    tp = resolve_tp(model, tp_rank, tp_size)
+    _check_int("dp_rank", dp_rank, minimum=0)
+    _check_int("pp_rank", pp_rank, minimum=0)
+    coords = _mesh_coordinates(model) if dp_rank is None or pp_rank is None else {}
+    if dp_rank is None:
+        dp_rank = _flat_dp_rank(coords)
+    if pp_rank is None:
+        pp_rank = coords.get("pp", (0, 1))[0]
+    return ParallelRanks(tp.rank, tp.size, dp_rank, pp_rank)
+
+
+def _mesh_coordinates(model) -> dict[str, tuple[int, int]]:
+    """``{dim name: (this process's index, dim size)}`` in the model's named dense mesh."""
+    manager = getattr(model, "_mesh_manager", None)
+    mesh = getattr(manager, "_dense_mesh", None) if manager is not None else None
+    if mesh is None:
+        mesh = getattr(model, "_device_mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) if mesh is not None else None
+    if not names or not set(names) & {"pp", *_DP_DIMS}:  # a TP-only mesh: rank 0 of every other kind
+        return {}
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # this process is not in the mesh
+        return {}
+    return {name: (int(index), int(mesh.size(dim))) for dim, (name, index) in enumerate(zip(names, coordinate))}
+
+
+def _flat_dp_rank(coords: dict[str, tuple[int, int]]) -> int:
+    rank = 0
+    for name in _DP_DIMS:
+        index, size = coords.get(name, (0, 1))
+        rank = rank * size + index
+    return rank
 
 
 def resolve_tp(model, tp_rank: int | None = None, tp_size: int | None = None) -> TensorParallelRank:

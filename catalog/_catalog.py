@@ -49,6 +49,7 @@ class HookContents:
     feature_shape: tuple[int, ...]
     stored_bytes: int
     raw_bytes: int
+    shard_axes: tuple[int, ...] = ()  # the recorded TP split axes; -1: records without geometry (replicated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -582,8 +583,9 @@ class Catalog:
         rows = self._backend.query(
             "SELECT hook, groupUniqArray(layer) AS layers, groupUniqArray(shard_rank) AS ranks, "
             "groupUniqArrayArray(tps) AS tps, sum(n) AS n, max(tokens) AS tokens, any(dtype) AS dtype, "
-            "any(feature) AS feature, sum(stored) AS stored, sum(raw) AS raw FROM ("
-            "SELECT hook, layer, shard_rank, groupUniqArray(tp_size) AS tps, count() AS n, sum(n_tokens) AS tokens, "
+            "any(feature) AS feature, sum(stored) AS stored, sum(raw) AS raw, groupUniqArrayArray(axes) AS axes FROM ("
+            "SELECT hook, layer, shard_rank, groupUniqArray(tp_size) AS tps, groupUniqArray(shard_axis) AS axes, "
+            "count() AS n, sum(n_tokens) AS tokens, "
             "any(dtype) AS dtype, "
             # per token: the record's (full) shape without its recorded token axis; the last
             # chunk's, whose key axis (attention patterns) is the longest
@@ -598,7 +600,7 @@ class Catalog:
             r["hook"]: HookContents(
                 r["hook"], tuple(sorted(r["layers"])), tuple(sorted(r["ranks"])), tuple(sorted(r["tps"])),
                 int(r["n"]), int(r["tokens"]), r["dtype"], tuple(int(d) for d in r["feature"]),
-                int(r["stored"]), int(r["raw"]),
+                int(r["stored"]), int(r["raw"]), tuple(sorted(int(a) for a in r["axes"])),
             )
             for r in rows
         }

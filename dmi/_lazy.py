@@ -32,7 +32,7 @@ class LazyInternal:
     """
 
     __slots__ = ("model_id", "request_id", "hook", "_entries", "_read", "layers", "per_layer", "dtype", "shape",
-                 "token_axis")
+                 "token_axis", "_merged")
 
     def __init__(
         self,
@@ -41,12 +41,15 @@ class LazyInternal:
         hook: str,
         entries: Sequence[RecordEntry],
         read: Callable[[list[RecordEntry]], torch.Tensor],
+        *,
+        merged: bool = True,
     ):
         self.model_id = model_id
         self.request_id = request_id
         self.hook = hook
         self._entries = tuple(entries)
         self._read = read
+        self._merged = merged  # TP shards are read merged (full shapes), else one rank's as stored
         layers = sorted({e.meta.key.layer for e in self._entries})
         self.per_layer = layers != [GLOBAL_LAYER]
         self.layers: tuple[int, ...] = tuple(layers) if self.per_layer else ()
@@ -63,12 +66,13 @@ class LazyInternal:
             if e.meta.key.layer == first_layer:
                 chunks.setdefault(e.meta.key.start_token, e)
         ordered = [chunks[s].meta for s in sorted(chunks)]
-        inner = list(_full_shape(ordered[0]))
+        shape_of = _full_shape if self._merged else (lambda meta: meta.shape)
+        inner = list(shape_of(ordered[0]))
         if inner:
             inner[ordered[0].token_axis] = sum(m.key.n_tokens for m in ordered)
             key_axis = ordered[0].key_axis
             if key_axis is not None:
-                inner[key_axis] = max(_full_shape(m)[key_axis] for m in ordered)
+                inner[key_axis] = max(shape_of(m)[key_axis] for m in ordered)
         return torch.Size((len(self.layers), *inner) if self.per_layer else inner)
 
     def __len__(self) -> int:

@@ -284,7 +284,8 @@ class Store:
                                r.stored_bytes, r.raw_bytes) for r in rows]
 
     def contents(self, model_id: str, request_id: str, *, run_id: str | None = None) -> RequestContents:
-        """What one request holds: per hook its layers, shard ranks, tokens, dtype, bytes; and
+        """What one request holds: per hook its layers, shard ranks, tensor-parallel layout
+        (``tp_layout``, see :func:`tp_layout_text`), tokens, dtype, bytes; and
         the records capture dropped under an explicit drop policy (``losses``; never silent).
 
         Raises ``RecordNotFoundError`` (unknown model, request or run) and
@@ -295,7 +296,7 @@ class Store:
         held = self.catalog.request_contents(model_id, request_id, run_id=run)
         hooks = {
             h.hook: HookSummary(h.hook, h.layers, h.shard_ranks, h.n_tokens, h.dtype, h.feature_shape, h.n_records,
-                                h.stored_bytes, h.raw_bytes)
+                                h.stored_bytes, h.raw_bytes, tp_layout_text(h.shard_ranks, h.tp_sizes, h.shard_axes))
             for h in held.values()
         }
         lost = self.catalog.losses(model_id=model_id, run_id=run, request_id=request_id).to_pylist()
@@ -324,8 +325,9 @@ class Store:
         pair or an iterable of layer numbers (``None``: every stored layer); negative numbers
         count back from the last captured layer (``-1`` is the last). Nothing is clipped: a
         layer that was not captured is a ``RecordNotFoundError`` naming the captured ones.
-        ``shard_rank`` selects one tensor-parallel rank; ``merge_shards=True`` joins the ranks
-        by their recorded geometry.
+        Tensor-parallel records come back as the model's tensor: shards merged by their
+        recorded geometry, replicated copies de-duplicated (``merge_shards=True`` is accepted
+        and means the same); ``shard_rank`` selects one rank's records as that rank stored them.
 
         Raises ``InvalidIdentifierError`` (an id that is not text), ``HookSelectionError``
         (not a hook name, or a TransformerLens name DMI does not capture; an empty or
@@ -333,7 +335,8 @@ class Store:
         (``layers`` with an alias), ``RecordNotFoundError`` (unknown model, request, run, a
         hook or layers the request does not hold),
         ``DuplicateChunkError`` (several runs or ranks hold the same tokens: pass ``run_id``
-        or ``shard_rank``), ``ShardMergeError``, ``PackCorruptError``/``PackNotFoundError``.
+        or ``shard_rank``), ``MissingShardError`` (a TP rank's shard is absent: it names the ranks
+        present and missing), ``ShardMergeError``, ``PackCorruptError``/``PackNotFoundError``.
         """
         hook, layers = _resolve_alias(hook, layers)
         entries = self._entries(model_id, request_id, hook, layers, shard_rank, run_id)
@@ -354,7 +357,7 @@ class Store:
         def read(selected: list[RecordEntry]) -> torch.Tensor:
             return self._assemble(selected, shard_rank=shard_rank, merge_shards=merge_shards)
 
-        return LazyInternal(model_id, request_id, hook, entries, read)
+        return LazyInternal(model_id, request_id, hook, entries, read, merged=shard_rank is None)
 
     def loader(self, model_id: str, *, hooks: Any = "resid_post", layers: Any = None, runs: Any = None,
                phases: Any = None, where: str | None = None, params: dict[str, Any] | None = None,
@@ -554,6 +557,21 @@ class Store:
 
 
 # ------------------------------------------------------------------------------------ helpers
+
+
+def tp_layout_text(shard_ranks: tuple[int, ...], tp_sizes: tuple[int, ...], shard_axes: tuple[int, ...]) -> str:
+    """How tensor parallelism holds one hook, in words: ``""`` (not sharded), ``"split on
+    axis 1 over 2 ranks"`` (with ``"; rank(s) [1] missing"`` when some never published), or
+    ``"replicated on 2 ranks, stored by rank(s) [0]"``."""
+    size = max(tp_sizes, default=1)
+    if size <= 1:
+        return ""
+    axes = [a for a in shard_axes if a >= 0]
+    if not axes:
+        return f"replicated on {size} ranks, stored by rank(s) {list(shard_ranks)}"
+    text = f"split on axis {','.join(map(str, axes))} over {size} ranks"
+    missing = sorted(set(range(size)) - set(shard_ranks))
+    return f"{text}; rank(s) {missing} missing" if missing else text
 
 
 def _check_hook(hook: str) -> None:

@@ -85,6 +85,7 @@ class HookSummary(_AsDict):
     records: int
     stored_bytes: int
     raw_bytes: int
+    tp_layout: str = ""  # how tensor parallelism holds it ("" when not sharded); see Store.contents
 
 
 @dataclass(frozen=True, slots=True)

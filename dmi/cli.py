@@ -329,10 +329,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
     _say(args, f"model {contents.model_id}  request {contents.request_id}  run {contents.run_id}")
     if contents.phases:
         _say(args, "token positions: " + ", ".join(f"{p.phase} {p.start}-{p.stop - 1}" for p in contents.phases))
+    tp = [("tp_layout", "tensor parallel", lambda text: text or "-")] if any(h.tp_layout for h in contents.hooks) else []
     _emit(args, rows, [
         ("hook", "hook", None),
         ("layers", "layers", _layer_span),
         ("shard_ranks", "shards", lambda ranks: ",".join(map(str, ranks))),
+        *tp,
         ("n_tokens", "tokens", human_count),
         ("dtype", "dtype", None),
         ("feature_shape", "shape/token", lambda shape: "x".join(map(str, shape)) or "scalar"),

@@ -4,10 +4,18 @@ Each record says which of its axes runs over its tokens (``token_axis``, recorde
 capture time from the hook catalogue). Per layer, chunks are ordered by ``start_token``
 and joined along that axis; they must tile the token range without gaps or overlaps.
 Layers are stacked in ascending order as ``[n_layers, ...]``; global hooks (layer
-``GLOBAL_LAYER``) get no layer axis. Tensor-parallel shards of one chunk are either
-selected (``shard_rank=``) or merged by their recorded geometry (``merge_shards=True``);
-anything else that puts two records on the same (layer, start token) is a
-:class:`DuplicateChunkError`.
+``GLOBAL_LAYER``) get no layer axis.
+
+Tensor parallelism (records with ``tp_size > 1`` from one run and one DP/PP replica): by
+default the shards of one chunk are merged into the model's tensor by their recorded
+geometry (axis, offset, full shape), and every one of the ``tp_size`` ranks must be there —
+a missing rank is a :class:`MissingShardError` naming the ranks present and missing, never a
+narrower tensor. Records without geometry are replicated (every rank holds the whole
+tensor, e.g. the residual stream, or GQA k/v with fewer heads than ranks): their copies are
+de-duplicated, after checking they agree. ``shard_rank=`` selects one rank's records
+instead; ``merge_shards=True`` is accepted and means the default. Anything else that puts two
+records on the same (layer, start token) — two runs, two DP replicas, TP and non-TP records —
+is a :class:`DuplicateChunkError`.
 
 Records with a key axis (attention patterns, ``[heads, q_tokens, kv_tokens]``) see one
 more key at each decode step. Their chunks are zero-filled on the key axis up to the
@@ -22,7 +30,14 @@ from collections.abc import Sequence
 
 import torch
 
-from dmi.storage.errors import DuplicateChunkError, InvalidArgumentError, ReaderError, RecordNotFoundError, ShardMergeError
+from dmi.storage.errors import (
+    DuplicateChunkError,
+    InvalidArgumentError,
+    MissingShardError,
+    ReaderError,
+    RecordNotFoundError,
+    ShardMergeError,
+)
 from dmi.storage.records import GLOBAL_LAYER, RecordEntry
 
 __all__ = ["assemble"]
@@ -34,7 +49,9 @@ def assemble(
     shard_rank: int | None = None,
     merge_shards: bool = False,
 ) -> torch.Tensor:
-    """One tensor for one (request, hook): token order, stacked per layer."""
+    """One tensor for one (request, hook): token order, stacked per layer; tensor-parallel
+    records merged into the model's tensor unless ``shard_rank`` selects one rank's (see
+    the module docstring). Raises :class:`MissingShardError` when a rank's shard is absent."""
     if len(entries) != len(tensors):
         raise InvalidArgumentError(f"{len(entries)} entries but {len(tensors)} tensors")
     if not entries:
@@ -54,7 +71,8 @@ def assemble(
     layers = sorted(chunks)
     if GLOBAL_LAYER in layers and len(layers) > 1:
         raise ReaderError(f"request {request} hook {hook}: mixes the global layer with layers {layers[1:]}")
-    per_layer = [_layer_tensor(request, hook, layer, chunks[layer], merge_shards) for layer in layers]
+    merge = shard_rank is None  # one rank's records are returned as that rank stored them
+    per_layer = [_layer_tensor(request, hook, layer, chunks[layer], merge) for layer in layers]
     if layers == [GLOBAL_LAYER]:
         return per_layer[0]
     shapes = {tuple(t.shape) for t in per_layer}
@@ -70,37 +88,77 @@ def _single_scope(entries: Sequence[RecordEntry]) -> tuple[str, str]:
     return next(iter(scopes))
 
 
-def _layer_tensor(request: str, hook: str, layer: int, by_start: dict, merge_shards: bool) -> torch.Tensor:
-    duplicated = sorted(s for s, group in by_start.items() if len(group) > 1)
-    if duplicated and not merge_shards:
+def _layer_tensor(request: str, hook: str, layer: int, by_start: dict, merge: bool) -> torch.Tensor:
+    duplicated = sorted(s for s, group in by_start.items() if len(group) > 1 and not (merge and _one_tp_group(group)))
+    if duplicated:
         group = by_start[duplicated[0]]
         ranks = sorted({e.meta.key.shard_rank for e, _ in group})
         runs = sorted({e.meta.key.run_id for e, _ in group})
         raise DuplicateChunkError(
             f"request {request} hook {hook} layer {layer}: more than one record starts at token(s) "
-            f"{duplicated} (shard ranks {ranks}, runs {runs}). Choose one with shard_rank=<rank>, "
-            f"merge tensor-parallel shards with merge_shards=True, or select a single run_id"
+            f"{duplicated} (shard ranks {ranks}, runs {runs}, data/pipeline-parallel ranks {_replicas(group)}). "
+            f"Choose one with shard_rank=<rank> or select a single run_id"
         )
     ordered = []
     for start in sorted(by_start):
         group = by_start[start]
-        tensor = _merge(request, hook, layer, start, group) if len(group) > 1 or _is_shard(group[0][0]) and merge_shards else group[0][1]
+        tensor = _tp_tensor(request, hook, layer, start, group) if merge and _one_tp_group(group) else group[0][1]
         ordered.append((group[0][0], tensor))
     return _concat_tokens(request, hook, layer, ordered)
 
 
-def _is_shard(entry: RecordEntry) -> bool:
-    return entry.meta.key.tp_size > 1 and entry.meta.shard is not None
+def _replicas(group: list) -> list[tuple[int, int]]:
+    return sorted({(e.meta.key.dp_rank, e.meta.key.pp_rank) for e, _ in group})
 
 
-def _merge(request: str, hook: str, layer: int, start: int, group: list) -> torch.Tensor:
+def _one_tp_group(group: list) -> bool:
+    """Whether ``group`` holds tensor-parallel records of one run, one DP/PP replica and
+    one TP degree (the records :func:`_tp_tensor` turns into the model's tensor)."""
+    keys = [e.meta.key for e, _ in group]
+    return keys[0].tp_size > 1 and len({(k.run_id, k.dp_rank, k.pp_rank, k.tp_size) for k in keys}) == 1
+
+
+def _tp_tensor(request: str, hook: str, layer: int, start: int, group: list) -> torch.Tensor:
+    """The model's tensor for one chunk from its TP ranks' records: shards merged, replicas
+    de-duplicated."""
     where = f"request {request} hook {hook} layer {layer} token {start}"
     ranks = sorted(e.meta.key.shard_rank for e, _ in group)
     if len(set(ranks)) != len(ranks):
         raise DuplicateChunkError(f"{where}: shard rank(s) appear twice {ranks}; select a single run_id")
-    missing = [e.meta.key.shard_rank for e, _ in group if e.meta.shard is None]
+    sharded = [e.meta.shard is not None for e, _ in group]
+    if not any(sharded):
+        return _deduplicate(where, group)
+    if not all(sharded):
+        plain = sorted(e.meta.key.shard_rank for e, _ in group if e.meta.shard is None)
+        raise ShardMergeError(f"{where}: ranks {plain} recorded no shard geometry while the others did; "
+                              "read one rank with shard_rank=")
+    _require_every_rank(where, ranks, group[0][0].meta.key.tp_size)
+    return _merge(where, group)
+
+
+def _require_every_rank(where: str, present: list[int], tp_size: int) -> None:
+    missing = sorted(set(range(tp_size)) - set(present))
     if missing:
-        raise ShardMergeError(f"{where}: ranks {missing} recorded no shard geometry; read one rank with shard_rank=")
+        raise MissingShardError(
+            f"{where}: the shards of TP rank(s) {missing} of {tp_size} are missing (present: {present}), so the "
+            f"full tensor cannot be formed; if a rank died, publish its sealed packs with `dmi recover`, or "
+            f"read one rank with shard_rank=",
+            present=tuple(present), missing=tuple(missing),
+        )
+
+
+def _deduplicate(where: str, group: list) -> torch.Tensor:
+    """One copy of a tensor every rank holds whole; refused when the copies differ."""
+    pieces = sorted(group, key=lambda p: p[0].meta.key.shard_rank)
+    first = pieces[0][1]
+    differing = [e.meta.key.shard_rank for e, t in pieces[1:] if not torch.equal(t, first)]
+    if differing:
+        raise ShardMergeError(f"{where}: the copies of this replicated tensor differ between TP rank "
+                              f"{pieces[0][0].meta.key.shard_rank} and rank(s) {differing}; read each with shard_rank=")
+    return first
+
+
+def _merge(where: str, group: list) -> torch.Tensor:
     geoms = [e.meta.shard for e, _ in group]
     axes = {g.axis for g in geoms}
     fulls = {tuple(g.full_shape) for g in geoms}

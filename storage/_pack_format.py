@@ -48,7 +48,8 @@ __all__ = [
 
 FORMAT_NAME = "dmi-pack"
 FORMAT_VERSION = RECORD_SCHEMA_VERSION
-"""The pack format follows the record schema: v1 = record schema v1, v2 = v1 plus token layout."""
+"""The pack format follows the record schema: v1 = record schema v1, v2 = v1 plus token layout,
+v3 = v2 plus the writer's data- and pipeline-parallel ranks."""
 READABLE_VERSIONS = tuple(range(1, FORMAT_VERSION + 1))
 
 META_FORMAT = b"dmi.format"

@@ -35,6 +35,7 @@ exception types. Builtin mix-ins are added where callers naturally expect them.
     │   ├── RecordNotFoundError (LookupError)
     │   ├── DuplicateChunkError                  same request/hook/layer/start twice
     │   └── ShardMergeError                      TP geometry missing or ambiguous
+    │       └── MissingShardError                a TP rank's shard is absent (lists ranks present/missing)
     ├── CaptureError                             hooks, ring, drain
     │   ├── HookSelectionError (InvalidArgumentError)   unknown hook/group, bad layer range
     │   ├── AttachError                          model already owned, unsupported model
@@ -75,6 +76,7 @@ __all__ = [
     "RecordNotFoundError",
     "DuplicateChunkError",
     "ShardMergeError",
+    "MissingShardError",
     "CaptureError",
     "HookSelectionError",
     "AttachError",
@@ -208,6 +210,17 @@ class DuplicateChunkError(ReaderError):
 
 class ShardMergeError(ReaderError):
     """Tensor-parallel shards cannot be merged: geometry missing or ambiguous."""
+
+
+class MissingShardError(ShardMergeError):
+    """A sharded tensor lacks some tensor-parallel ranks' shards (a rank died, or its packs
+    are not recovered yet): the full tensor cannot be formed, and a narrower one is never
+    returned. ``present`` and ``missing`` are the ranks, sorted."""
+
+    def __init__(self, message: str, *, present: tuple[int, ...] = (), missing: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.present = tuple(present)
+        self.missing = tuple(missing)
 
 
 class CaptureError(DMIError):

@@ -38,8 +38,9 @@ __all__ = [
     "entries_from_columns",
 ]
 
-RECORD_SCHEMA_VERSION = 2
-"""Version 1: keys, tensor description, shard geometry, statistics. Version 2: token layout."""
+RECORD_SCHEMA_VERSION = 3
+"""Version 1: keys, tensor description, shard geometry, statistics. Version 2: token layout.
+Version 3: the writer's data- and pipeline-parallel ranks (``dp_rank``, ``pp_rank``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +110,8 @@ RECORD_FIELDS: tuple[RecordField, ...] = (
     RecordField("key_axis", "key_axis", pa.int32(), "Int32", absent=-1, since=2,
                 legacy=f"if(hook = '{_V1_PATTERN_HOOK}', 2, -1)",
                 legacy_of=lambda row: 2 if row["hook"] == _V1_PATTERN_HOOK else -1),
+    RecordField("dp_rank", "key.dp_rank", pa.int32(), "Int32", since=3, legacy="0", legacy_of=lambda row: 0),
+    RecordField("pp_rank", "key.pp_rank", pa.int32(), "Int32", since=3, legacy="0", legacy_of=lambda row: 0),
 )
 """Every field of a record's description, in column order (new fields go last)."""
 

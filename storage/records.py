@@ -30,7 +30,11 @@ GLOBAL_LAYER = -1
 
 @dataclass(frozen=True, slots=True)
 class RecordKey:
-    """Identity of one record: a contiguous token range of one hook, layer, shard, request."""
+    """Identity of one record: a contiguous token range of one hook, layer, shard, request.
+
+    ``shard_rank`` / ``tp_size`` are the writer's tensor-parallel rank and degree;
+    ``dp_rank`` / ``pp_rank`` its data- and pipeline-parallel ranks (schema version 3; ``0``
+    for records written before), which keep the replicas of a TP x DP run apart."""
 
     model_id: str
     run_id: str
@@ -43,6 +47,8 @@ class RecordKey:
     phase: str = "forward"
     shard_rank: int = 0
     tp_size: int = 1
+    dp_rank: int = 0
+    pp_rank: int = 0
 
     def describe(self) -> str:
         """The key in one line, for error messages: ``model/run/request/hook/layer/tokens/rank``."""

@@ -349,7 +349,7 @@ def test_tp_rank_comes_from_the_tp_mesh_never_the_global_rank(process_group):
     assert (got.rank, got.size) == (1, 2)
     ids, mask = left_padded_batch()
     w = MemoryWriter()
-    with attach(model, hooks="resid_post", writer=w) as cap:
+    with attach(model, hooks="resid_post", writer=w, tp_replicas="all") as cap:  # rank 1 keeps its replica
         cap.forward(ids, attention_mask=mask)
     assert {(k.shard_rank, k.tp_size) for k, _, _ in w.records} == {(1, 2)}
 

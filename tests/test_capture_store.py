@@ -134,14 +134,15 @@ def test_a_held_publishing_scope_surfaces_and_nothing_is_published(store_and_cat
 
 def test_two_tensor_parallel_ranks_of_one_run_publish_side_by_side(store_and_catalog):
     """Each rank attaches in its own process in real use; two model instances attached at once
-    stand in for them here. On the default scope both must publish (one lease per rank)."""
+    stand in for them here. On the default scope both must publish (one lease per rank).
+    ``resid_post`` is replicated, so rank 1 writes its copy only when asked (``tp_replicas="all"``)."""
     store, catalog = store_and_catalog
     ids, mask = left_padded_batch()
     models = [tiny("llama"), tiny("llama")]
     with attach(models[0], hooks="resid_post", store=store, catalog=catalog, model_id="m-tp", run_id="r",
                 tp_rank=0, tp_size=2) as rank0, \
             attach(models[1], hooks="resid_post", store=store, catalog=catalog, model_id="m-tp", run_id="r",
-                   tp_rank=1, tp_size=2) as rank1:
+                   tp_rank=1, tp_size=2, tp_replicas="all") as rank1:
         rank0.forward(ids, attention_mask=mask)
         rank1.forward(ids, attention_mask=mask)
     ranks = {e.meta.key.shard_rank for e in catalog.find_records("m-tp", run_id="r")}

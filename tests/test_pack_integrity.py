@@ -21,7 +21,7 @@ from dmi.storage import (
     read_pack_descriptor,
     verify_pack,
 )
-from dmi.storage._pack_format import PACK_ROW_SCHEMA, schema_with_metadata
+from dmi.storage._pack_format import FORMAT_VERSION, PACK_ROW_SCHEMA, schema_with_metadata
 from dmi.reader import FooterCache, read_record, read_records
 
 
@@ -219,9 +219,10 @@ def test_future_version_refused(tmp_path):
     pack_id = "cd" * 16
     schema = schema_with_metadata(pack_id, "w")
     meta = dict(schema.metadata)
-    meta[b"dmi.format_version"] = b"3"
+    future = FORMAT_VERSION + 1
+    meta[b"dmi.format_version"] = str(future).encode()
     write_arrow(tmp_path / f"{pack_id}.arrow", schema.with_metadata(meta), [])
-    with pytest.raises(PackFormatError, match="version 3"):
+    with pytest.raises(PackFormatError, match=f"version {future}"):
         read_pack_descriptor(PackStore.local(tmp_path), pack_id)
 
 

@@ -21,7 +21,7 @@ from dmi.storage import (
     read_pack_descriptor,
     verify_pack,
 )
-from dmi.storage._pack_format import _DTYPES
+from dmi.storage._pack_format import _DTYPES, FORMAT_VERSION
 from dmi.reader import read_record, read_records
 
 
@@ -151,7 +151,7 @@ def test_descriptor_fields(store):
         w.append(key(rank=1, tp=2), torch.ones(4, 64), shard=geom)
         desc = w.seal()
     assert seen == [desc]
-    assert desc.writer_id == "drain-7" and desc.format_version == 2
+    assert desc.writer_id == "drain-7" and desc.format_version == FORMAT_VERSION
     assert desc.location == store.location(desc.pack_id)
     assert desc.size == os.path.getsize(desc.location)
     assert desc.records[0].meta.shard == geom

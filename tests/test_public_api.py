@@ -38,6 +38,7 @@ CAPTURE_ALL = [
     "attach", "CaptureSession", "CaptureResult", "Schedule", "HOOKS", "GROUPS", "HookSpec", "ModelGeometry",
     "resolve_hooks", "resolve_layers", "layer_numbers", "Selection", "StepPlan", "RowSpan", "Ring", "prepare_batch",
     "derive_model_id", "resolve_architecture", "SUPPORTED_MODEL_TYPES", "ALIASES", "HookAlias", "resolve_alias",
+    "TPShard", "TPReplicated", "ParallelRanks", "resolve_parallel_ranks", "load_tensor_parallel",
 ]
 
 STORAGE_ALL = [

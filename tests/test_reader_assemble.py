@@ -120,10 +120,12 @@ def test_merge_refuses_replicated_kv():
     assert torch.equal(assemble(entries, tensors, shard_rank=1), FULL[:1])
 
 
-def test_merge_refuses_missing_geometry():
+def test_replicated_copies_are_deduplicated_and_must_agree():
+    """Records without geometry from every TP rank are copies of one tensor: one is returned."""
     entries = [rec(0, 0, 12, rank=0, tp=2), rec(0, 0, 12, rank=1, tp=2)]
-    with pytest.raises(ShardMergeError, match="geometry"):
-        assemble(entries, [FULL[0], FULL[0]], merge_shards=True)
+    assert torch.equal(assemble(entries, [FULL[0], FULL[0].clone()]), FULL[:1])
+    with pytest.raises(ShardMergeError, match=r"differ between TP rank 0 and rank\(s\) \[1\]"):
+        assemble(entries, [FULL[0], FULL[0] + 1])
 
 
 def test_merge_refuses_gap_and_wrong_full_shape():

@@ -154,14 +154,14 @@ def test_schema_v1_catalog_is_upgraded_in_place(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     with open_catalog(f"chdb://{path}") as catalog:
-        assert catalog.schema_version() == catalog_schema.SCHEMA_VERSION == 2
+        assert catalog.schema_version() == catalog_schema.SCHEMA_VERSION
         table = catalog.sql(f"SELECT * FROM {catalog.tables['records']} ORDER BY record_index")
     entries = catalog_schema.entries_from_table(table)
     assert [(e.meta.key.hook, e.meta.token_axis, e.meta.key_axis) for e in entries] == [
         ("attn_pattern", 1, 2), ("resid_post", 0, None)]
     assert entries[1].meta.stats is not None and entries[0].meta.shard is None
     with open_catalog(f"chdb://{path}") as again:  # upgrading is done once
-        assert again.schema_version() == 2
+        assert again.schema_version() == catalog_schema.SCHEMA_VERSION
 
 
 def test_upgrade_racing_another_process_is_not_an_error(tmp_path, monkeypatch):
@@ -182,6 +182,6 @@ def test_upgrade_racing_another_process_is_not_an_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(catalog_schema, "record_column_upgrades", stale_first)
     with open_catalog(f"chdb://{path}") as catalog:
-        assert catalog.schema_version() == 2
+        assert catalog.schema_version() == catalog_schema.SCHEMA_VERSION
         table = catalog.sql(f"SELECT * FROM {catalog.tables['records']} ORDER BY record_index")
     assert [(e.meta.token_axis, e.meta.key_axis) for e in catalog_schema.entries_from_table(table)] == [(1, 2), (0, None)]

@@ -1,0 +1,52 @@
+"""Loading a model sharded by transformers' own tensor parallelism, GQA included.
+
+``from_pretrained(path, distributed_config=DistributedConfig(tp_size=n))`` shards q/k/v
+column-wise by heads. With fewer key/value heads than ranks (Llama with one kv head on two
+ranks) the k/v projections cannot be cut: they need transformers' ``"replicate"`` plan,
+and each attention module's ``num_key_value_groups`` (query heads per kv head, used to
+repeat k/v before attention) must then count this rank's query heads, not the model's —
+otherwise attention repeats k/v to the model's head count and fails (or, on some paths,
+attends with the wrong heads). :func:`load_tensor_parallel` does both; with the records'
+catalogue rule (``HookSpec.replicated``) the k/v records then say they are replicated.
+"""
+
+from __future__ import annotations
+
+from dmi.storage.errors import InvalidArgumentError
+
+__all__ = ["load_tensor_parallel", "replicated_kv_plan"]
+
+_KV_PROJECTIONS = ("model.layers.*.self_attn.k_proj", "model.layers.*.self_attn.v_proj")
+
+
+def replicated_kv_plan(config, tp_size: int) -> dict[str, str] | None:
+    """The TP plan override a model needs on ``tp_size`` ranks: k/v replicated when it has
+    fewer key/value heads than ranks, else ``None`` (the model's own plan)."""
+    n_kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 1)
+    if n_kv >= tp_size:
+        return None
+    return {name: "replicate" for name in _KV_PROJECTIONS}
+
+
+def load_tensor_parallel(path, tp_size: int, **from_pretrained_kwargs):
+    """``AutoModelForCausalLM.from_pretrained(path)`` sharded ``tp_size`` ways by transformers
+    (``torch.distributed`` must be initialised, one process per rank), with k/v replicated
+    and ``num_key_value_groups`` fixed where kv heads < ``tp_size`` (see the module docstring)."""
+    import transformers
+    from transformers.distributed import DistributedConfig
+
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise InvalidArgumentError(f"tp_size must be an int >= 1, got {tp_size!r}")
+    config = transformers.AutoConfig.from_pretrained(path)
+    n_heads = config.num_attention_heads
+    if n_heads % tp_size:
+        raise InvalidArgumentError(f"{n_heads} attention heads cannot be split over {tp_size} ranks")
+    plan = replicated_kv_plan(config, tp_size)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, distributed_config=DistributedConfig(tp_size=tp_size, tp_plan=plan), **from_pretrained_kwargs)
+    if plan is not None:
+        groups = (n_heads // tp_size) // config.num_key_value_heads
+        for module in model.modules():
+            if hasattr(module, "num_key_value_groups"):
+                module.num_key_value_groups = groups
+    return model
