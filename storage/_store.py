@@ -26,6 +26,7 @@ buffers (``os.preadv`` locally, no intermediate copy) and turns short reads into
 from __future__ import annotations
 
 import errno
+import importlib
 import os
 import secrets
 from abc import ABC, abstractmethod
@@ -264,10 +265,14 @@ class PackStore(ABC):
 
     @staticmethod
     def from_uri(uri_or_path: str | os.PathLike) -> PackStore:
-        """A plain path or ``file://`` URI → local; anything else ``pyarrow.fs`` understands."""
+        """A plain path or ``file://`` URI → local; ``s3://`` → :class:`~dmi.storage.S3PackStore`
+        (conditional-PUT sealing); anything else ``pyarrow.fs`` understands → generic."""
         text = os.fspath(uri_or_path)
         if "://" not in text:
             return LocalPackStore(text)
+        scheme = text.split("://", 1)[0]
+        if scheme in _SCHEME_STORES:
+            return _scheme_store(scheme)(text)
         try:
             filesystem, path = pafs.FileSystem.from_uri(text)
         except (pa.ArrowInvalid, OSError) as exc:
@@ -451,6 +456,17 @@ class FileSystemPackStore(PackStore):
             if _is_missing(exc):
                 raise PackNotFoundError(f"pack {pack_id} not found in {self._uri}") from exc
             raise PackError(f"pack {pack_id}: cannot delete: {exc}") from exc
+
+
+_SCHEME_STORES = {"s3": ("dmi.storage._store_s3", "S3PackStore")}
+"""URI schemes served by a store of their own instead of :class:`FileSystemPackStore`: the
+module and class, imported when such a URI is first opened (their client libraries are
+optional, and the store module builds on this one)."""
+
+
+def _scheme_store(scheme: str) -> type[PackStore]:
+    module, name = _SCHEME_STORES[scheme]
+    return getattr(importlib.import_module(module), name)
 
 
 def _pack_id_of(name: str) -> str | None:

@@ -8,7 +8,9 @@ says which step the chain will take, the summary which server was used.
 ``DMI_LIVE_SERVER=env|container|binary`` forces one step and makes the live suite strict: the
 forced step not being available, or any ``live`` test skipping, is a failure (CI runs the live
 suite once per path this way). Tests marked ``container`` need a Docker API themselves; they may
-skip unless the forced step is ``container``.
+skip unless the forced step is ``container``. Tests marked ``s3`` (a moto S3 endpoint, see
+``tests/_s3.py``) are held to the same rule: they skip only when moto is missing and
+``DMI_LIVE_SERVER`` is unset.
 """
 
 from __future__ import annotations
@@ -51,14 +53,29 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if not report.skipped or hasattr(report, "wasxfail") or item.get_closest_marker("live") is None:
+    strict = item.get_closest_marker("live") is not None or item.get_closest_marker("s3") is not None
+    if not report.skipped or hasattr(report, "wasxfail") or not strict:
         return
     mode = chain_mode()
     if mode == "auto" or (item.get_closest_marker("container") is not None and mode != "container"):
         return
     reason = report.longrepr[2].removeprefix("Skipped: ") if isinstance(report.longrepr, tuple) else report.longrepr
     report.outcome = "failed"
-    report.longrepr = f"{MODE_VARIABLE}={mode} requires every live test to run, but this one skipped: {reason}"
+    report.longrepr = f"{MODE_VARIABLE}={mode} requires every live and s3 test to run, but this one skipped: {reason}"
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A moto S3 server for the session, with test credentials in the environment."""
+    from tests._s3 import CREDENTIALS, MotoServer, moto_available
+
+    if not moto_available():
+        pytest.skip("moto[server] is not installed (pip install -e '.[test]')")  # a failure under DMI_LIVE_SERVER
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in CREDENTIALS.items():
+            patch.setenv(name, value)
+        with MotoServer() as endpoint:
+            yield endpoint
 
 
 @pytest.fixture(scope="session")
