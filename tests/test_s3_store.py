@@ -206,3 +206,14 @@ def test_recovery_publishes_sealed_but_unpublished_packs_found_by_listing(s3_sto
         assert catalog.recover(s3_store) == []
     finally:
         catalog.close()
+
+
+def test_a_pickled_store_reads_the_same_packs_with_its_own_client(s3_store):
+    """Loader workers get the store pickled: the settings travel, the boto3 client does not."""
+    import pickle
+
+    (desc,), tensors = write_records(s3_store, 4)
+    copy = pickle.loads(pickle.dumps(s3_store))
+    assert copy.uri == s3_store.uri and copy.client is not s3_store.client
+    got = read_records(copy, list(desc.records))
+    assert all(torch.equal(t, tensors[e.meta.key]) for t, e in zip(got, desc.records))
