@@ -25,7 +25,7 @@ After each trial the parent runs ``Store.recover()`` (what ``dmi recover`` runs)
                   published, or published with fewer records than the pack holds
 * torn            listed packs that do not verify, and begun-but-unsealed packs that can be opened
 * double-visible  records readers see more than once
-* mismatched      published records whose bytes differ from what the child appended
+* mismatched      published records whose bytes differ from what the child appended (or unreadable)
 * verify          problems ``Store.verify()`` reports (and packs it still calls unpublished)
 
 All must be 0. Run it::
@@ -349,16 +349,28 @@ def _openable(packs, pack_id: str) -> bool:
 
 
 def _compare(packs, entries, expected) -> tuple[int, list[str]]:
-    """Published records whose bytes, dtype or shape differ from what the child appended."""
+    """Published records whose bytes, dtype or shape differ from what the child appended, or
+    that cannot be read at all."""
     from dmi.reader import read_records
+    from dmi.storage import PackError
 
+    by_pack = collections.defaultdict(list)
+    for entry in entries:
+        by_pack[entry.pack_id].append(entry)
     bad, notes = 0, []
-    for entry, tensor in zip(entries, read_records(packs, entries)):
-        want = expected.get(dataclasses.astuple(entry.meta.key))
-        got = (_digest(tensor), str(tensor.dtype), list(tensor.shape))
-        if want != got:
-            bad += 1
-            notes.append(f"{entry.meta.key.describe()}: appended {want}, read back {got}")
+    for pack_id, group in sorted(by_pack.items()):
+        try:
+            tensors = read_records(packs, group)
+        except PackError as exc:
+            bad += len(group)
+            notes.append(f"pack {pack_id}: {len(group)} published records unreadable: {exc}")
+            continue
+        for entry, tensor in zip(group, tensors):
+            want = expected.get(dataclasses.astuple(entry.meta.key))
+            got = (_digest(tensor), str(tensor.dtype), list(tensor.shape))
+            if want != got:
+                bad += 1
+                notes.append(f"{entry.meta.key.describe()}: appended {want}, read back {got}")
     return bad, notes[:5]
 
 
@@ -373,12 +385,15 @@ def calibrate(backend: Backend, workdir: Path, rounds: int) -> Calibration:
 
 def run_trials(backend: Backend, workdir: Path, *, trials: int, seed: int, rounds: int = 2,
                recover: bool = True) -> tuple[Calibration, list[TrialResult]]:
-    """``trials`` kills on ``backend``, each at a phase and call drawn at random from the calibration."""
+    """``trials`` kills on ``backend``: every six trials cover the six phases in a random order,
+    each at a call drawn at random from the calibration's count (or a random time)."""
     calibration = calibrate(backend, workdir, rounds)
     rng = random.Random(seed)
-    results = []
+    results, order = [], []
     for _ in range(trials):
-        phase = rng.choice(PHASES)
+        if not order:
+            order = rng.sample(PHASES, len(PHASES))
+        phase = order.pop()
         hit = rng.randint(1, max(1, calibration.counts.get(phase, 1)))
         trial = kill_trial(backend, workdir, phase, hit, rng=rng, window=calibration.seconds, rounds=rounds)
         results.append(check_trial(trial, recover=recover))

@@ -8,6 +8,8 @@ what such a run makes), no timing; the random-time kills are the bench's.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
 
 import pytest
@@ -39,14 +41,27 @@ def test_local_disk_and_chdb(tmp_path, phase, hit):
         assert trial.events.sealed and result.published_records > 0
 
 
-def test_the_checks_see_what_a_crash_leaves_before_recovery(tmp_path):
-    """Guard on the harness itself: skip recovery and the sealed, unpublished packs count as lost."""
+def test_the_checks_count_what_is_wrong(tmp_path):
+    """Guards on the harness itself, on one killed child: without recovery its sealed packs
+    count as lost; a record the child appended differently counts as mismatched; a pack cut
+    short afterwards counts as torn."""
     trial = kill_trial(Backend("local disk + chDB"), tmp_path, "seal-publish", 2, rng=random.Random(0), rounds=1)
     before = check_trial(trial, recover=False)
     assert before.lost >= 1 and before.verify_problems >= 1
     after = check_trial(trial)
     assert_clean(after)
     assert after.published_records > before.published_records
+
+    key, (_, dtype, shape) = next(iter(trial.events.expected.items()))
+    altered = dict(trial.events.expected) | {key: ("0" * 64, dtype, shape)}
+    other = dataclasses.replace(trial, events=dataclasses.replace(trial.events, expected=altered))
+    assert check_trial(other).mismatched == 1
+
+    victim = sorted(n for n in os.listdir(trial.packs) if n.endswith(".arrow") and not n.startswith("."))[0]
+    with open(os.path.join(trial.packs, victim), "r+b") as f:
+        f.truncate(os.path.getsize(f.name) // 2)
+    cut = check_trial(trial)
+    assert cut.torn == 1 and cut.verify_problems >= 1 and cut.mismatched >= 1
 
 
 @pytest.mark.s3
