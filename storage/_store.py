@@ -14,9 +14,10 @@ Sealing is an operation of the store, not of the writer, because it differs by b
   name, fsyncs the file, renames it to ``<pack_id>.arrow`` and fsyncs the directory. A
   crash at any point leaves either the sealed pack or a temporary file that
   :meth:`PackStore.list_packs` never reports and no pack id can name.
-* :class:`FileSystemPackStore` (any other ``pyarrow.fs`` filesystem, e.g. S3) writes the
-  final key directly: object stores have no atomic rename, and a multipart upload becomes
-  visible only when it completes.
+* :class:`FileSystemPackStore` (any other ``pyarrow.fs`` filesystem) writes the final key
+  directly: object stores have no atomic rename, and a multipart upload becomes visible
+  only when it completes. ``s3://`` URIs get :class:`~dmi.storage.S3PackStore` instead
+  (``_store_s3.py``: one create-if-absent PUT per seal).
 
 Range reads go through :class:`PackInput`, which reads straight into caller-owned
 buffers (``os.preadv`` locally, no intermediate copy) and turns short reads into
@@ -402,9 +403,9 @@ class FileSystemPackStore(PackStore):
     completes (object stores have no atomic rename). What guards a double write is the
     check in :meth:`create`: an id that already exists is refused before anything is
     written. Two sinks created concurrently for the same id are not refused by that check
-    (on S3 the later upload would replace the earlier one); pack ids are 128 random bits, so
-    only a bug reuses one, and making the final write create-if-absent (S3 conditional
-    writes) is the object-storage issue's job. On filesystems that show a file as soon as it
+    (on an object store the later upload would replace the earlier one); pack ids are 128
+    random bits, so only a bug reuses one. For S3, :class:`~dmi.storage.S3PackStore` makes
+    the final write create-if-absent (``If-None-Match: *``). On filesystems that show a file as soon as it
     is opened for writing (pyarrow's ``LocalFileSystem``), an unsealed pack is visible
     under its name while it is written; use :class:`LocalPackStore` for local disks.
     """
