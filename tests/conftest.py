@@ -53,15 +53,15 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    strict = item.get_closest_marker("live") is not None or item.get_closest_marker("s3") is not None
-    if not report.skipped or hasattr(report, "wasxfail") or not strict:
+    kind = next((m for m in ("live", "s3") if item.get_closest_marker(m) is not None), None)
+    if not report.skipped or hasattr(report, "wasxfail") or kind is None:
         return
     mode = chain_mode()
     if mode == "auto" or (item.get_closest_marker("container") is not None and mode != "container"):
         return
     reason = report.longrepr[2].removeprefix("Skipped: ") if isinstance(report.longrepr, tuple) else report.longrepr
     report.outcome = "failed"
-    report.longrepr = f"{MODE_VARIABLE}={mode} requires every live and s3 test to run, but this one skipped: {reason}"
+    report.longrepr = f"{MODE_VARIABLE}={mode} requires every {kind} test to run, but this one skipped: {reason}"
 
 
 @pytest.fixture(scope="session")
