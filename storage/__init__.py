@@ -28,6 +28,7 @@ _LAZY = {
     "PackStore": "_store",
     "LocalPackStore": "_store",
     "FileSystemPackStore": "_store",
+    "S3PackStore": "_store_s3",
     "PackInput": "_store",
     "PackSink": "_store",
     "PackWriter": "_writer",

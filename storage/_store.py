@@ -14,9 +14,10 @@ Sealing is an operation of the store, not of the writer, because it differs by b
   name, fsyncs the file, renames it to ``<pack_id>.arrow`` and fsyncs the directory. A
   crash at any point leaves either the sealed pack or a temporary file that
   :meth:`PackStore.list_packs` never reports and no pack id can name.
-* :class:`FileSystemPackStore` (any other ``pyarrow.fs`` filesystem, e.g. S3) writes the
-  final key directly: object stores have no atomic rename, and a multipart upload becomes
-  visible only when it completes.
+* :class:`FileSystemPackStore` (any other ``pyarrow.fs`` filesystem) writes the final key
+  directly: object stores have no atomic rename, and a multipart upload becomes visible
+  only when it completes. ``s3://`` URIs get :class:`~dmi.storage.S3PackStore` instead
+  (``_store_s3.py``: one create-if-absent PUT per seal).
 
 Range reads go through :class:`PackInput`, which reads straight into caller-owned
 buffers (``os.preadv`` locally, no intermediate copy) and turns short reads into
@@ -26,6 +27,7 @@ buffers (``os.preadv`` locally, no intermediate copy) and turns short reads into
 from __future__ import annotations
 
 import errno
+import importlib
 import os
 import secrets
 from abc import ABC, abstractmethod
@@ -264,10 +266,14 @@ class PackStore(ABC):
 
     @staticmethod
     def from_uri(uri_or_path: str | os.PathLike) -> PackStore:
-        """A plain path or ``file://`` URI → local; anything else ``pyarrow.fs`` understands."""
+        """A plain path or ``file://`` URI → local; ``s3://`` → :class:`~dmi.storage.S3PackStore`
+        (conditional-PUT sealing); anything else ``pyarrow.fs`` understands → generic."""
         text = os.fspath(uri_or_path)
         if "://" not in text:
             return LocalPackStore(text)
+        scheme = text.split("://", 1)[0]
+        if scheme in _SCHEME_STORES:
+            return _scheme_store(scheme)(text)
         try:
             filesystem, path = pafs.FileSystem.from_uri(text)
         except (pa.ArrowInvalid, OSError) as exc:
@@ -397,9 +403,9 @@ class FileSystemPackStore(PackStore):
     completes (object stores have no atomic rename). What guards a double write is the
     check in :meth:`create`: an id that already exists is refused before anything is
     written. Two sinks created concurrently for the same id are not refused by that check
-    (on S3 the later upload would replace the earlier one); pack ids are 128 random bits, so
-    only a bug reuses one, and making the final write create-if-absent (S3 conditional
-    writes) is the object-storage issue's job. On filesystems that show a file as soon as it
+    (on an object store the later upload would replace the earlier one); pack ids are 128
+    random bits, so only a bug reuses one. For S3, :class:`~dmi.storage.S3PackStore` makes
+    the final write create-if-absent (``If-None-Match: *``). On filesystems that show a file as soon as it
     is opened for writing (pyarrow's ``LocalFileSystem``), an unsealed pack is visible
     under its name while it is written; use :class:`LocalPackStore` for local disks.
     """
@@ -451,6 +457,17 @@ class FileSystemPackStore(PackStore):
             if _is_missing(exc):
                 raise PackNotFoundError(f"pack {pack_id} not found in {self._uri}") from exc
             raise PackError(f"pack {pack_id}: cannot delete: {exc}") from exc
+
+
+_SCHEME_STORES = {"s3": ("dmi.storage._store_s3", "S3PackStore")}
+"""URI schemes served by a store of their own instead of :class:`FileSystemPackStore`: the
+module and class, imported when such a URI is first opened (their client libraries are
+optional, and the store module builds on this one)."""
+
+
+def _scheme_store(scheme: str) -> type[PackStore]:
+    module, name = _SCHEME_STORES[scheme]
+    return getattr(importlib.import_module(module), name)
 
 
 def _pack_id_of(name: str) -> str | None:

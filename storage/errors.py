@@ -18,6 +18,7 @@ exception types. Builtin mix-ins are added where callers naturally expect them.
     │   │   └── PackTruncatedError               file shorter than its records claim
     │   ├── PackFormatError                      not a DMI pack, or an unknown version
     │   ├── PackSealError (OSError)              could not make a pack durable (disk full, ...)
+    │   ├── PackStoreNotInstalledError (ImportError)   a pack store's optional package (boto3 for s3://)
     │   └── UnsupportedDtypeError (TypeError)
     ├── CatalogError                             the ClickHouse index
     │   ├── CatalogUnavailableError (ConnectionError)   server unreachable / connection lost
@@ -59,6 +60,7 @@ __all__ = [
     "PackTruncatedError",
     "PackFormatError",
     "PackSealError",
+    "PackStoreNotInstalledError",
     "UnsupportedDtypeError",
     "CatalogError",
     "CatalogUnavailableError",
@@ -133,6 +135,10 @@ class PackFormatError(PackError):
 
 class PackSealError(PackError, OSError):
     """A pack could not be made durable; no partial pack is visible."""
+
+
+class PackStoreNotInstalledError(PackError, ImportError):
+    """The optional package a pack store needs is not installed (the message says how to install it)."""
 
 
 class UnsupportedDtypeError(PackError, TypeError):

@@ -8,9 +8,9 @@ says which step the chain will take, the summary which server was used.
 ``DMI_LIVE_SERVER=env|container|binary`` forces one step and makes the live suite strict: the
 forced step not being available, or any ``live`` test skipping, is a failure (CI runs the live
 suite once per path this way). Tests marked ``cluster`` (a local ZooKeeper and two
-``clickhouse-server`` replicas, ``tests/_cluster.py``) are held to the same rule: under a forced
-mode they never skip. Tests marked ``container`` need a Docker API themselves; they may
-skip unless the forced step is ``container``.
+``clickhouse-server`` replicas, ``tests/_cluster.py``) and ``s3`` (a moto S3 endpoint,
+``tests/_s3.py``) are held to the same rule: under a forced mode they never skip. Tests marked
+``container`` need a Docker API themselves; they may skip unless the forced step is ``container``.
 """
 
 from __future__ import annotations
@@ -53,16 +53,30 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    strict_markers = ("live", "cluster")  # a cluster test needs the local binary that the forced chain promises
-    if not report.skipped or hasattr(report, "wasxfail") or not any(map(item.get_closest_marker, strict_markers)):
+    # cluster and s3 tests need the local binaries and packages that the forced chain promises
+    kind = next((m for m in ("live", "cluster", "s3") if item.get_closest_marker(m) is not None), None)
+    if not report.skipped or hasattr(report, "wasxfail") or kind is None:
         return
     mode = chain_mode()
     if mode == "auto" or (item.get_closest_marker("container") is not None and mode != "container"):
         return
     reason = report.longrepr[2].removeprefix("Skipped: ") if isinstance(report.longrepr, tuple) else report.longrepr
     report.outcome = "failed"
-    kind = "cluster" if item.get_closest_marker("cluster") is not None else "live"
     report.longrepr = f"{MODE_VARIABLE}={mode} requires every {kind} test to run, but this one skipped: {reason}"
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A moto S3 server for the session, with test credentials in the environment."""
+    from tests._s3 import CREDENTIALS, MotoServer, moto_available
+
+    if not moto_available():
+        pytest.skip("moto[server] is not installed (pip install -e '.[test]')")  # a failure under DMI_LIVE_SERVER
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in CREDENTIALS.items():
+            patch.setenv(name, value)
+        with MotoServer() as endpoint:
+            yield endpoint
 
 
 @pytest.fixture(scope="session")

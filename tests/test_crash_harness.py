@@ -1,0 +1,75 @@
+"""The crash harness, short: a capturing child killed with SIGKILL once in each named phase, on
+local disk + chDB and on S3 (moto) + chDB; after recovery nothing is lost, torn, visible twice
+or different from what the child appended. ``bench/crash_harness.py`` runs the long version.
+
+Deterministic: fixed kill points (the k-th call of each phase in a one-run child, well inside
+what such a run makes), no timing; the random-time kills are the bench's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+
+import pytest
+
+from bench.crash_harness import Backend, check_trial, kill_trial
+
+pytestmark = pytest.mark.slow
+
+KILLS = [("copy", 7), ("encode", 23), ("seal", 6), ("seal-publish", 2), ("publish", 2)]
+"""(phase, k): a one-run child makes 30 ring reservations, 90 encodings, 18 seals, 3 publishes."""
+
+
+def kill_and_check(backend: Backend, tmp_path, phase: str, hit: int):
+    trial = kill_trial(backend, tmp_path, phase, hit, rng=random.Random(0), rounds=1)
+    assert trial.notes == () and trial.killed, trial
+    return trial, check_trial(trial)
+
+
+def assert_clean(result) -> None:
+    assert (result.lost, result.torn, result.double_visible, result.mismatched, result.verify_problems) == (0, 0, 0, 0, 0), result
+    assert result.notes == ()
+
+
+@pytest.mark.parametrize("phase, hit", KILLS)
+def test_local_disk_and_chdb(tmp_path, phase, hit):
+    trial, result = kill_and_check(Backend("local disk + chDB"), tmp_path, phase, hit)
+    assert_clean(result)
+    if phase in ("seal-publish", "publish"):  # the child had sealed packs: recovery published them
+        assert trial.events.sealed and result.published_records > 0
+
+
+def test_the_checks_count_what_is_wrong(tmp_path):
+    """Guards on the harness itself, on one killed child: without recovery its sealed packs
+    count as lost; a record the child appended differently counts as mismatched; a pack cut
+    short afterwards counts as torn."""
+    trial = kill_trial(Backend("local disk + chDB"), tmp_path, "seal-publish", 2, rng=random.Random(0), rounds=1)
+    before = check_trial(trial, recover=False)
+    assert before.lost >= 1 and before.verify_problems >= 1
+    after = check_trial(trial)
+    assert_clean(after)
+    assert after.published_records > before.published_records
+
+    key, (_, dtype, shape) = next(iter(trial.events.expected.items()))
+    altered = dict(trial.events.expected) | {key: ("0" * 64, dtype, shape)}
+    other = dataclasses.replace(trial, events=dataclasses.replace(trial.events, expected=altered))
+    assert check_trial(other).mismatched == 1
+
+    victim = sorted(n for n in os.listdir(trial.packs) if n.endswith(".arrow") and not n.startswith("."))[0]
+    with open(os.path.join(trial.packs, victim), "r+b") as f:
+        f.truncate(os.path.getsize(f.name) // 2)
+    cut = check_trial(trial)
+    assert cut.torn == 1 and cut.verify_problems >= 1 and cut.mismatched >= 1
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("phase, hit", [k for k in KILLS if k[0] != "copy"])
+def test_s3_and_chdb(s3_endpoint, tmp_path, phase, hit):
+    backend = Backend("S3 (moto) + chDB", f"s3://{s3_endpoint.new_bucket()}?endpoint_override={s3_endpoint.url}")
+    trial, result = kill_and_check(backend, tmp_path, phase, hit)
+    assert_clean(result)
+    assert trial.packs.startswith("s3://")
+    if phase in ("seal-publish", "publish"):
+        assert trial.events.sealed and result.published_records > 0
