@@ -19,6 +19,7 @@ from ._ring import Ring
 from ._schedule import Schedule
 from ._selection import Selection, layer_numbers, resolve_hooks, resolve_layers
 from ._session import CaptureSession, attach, derive_model_id
+from ._token_text import PROMPT_TEXT, TEXT_HOOKS, TOKEN_TEXT, decode_strings
 
 __all__ = [
     "attach",
@@ -43,4 +44,8 @@ __all__ = [
     "ALIASES",
     "HookAlias",
     "resolve_alias",
+    "TOKEN_TEXT",
+    "PROMPT_TEXT",
+    "TEXT_HOOKS",
+    "decode_strings",
 ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -22,6 +22,7 @@ from dmi.storage.errors import DrainError
 from dmi.storage.records import RecordKey, ShardGeometry
 
 from ._hooks import HOOKS, ModelGeometry
+from ._token_text import PROMPT_TEXT, TOKEN_TEXT
 
 __all__ = ["Drain", "DrainStats", "LostRecords"]
 
@@ -72,8 +73,9 @@ class Drain:
 
     def __init__(self, ring, writer, ctx: KeyContext, *, publish=None, record_losses=None,
                  tick=None, tick_seconds: float = 5.0, decode_chunk_steps: int = 32,
-                 decode_chunk_bytes: int = 16 << 20, start=None, name: str = "dmi-drain"):
+                 decode_chunk_bytes: int = 16 << 20, start=None, name: str = "dmi-drain", texts=None):
         self.ring = ring
+        self.texts = texts  # TokenStrings: token_ids records also become token_text / prompt_text records
         self.writer = writer
         self.ctx = ctx
         self._publish = publish  # callable(list[PackDescriptor]) or None
@@ -243,6 +245,18 @@ class Drain:
         self.writer.append(key, rec, shard=self._shard(hook, tuple(rec.shape)),
                            token_axis=spec.token_axis, key_axis=spec.key_axis)
         self.stats.records += 1
+        if self.texts is not None and hook == "token_ids":
+            self._append_text(key, rec)
+
+    def _append_text(self, key: RecordKey, ids) -> None:
+        """The strings of one ``token_ids`` record, under its key: its tokens' strings, and the
+        prompt's text beside a prefill (or scoring forward) record."""
+        texts = [(TOKEN_TEXT, self.texts.token_record(ids))]
+        if key.phase != "decode":
+            texts.append((PROMPT_TEXT, self.texts.prompt_record(ids)))
+        for hook, payload in texts:
+            self.writer.append(replace(key, hook=hook), payload)
+            self.stats.records += 1
 
     def _process(self, slot) -> None:
         if slot.event is not None:

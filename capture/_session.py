@@ -44,6 +44,7 @@ from ._plan import StepPlan
 from ._ring import Entry, Ring
 from ._schedule import Schedule
 from ._selection import Selection, select
+from ._token_text import TokenStrings, with_token_ids
 from ._tp import resolve_tp
 
 __all__ = ["attach", "CaptureSession", "derive_model_id"]
@@ -527,6 +528,7 @@ def attach(
     pp_rank: int = 0,
     pp_ranks=None,
     writer=None,
+    tokenizer=None,
 ):
     """Attach capture to ``model``; yields a :class:`CaptureSession`.
 
@@ -549,6 +551,10 @@ def attach(
     * ``tp_ranks`` / ``pp_ranks``: capture only on these ranks (others attach, capture nothing).
     * ``writer``: a ready pack writer (``append``/``seal``/``close``) instead of one made from
       ``store`` — for tests and custom sinks.
+    * ``tokenizer``: the model's Hugging Face tokenizer. With it, ``token_ids`` is captured
+      whatever ``hooks`` says, and each request keeps its token strings (``token_text``
+      records) and its prompt text (``prompt_text``), decoded on the drain thread (see
+      ``dmi.capture._token_text``). ``InvalidArgumentError`` if it is not a tokenizer.
     """
     # 1. everything that can be refused is checked before the model is touched
     arch = resolve_architecture(model)
@@ -565,6 +571,9 @@ def attach(
     if writer is None and store is None:
         raise InvalidArgumentError("attach needs a pack store (store=PackStore.local(path))")
     geometry = ModelGeometry.from_config(model.config, _model_dtype(model))
+    texts = None if tokenizer is None else TokenStrings(tokenizer, geometry.vocab)
+    if texts is not None:
+        selection = with_token_ids(selection)
     owner_key = arch.layers  # shared by a *ForCausalLM and its inner base model
     with _OWNERS_LOCK:
         if owner_key in _OWNERS:
@@ -589,7 +598,7 @@ def attach(
                       record_losses=None if publisher is None else publisher.record_losses,
                       tick=None if publisher is None else publisher.keep_alive,
                       start=None if publisher is None else publisher.start,
-                      tick_seconds=lease_seconds / 4, decode_chunk_steps=decode_chunk_steps)
+                      tick_seconds=lease_seconds / 4, decode_chunk_steps=decode_chunk_steps, texts=texts)
         session = CaptureSession(model, arch, selection, geometry, model_id=model_id, run_id=run_id,
                                  schedule=schedule, ring=ring, drain=drain, publisher=publisher,
                                  tp_rank=tp_rank, tp_size=tp_size, capture_enabled=enabled)
