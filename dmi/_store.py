@@ -493,7 +493,8 @@ class Store:
         held = self.catalog.request_contents(model_id, request_id, run_id=run_id)
         if hook not in held:
             raise RecordNotFoundError(
-                f"request {request_id!r} holds no {hook!r} records; it holds: {', '.join(_hook_order(held)) or 'nothing'}"
+                f"request {request_id!r} holds no {hook!r} records; it holds: "
+                f"{', '.join(_hook_order(h for h in held if not _is_text(h))) or 'nothing'}"
             )
         raise RecordNotFoundError(
             f"request {request_id!r} hook {hook!r} has layers {list(held[hook].layers)} and shard ranks "
