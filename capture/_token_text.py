@@ -29,6 +29,7 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from dmi.storage.errors import InvalidArgumentError, PackCorruptError
@@ -74,27 +75,26 @@ class TokenStrings:
             raise InvalidArgumentError(f"tokenizer= gave a token that is not a string: {bad!r}")
         self.tokenizer = tokenizer
         encoded = [b"" if s is None else s.encode("utf-8") for s in strings]
-        self._lengths = torch.tensor([_MISSING if s is None else len(b) for s, b in zip(strings, encoded)],
-                                     dtype=torch.int64)
-        self._starts = torch.cumsum(self._lengths.clamp(min=0), 0) - self._lengths.clamp(min=0)
-        self._blob = _uint8(b"".join(encoded))
+        self._lengths = np.array([_MISSING if s is None else len(b) for s, b in zip(strings, encoded)], dtype=np.int64)
+        sizes = np.maximum(self._lengths, 0)
+        self._starts = np.cumsum(sizes) - sizes
+        self._blob = np.frombuffer(b"".join(encoded), dtype=np.uint8)
 
     def __len__(self) -> int:
-        return int(self._lengths.numel())
+        return len(self._lengths)
 
     def token_record(self, ids: torch.Tensor) -> torch.Tensor:
-        """The ``token_text`` payload of one ``token_ids`` record (int64 ``[n]``, on the CPU)."""
-        ids = ids.reshape(-1).to(torch.int64)
+        """The ``token_text`` payload of one ``token_ids`` record (int64 ``[n]``, on the CPU).
+        NumPy on the host: a handful of array operations, whatever ``n``."""
+        ids = ids.reshape(-1).numpy().astype(np.int64, copy=False)
         inside = (ids >= 0) & (ids < len(self))
-        safe = torch.where(inside, ids, 0)
-        lengths = torch.where(inside, self._lengths[safe], _MISSING)
-        sizes = lengths.clamp(min=0)
-        ends = torch.cumsum(sizes, 0)
-        total = int(ends[-1]) if ends.numel() else 0
+        safe = np.where(inside, ids, 0)
+        lengths = np.where(inside, self._lengths[safe], _MISSING)
+        sizes = np.maximum(lengths, 0)
+        ends = np.cumsum(sizes)
         # byte j of token i sits at starts[id] + j: repeat each token's (start - its output offset)
-        shift = torch.repeat_interleave(self._starts[safe] - (ends - sizes), sizes)
-        text = self._blob[shift + torch.arange(total)]
-        return _pack(lengths.to(torch.int32), text)
+        shift = np.repeat(self._starts[safe] - (ends - sizes), sizes)
+        return _pack(lengths, self._blob[shift + np.arange(len(shift))].tobytes())
 
     def prompt_record(self, ids: torch.Tensor) -> torch.Tensor:
         """The ``prompt_text`` payload: the prompt's ids decoded, special tokens skipped."""
@@ -105,20 +105,14 @@ class TokenStrings:
 def encode_strings(strings: Sequence[str | None]) -> torch.Tensor:
     """``strings`` as one ``uint8`` payload (the format in the module docstring)."""
     encoded = [b"" if s is None else s.encode("utf-8") for s in strings]
-    lengths = torch.tensor([_MISSING if s is None else len(b) for s, b in zip(strings, encoded)], dtype=torch.int32)
-    return _pack(lengths, _uint8(b"".join(encoded)))
+    return _pack(np.array([_MISSING if s is None else len(b) for s, b in zip(strings, encoded)], dtype=np.int64),
+                 b"".join(encoded))
 
 
-def _pack(lengths: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+def _pack(lengths: np.ndarray, text: bytes) -> torch.Tensor:
     """Header (count, lengths: little-endian int32) then the text bytes, as one ``uint8`` tensor."""
-    count = torch.tensor([lengths.numel()], dtype=torch.int32)
-    header = torch.cat([count, lengths]).numpy().astype("<i4", copy=False).tobytes()
-    return torch.cat([_uint8(header), text])
-
-
-def _uint8(data: bytes) -> torch.Tensor:
-    """``data`` as a ``uint8`` tensor (``torch.frombuffer`` refuses an empty buffer)."""
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    header = np.concatenate([[len(lengths)], lengths]).astype("<i4").tobytes()
+    return torch.frombuffer(bytearray(header + text), dtype=torch.uint8)  # never empty: the count is there
 
 
 def decode_strings(payload: torch.Tensor, where: str) -> tuple[str | None, ...]:
