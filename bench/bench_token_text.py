@@ -65,11 +65,11 @@ def pieces(loaded) -> None:
 
     demo = loaded.tokenizer
     print(f"\nattach: vocabulary table, demo tokenizer ({len(demo)} tokens): "
-          f"{min(timeit.repeat(lambda: TokenStrings(demo, len(demo)), number=1, repeat=5)) * 1e3:.2f} ms")
+          f"{min(timeit.repeat(lambda: TokenStrings(demo), number=1, repeat=5)) * 1e3:.2f} ms")
     big = big_tokenizer(128_000)
     print(f"attach: vocabulary table, 128,000-word tokenizer: "
-          f"{min(timeit.repeat(lambda: TokenStrings(big, len(big)), number=1, repeat=3)) * 1e3:.1f} ms")
-    table = TokenStrings(demo, len(demo))
+          f"{min(timeit.repeat(lambda: TokenStrings(big), number=1, repeat=3)) * 1e3:.1f} ms")
+    table = TokenStrings(demo)
     one, prompt = torch.tensor([42]), torch.randint(3, len(demo), (512,))
     for name, ids in (("one decode token", one), ("512-token prompt", prompt)):
         n, best = 2000, min(timeit.repeat(lambda: table.token_record(ids), number=2000, repeat=3))

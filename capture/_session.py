@@ -571,7 +571,7 @@ def attach(
     if writer is None and store is None:
         raise InvalidArgumentError("attach needs a pack store (store=PackStore.local(path))")
     geometry = ModelGeometry.from_config(model.config, _model_dtype(model))
-    texts = None if tokenizer is None else TokenStrings(tokenizer, geometry.vocab)
+    texts = None if tokenizer is None else TokenStrings(tokenizer)
     if texts is not None:
         selection = with_token_ids(selection)
     owner_key = arch.layers  # shared by a *ForCausalLM and its inner base model

@@ -51,14 +51,14 @@ _INT32 = struct.Struct("<i")
 
 
 class TokenStrings:
-    """A tokenizer's string for every id the model can produce, as one UTF-8 table.
-
-    ``vocab_size``: the model's vocabulary (it may exceed ``len(tokenizer)``; ids past the
-    tokenizer have no string). Raises ``InvalidArgumentError`` for an object that is not a
-    tokenizer (no ``convert_ids_to_tokens`` / ``decode``, or strings that are not ``str``).
+    """A tokenizer's string for each of its ids, as one UTF-8 table. An id past the
+    tokenizer (a model vocabulary padded beyond it) has no string: ``None``, as
+    ``convert_ids_to_tokens`` says for it. Raises ``InvalidArgumentError`` for an object
+    that is not a tokenizer (no ``convert_ids_to_tokens`` / ``decode``, or strings that are
+    not ``str``).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int):
+    def __init__(self, tokenizer: Any):
         for method in ("convert_ids_to_tokens", "decode"):
             if not callable(getattr(tokenizer, method, None)):
                 raise InvalidArgumentError(
@@ -69,7 +69,6 @@ class TokenStrings:
             strings = list(tokenizer.convert_ids_to_tokens(list(range(known))))
         except Exception as exc:  # noqa: BLE001 - any tokenizer failure is the caller's argument
             raise InvalidArgumentError(f"tokenizer= cannot list its vocabulary: {exc!r}") from exc
-        strings += [None] * max(0, vocab_size - known)
         bad = next((s for s in strings if s is not None and not isinstance(s, str)), None)
         if bad is not None:
             raise InvalidArgumentError(f"tokenizer= gave a token that is not a string: {bad!r}")

@@ -154,6 +154,34 @@ def test_a_tokenizer_that_is_not_one_is_refused_before_the_model_is_touched(tmp_
         cap.forward([[1, 2, 3]])
 
 
+class _Listing:
+    """Stands in for a tokenizer whose vocabulary listing misbehaves (no real one does)."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def __len__(self):
+        return 3
+
+    def convert_ids_to_tokens(self, ids):
+        if isinstance(self.tokens, Exception):
+            raise self.tokens
+        return self.tokens
+
+    def decode(self, ids, skip_special_tokens=False):
+        return ""
+
+
+@pytest.mark.parametrize("tokenizer, problem", [
+    (_Listing(RuntimeError("vocab file gone")), "cannot list its vocabulary: RuntimeError"),
+    (_Listing(["a", 7, "c"]), "gave a token that is not a string: 7"),
+])
+def test_a_tokenizer_that_cannot_list_its_strings_is_refused_at_attach(tmp_path, tokenizer, problem):
+    with pytest.raises(InvalidArgumentError, match=problem):
+        with attach(tiny("llama"), store=PackStore.from_uri(str(tmp_path)), tokenizer=tokenizer):
+            pass
+
+
 def test_text_records_are_not_hooks_of_the_model(home):
     home, run_id, generated, _ = home
     with dmi.open(home=home) as store:
@@ -330,3 +358,32 @@ def test_dmi_capture_keeps_the_prompt_text(tmp_path, capsys):
         got = store.tokens("tiny-llama", rid)
     assert got.prompt_text == "héllo wörld"
     assert got.tokens[:3] == ("<s>", "h", "Ã") and got.phases.count("decode") == 1
+
+
+def test_strings_whose_count_is_not_the_records_token_count_are_refused(home):
+    # a capture never writes this: the real records, read back with one text payload short a string
+    home, run_id, generated, _ = home
+    with dmi.open(home=home) as store:
+        entries = store.catalog.find_records("m", request_id=generated[0], run_id=run_id)
+
+        def short_read(selected):
+            payloads = store._read(selected)
+            first_text = next(i for i, e in enumerate(selected) if e.meta.key.hook == TOKEN_TEXT)
+            payloads[first_text] = encode_strings(decode_strings(payloads[first_text], "rec")[:-1])
+            return payloads
+
+        with pytest.raises(PackCorruptError, match=r"4 token strings for 5 tokens"):
+            read_tokens(entries, short_read, model_id="m", run_id=run_id, request_id=generated[0])
+
+
+def test_tensor_parallel_ranks_copies_of_the_strings_are_read_once(tmp_path, tok):
+    model = tiny("llama")
+    with dmi.open(home=tmp_path) as store:
+        for rank in (0, 1):  # two ranks of one run, as two TP processes would write them
+            with store.capture(model, run_id="r", model_id="m", tokenizer=tok, tp_rank=rank, tp_size=2) as cap:
+                cap.generate(PROMPTS[:1], max_new_tokens=N_NEW, do_sample=False, request_ids=["q"])
+        got = store.tokens("m", "q")
+        ranks = {e.meta.key.shard_rank for e in store.catalog.find_records("m", request_id="q", hook=TOKEN_TEXT)}
+    assert ranks == {0, 1}
+    assert got.positions == tuple(range(len(PROMPTS[0]) + N_NEW - 1))
+    assert got.tokens == tuple(tok.convert_ids_to_tokens(list(got.token_ids)))
