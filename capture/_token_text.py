@@ -18,8 +18,8 @@ UTF-8 bytes back to back; all little-endian. :func:`encode_strings` writes it,
 The work happens on the drain thread, never on the model's: ``attach`` turns the whole
 vocabulary into one UTF-8 table with a single batched ``convert_ids_to_tokens`` (so a
 tokenizer that cannot do it is refused before the model is touched), and each
-``token_ids`` record then becomes its strings by tensor gathers, without a Python loop
-over tokens and without calling the tokenizer again. Only the prompt text calls the
+``token_ids`` record then becomes its strings by a few NumPy gathers over that table,
+without a Python loop over tokens and without calling the tokenizer again. Only the prompt text calls the
 tokenizer (``decode``, once per request).
 """
 

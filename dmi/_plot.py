@@ -1,5 +1,9 @@
 """PNG plots of activation norms: a layers × tokens heatmap beside a per-layer curve.
 
+The token axis can carry the request's token strings (``token_labels``) and a dashed line
+at the prefill/decode boundary (``decode_start``); ``norm_figure`` returns the figure
+itself, so what the axis shows can be checked on the object, not on pixels.
+
 Drawn with matplotlib's object API on an Agg canvas (no pyplot, no global backend
 state, no display needed). The image is exactly ``width × height`` pixels: the figure
 size is set in inches at a fixed DPI and saved without tight cropping, so callers and
