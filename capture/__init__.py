@@ -22,6 +22,7 @@ from ._session import CaptureSession, attach, derive_model_id
 from ._tp import ParallelRanks, resolve_parallel_ranks
 from ._tp_layout import TPReplicated, TPShard
 from ._tp_load import load_tensor_parallel
+from ._token_text import PROMPT_TEXT, TEXT_HOOKS, TOKEN_TEXT, decode_strings
 
 __all__ = [
     "attach",
@@ -51,4 +52,8 @@ __all__ = [
     "ParallelRanks",
     "resolve_parallel_ranks",
     "load_tensor_parallel",
+    "TOKEN_TEXT",
+    "PROMPT_TEXT",
+    "TEXT_HOOKS",
+    "decode_strings",
 ]

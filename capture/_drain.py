@@ -19,12 +19,11 @@ A writer whose ``append`` takes no ``codec=`` (a custom sink) is never switched.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -32,6 +31,7 @@ from dmi.storage.errors import DrainError
 from dmi.storage.records import RecordKey, ShardGeometry
 
 from ._hooks import HOOKS, ModelGeometry
+from ._token_text import PROMPT_TEXT, TOKEN_TEXT
 
 __all__ = ["Drain", "DrainStats", "LostRecords"]
 
@@ -88,8 +88,9 @@ class Drain:
     def __init__(self, ring, writer, ctx: KeyContext, *, publish=None, record_losses=None,
                  tick=None, tick_seconds: float = 5.0, decode_chunk_steps: int = 32,
                  decode_chunk_bytes: int = 16 << 20, start=None, fallback_codec: str | None = None,
-                 fallback_fill: float = 0.5, name: str = "dmi-drain"):
+                 fallback_fill: float = 0.5, name: str = "dmi-drain", texts=None):
         self.ring = ring
+        self.texts = texts  # TokenStrings: token_ids records also become token_text / prompt_text records
         self.writer = writer
         self.ctx = ctx
         self._publish = publish  # callable(list[PackDescriptor]) or None
@@ -259,7 +260,7 @@ class Drain:
     def _append(self, hook, layer, plan, span, rec, *, n_tokens=None) -> None:
         key = self._key(hook, layer, plan, span)
         if n_tokens is not None:
-            key = dataclasses.replace(key, n_tokens=n_tokens)
+            key = replace(key, n_tokens=n_tokens)
         spec = HOOKS[hook]
         shard = self._shard(hook, tuple(rec.shape))
         if self._codec is None:
@@ -269,6 +270,18 @@ class Drain:
                                codec=self._codec)
             self.stats.records_fallback += 1
         self.stats.records += 1
+        if self.texts is not None and hook == "token_ids":
+            self._append_text(key, rec)
+
+    def _append_text(self, key: RecordKey, ids) -> None:
+        """The strings of one ``token_ids`` record, under its key: its tokens' strings, and the
+        prompt's text beside a prefill (or scoring forward) record."""
+        texts = [(TOKEN_TEXT, self.texts.token_record(ids))]
+        if key.phase != "decode":
+            texts.append((PROMPT_TEXT, self.texts.prompt_record(ids)))
+        for hook, payload in texts:
+            self.writer.append(replace(key, hook=hook), payload)
+            self.stats.records += 1
 
     def _choose_codec(self) -> None:
         """The fallback codec while the ring is at least ``fallback_fill`` full, else the

@@ -46,6 +46,7 @@ from ._schedule import Schedule
 from ._selection import Selection, select
 from ._tp import resolve_parallel_ranks
 from ._tp_layout import TPLayout, emitted_hooks
+from ._token_text import TokenStrings, with_token_ids
 
 __all__ = ["attach", "CaptureSession", "derive_model_id"]
 
@@ -539,6 +540,7 @@ def attach(
     dp_rank: int | None = None,
     tp_layout=None,
     tp_replicas: str = "rank0",
+    tokenizer=None,
 ):
     """Attach capture to ``model``; yields a :class:`CaptureSession`.
 
@@ -571,6 +573,10 @@ def attach(
     * ``tp_ranks`` / ``pp_ranks``: capture only on these ranks (others attach, capture nothing).
     * ``writer``: a ready pack writer (``append``/``seal``/``close``) instead of one made from
       ``store`` — for tests and custom sinks.
+    * ``tokenizer``: the model's Hugging Face tokenizer. With it, ``token_ids`` is captured
+      whatever ``hooks`` says, and each request keeps its token strings (``token_text``
+      records) and its prompt text (``prompt_text``), decoded on the drain thread (see
+      ``dmi.capture._token_text``). ``InvalidArgumentError`` if it is not a tokenizer.
     """
     # 1. everything that can be refused is checked before the model is touched
     arch = resolve_architecture(model)
@@ -588,6 +594,9 @@ def attach(
     if writer is None and store is None:
         raise InvalidArgumentError("attach needs a pack store (store=PackStore.local(path))")
     geometry = ModelGeometry.from_config(model.config, _model_dtype(model))
+    texts = None if tokenizer is None else TokenStrings(tokenizer)
+    if texts is not None:
+        selection = with_token_ids(selection)
     layout = TPLayout(geometry, tp_rank, tp_size, tp_layout)
     emitted = emitted_hooks(selection.hooks, layout, tp_replicas)
     owner_key = arch.layers  # shared by a *ForCausalLM and its inner base model
@@ -617,7 +626,8 @@ def attach(
                       start=None if publisher is None else publisher.start,
                       tick_seconds=lease_seconds / 4, decode_chunk_steps=decode_chunk_steps,
                       fallback_codec=None if adaptive_codec is None else "raw",
-                      fallback_fill=1.0 if adaptive_codec is None else adaptive_codec)
+                      fallback_fill=1.0 if adaptive_codec is None else adaptive_codec,
+                      texts=texts)
         session = CaptureSession(model, arch, selection, geometry, model_id=model_id, run_id=run_id,
                                  schedule=schedule, ring=ring, drain=drain, publisher=publisher,
                                  tp_rank=tp_rank, tp_size=tp_size, capture_enabled=enabled,

@@ -49,6 +49,7 @@ _LAZY = {
     "ShuffleQuality": "dmi._loader",
     "RunSummary": "dmi._values",
     "DeleteReport": "dmi._values",
+    "RequestTokens": "dmi._tokens",
     "AuditReport": "dmi._audit",
     "AuditCheck": "dmi._audit",
     "CapturePlan": "dmi._plan_file",
@@ -82,6 +83,7 @@ __all__ = [
     "CapturePlan",
     "load_plan",
     "dump_plan",
+    "RequestTokens",
     *_errors.__all__,
 ]
 

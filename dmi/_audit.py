@@ -185,7 +185,11 @@ def _fail(run: str, rid: str, hook: str, layer: int, kind: str, bound: float, en
 
 def audit_request(model: Any, run: str, rid: str, entries: list[RecordEntry], read: ReadRecords,
                   kind: str) -> list[AuditCheck]:
-    """Every check of one request (``entries``: all its records)."""
+    """Every check of one request (``entries``: all its records; its token strings, which
+    the model does not compute, are left out)."""
+    from dmi.capture import TEXT_HOOKS
+
+    entries = [e for e in entries if e.meta.key.hook not in TEXT_HOOKS]
     if any(e.meta.key.tp_size > 1 for e in entries):
         raise AuditError(f"request {rid} (run {run}) was captured with tensor parallelism; auditing TP captures "
                          "is not built yet (docs/audit.md, 'Tensor parallelism')")

@@ -67,7 +67,8 @@ def run_capture(
     ``generate`` runs greedily and ``--phases`` chooses prefill and/or decode. With a
     ``plan`` (``--plan``), the plan gives hooks, layers, schedule, ids, codec and ring.
     ``status(text)`` shows what happens while torch and the model load (seconds to
-    minutes, with no countable progress); ``progress(total)`` then counts prompts.
+    minutes, with no countable progress); ``progress(total)`` then counts prompts. The
+    model's tokenizer goes to capture: each request keeps its prompt text and token strings.
     """
     if args.max_new_tokens < 0:
         raise InvalidArgumentError("--max-new-tokens must be at least 0")
@@ -90,7 +91,8 @@ def run_capture(
     request_ids: list[str] = []
     options = ({"plan": args.plan} if plan is not None else
                {"hooks": args.hooks, "layers": layers, "model_id": args.model_id, "schedule": schedule})
-    with dmi.capture(loaded.model, store=store, **options) as session, progress(len(prompts)) as bar:
+    with dmi.capture(loaded.model, store=store, tokenizer=tokenizer, **options) as session, \
+            progress(len(prompts)) as bar:
         for start in range(0, len(prompts), args.batch_size):
             batch = list(prompts[start:start + args.batch_size])
             enc = tokenizer(batch, return_tensors="pt", padding=True)

@@ -14,7 +14,8 @@
    but the last layer, ``final_norm`` is ``hidden_states[-1]`` (transformers applies the
    final norm to the last entry) — over the prompt's real tokens and every decode step;
 5. answers one question from per-record statistics alone (SQL, no payload read);
-6. writes a heatmap of ``resid_post`` norms and says what to run next.
+6. writes a heatmap of ``resid_post`` norms, its token axis labelled with the token
+   strings kept with the request, and says what to run next.
 
 Running it again appends a new run (a new run id, new request ids) under the same model
 id; nothing already stored is touched, and every step reads back its own run.
@@ -108,6 +109,7 @@ def run_demo(
         from dmi._human import human_bytes, human_seconds, plural, render_table
         from dmi._models import load_model
         from dmi._plot import token_norms, write_norm_plot
+        from dmi._tokens import display_token
 
         _quiet_transformers()
         loaded = load_model(DEMO_MODEL_ID)
@@ -117,7 +119,7 @@ def run_demo(
     enc = tokenizer(list(DEMO_PROMPTS), return_tensors="pt", padding=True)
     say(f"2. capturing {len(DEMO_PROMPTS)} prompts (left-padded batch, {enc['input_ids'].shape[1]} tokens), "
         f"greedy generate with {DEMO_NEW_TOKENS} new tokens, hooks {DEMO_HOOKS!r}")
-    with dmi.capture(model, hooks=DEMO_HOOKS, store=store, model_id=DEMO_MODEL_ID) as session:
+    with dmi.capture(model, hooks=DEMO_HOOKS, store=store, model_id=DEMO_MODEL_ID, tokenizer=tokenizer) as session:
         with torch.inference_mode():
             result = session.generate(
                 enc["input_ids"], enc["attention_mask"], max_new_tokens=DEMO_NEW_TOKENS, do_sample=False,
@@ -156,8 +158,10 @@ def run_demo(
     out = plot_path or os.path.join(store.home, "demo.png")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     stacked = store.get_internal(DEMO_MODEL_ID, request_ids[1], "resid_post", run_id=run_id)
+    strings = store.tokens(DEMO_MODEL_ID, request_ids[1], run_id=run_id)
     drawn = write_norm_plot(token_norms(stacked), layers, out,
-                            title=f"resid_post L2 norm · {DEMO_MODEL_ID} · {request_ids[1]}")
+                            title=f"resid_post L2 norm · {DEMO_MODEL_ID} · {request_ids[1]}",
+                            decode_start=strings.decode_start, token_labels=[display_token(t) for t in strings.tokens])
     say(f"6. wrote {drawn.path} (layers x tokens of resid_post norms, and the per-layer mean)")
 
     seconds = time.perf_counter() - started

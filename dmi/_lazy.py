@@ -91,6 +91,16 @@ class LazyInternal:
         return phase_spans(e.meta.key for e in self._entries)
 
     @property
+    def positions(self) -> tuple[int, ...]:
+        """The request position of each index on the token axis (from the index rows; nothing
+        is read): ``(0, 1, ..., 9)`` for a prompt of 7 and 3 decode steps, ``(6, 7, 8, 9)``
+        for its ``logits`` (the last prompt position, then one per step)."""
+        first = min((e.meta.key.layer, e.meta.key.shard_rank) for e in self._entries)
+        chunks = {e.meta.key.start_token: e.meta.key.n_tokens for e in self._entries
+                  if (e.meta.key.layer, e.meta.key.shard_rank) == first}
+        return tuple(p for start in sorted(chunks) for p in range(start, start + chunks[start]))
+
+    @property
     def decode_start(self) -> int | None:
         """The first decode position on the token axis (the prefill/decode boundary);
         ``None`` when the view holds no decode step."""

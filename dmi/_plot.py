@@ -1,5 +1,9 @@
 """PNG plots of activation norms: a layers × tokens heatmap beside a per-layer curve.
 
+The token axis can carry the request's token strings (``token_labels``) and a dashed line
+at the prefill/decode boundary (``decode_start``); ``norm_figure`` returns the figure
+itself, so what the axis shows can be checked on the object, not on pixels.
+
 Drawn with matplotlib's object API on an Agg canvas (no pyplot, no global backend
 state, no display needed). The image is exactly ``width × height`` pixels: the figure
 size is set in inches at a fixed DPI and saved without tight cropping, so callers and
@@ -9,16 +13,25 @@ tests can rely on the size they asked for.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from dmi.storage.errors import InvalidArgumentError
 
-__all__ = ["NormPlot", "token_norms", "write_norm_plot"]
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = ["NormPlot", "token_norms", "write_norm_plot", "norm_figure", "axis_token_labels", "MAX_LABEL_CHARS"]
 
 _DPI = 100
+_HEAT_SHARE = 0.4  # the heatmap's share of the figure's width
+_LABEL_PIXELS = 12  # horizontal room one vertical token label needs
+MAX_LABEL_CHARS = 12
 BOUNDARY_COLOR = "#ff0000"  # the prefill/decode line: pure red, absent from the viridis heatmap
 
 
@@ -33,6 +46,7 @@ class NormPlot:
     n_tokens: int
     mean_norm_per_layer: tuple[float, ...]
     decode_start: int | None = None
+    token_labels: tuple[str, ...] = ()  # what the token axis shows, "position:label"
 
 
 def token_norms(stacked: torch.Tensor, token_axis: int = 1) -> torch.Tensor:
@@ -57,19 +71,56 @@ def write_norm_plot(
     width: int = 1200,
     height: int = 500,
     decode_start: int | None = None,
+    token_labels: Sequence[str] | None = None,
 ) -> NormPlot:
     """Write the heatmap (layers × tokens) and the per-layer mean-norm curve to a PNG.
 
     ``norms`` is ``[len(layers), tokens]``. ``decode_start``: the first decode position on
     the token axis; a dashed vertical line (``BOUNDARY_COLOR``) is drawn between it and the
-    last prefill position. Returns what was drawn. Raises
-    ``InvalidArgumentError`` for a size under 200×150 pixels or norms that do not match
-    the layers.
+    last prefill position. ``token_labels``: one string per token (the token strings), shown
+    on the token axis (see :func:`norm_figure`). Returns what was drawn. Raises
+    ``InvalidArgumentError`` for a size under 200×150 pixels, norms that do not match
+    the layers, or labels that do not match the tokens.
     """
+    fig = norm_figure(norms, layers, title=title, width=width, height=height, decode_start=decode_start,
+                      token_labels=token_labels)
+    out = os.fspath(path)
+    with warnings.catch_warnings():  # a token the font cannot draw (e.g. CJK in DejaVu Sans) shows as a box
+        warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font", category=UserWarning)
+        fig.savefig(out, format="png", dpi=_DPI)
+    heat, curve = fig.axes[0], fig.axes[-1]
+    return NormPlot(
+        path=out,
+        width=width,
+        height=height,
+        layers=tuple(int(layer) for layer in layers),
+        n_tokens=int(norms.shape[1]),
+        mean_norm_per_layer=tuple(float(v) for v in curve.lines[0].get_xdata()),
+        decode_start=decode_start,
+        token_labels=axis_token_labels(heat) if token_labels is not None else (),
+    )
+
+
+def norm_figure(
+    norms: torch.Tensor,
+    layers: Sequence[int],
+    *,
+    title: str,
+    width: int = 1200,
+    height: int = 500,
+    decode_start: int | None = None,
+    token_labels: Sequence[str] | None = None,
+) -> Figure:
+    """The figure :func:`write_norm_plot` saves: ``fig.axes[0]`` is the heatmap, the last
+    axes the per-layer curve. With ``token_labels``, the heatmap's token axis is labelled by
+    them (every token while they fit, about one per 12 pixels; otherwise every ``k``-th,
+    and always the first decode token), each cut to ``MAX_LABEL_CHARS``."""
     if width < 200 or height < 150:
         raise InvalidArgumentError(f"plot size {width}x{height} is too small (at least 200x150 pixels)")
     if norms.dim() != 2 or norms.shape[0] != len(layers):
         raise InvalidArgumentError(f"norms of shape {tuple(norms.shape)} do not match {len(layers)} layers")
+    if token_labels is not None and len(token_labels) != norms.shape[1]:
+        raise InvalidArgumentError(f"{len(token_labels)} token labels for {norms.shape[1]} plotted tokens")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -78,11 +129,14 @@ def write_norm_plot(
 
     fig = Figure(figsize=(width / _DPI, height / _DPI), dpi=_DPI)
     FigureCanvasAgg(fig)
-    grid = fig.add_gridspec(1, 2, width_ratios=(3, 1), wspace=0.3)
+    bottom = _label_margin(token_labels, height) if token_labels is not None else 0.11
+    grid = fig.add_gridspec(1, 2, width_ratios=(3, 1), wspace=0.3, bottom=bottom)
     heat = fig.add_subplot(grid[0])
     image = heat.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis", origin="lower")
     heat.set_yticks(range(len(layers)), [str(layer) for layer in layers])
     heat.set_xlabel("token position")
+    if token_labels is not None:
+        _label_tokens(heat, token_labels, width, decode_start)
     if decode_start is not None:
         _mark_decode_start(heat, decode_start, int(values.shape[1]))
     heat.set_ylabel("layer")
@@ -97,23 +151,42 @@ def write_norm_plot(
     curve.set_xlabel("mean L2 norm over tokens")
     curve.set_ylabel("layer")
     curve.grid(True, alpha=0.3)
-
-    out = os.fspath(path)
-    fig.savefig(out, format="png", dpi=_DPI)
-    return NormPlot(
-        path=out,
-        width=width,
-        height=height,
-        layers=tuple(int(layer) for layer in layers),
-        n_tokens=int(values.shape[1]),
-        mean_norm_per_layer=tuple(float(v) for v in per_layer),
-        decode_start=decode_start,
-    )
+    return fig
 
 
-def _mark_decode_start(heat, decode_start: int, n_tokens: int) -> None:
+def axis_token_labels(heat: Axes) -> tuple[str, ...]:
+    """The token labels the heatmap shows, as ``"position:label"`` (read back from the axis)."""
+    return tuple(f"{int(round(x))}:{label.get_text()}" for x, label in zip(heat.get_xticks(), heat.get_xticklabels()))
+
+
+def _label_tokens(heat: Axes, labels: Sequence[str], width: int, decode_start: int | None) -> None:
+    """Label the token axis: every token while they fit, else every ``k``-th (and the first
+    decode token). Labels are drawn as plain text (no ``$...$`` math), vertical."""
+    fit = max(1, int(width * _HEAT_SHARE / _LABEL_PIXELS))
+    step = max(1, -(-len(labels) // fit))
+    ticks = set(range(0, len(labels), step))
+    if decode_start is not None and 0 < decode_start < len(labels):
+        ticks = {t for t in ticks if abs(t - decode_start) >= step} | {decode_start}
+    ticks = sorted(ticks)
+    heat.set_xticks(ticks, [_cut(labels[t]) for t in ticks], rotation=90, fontsize=7)
+    for label in heat.get_xticklabels():
+        label.set_parse_math(False)
+    heat.set_xlabel("token" + ("" if step == 1 else f" (one label every {step})"))
+
+
+def _cut(label: str) -> str:
+    return label if len(label) <= MAX_LABEL_CHARS else label[: MAX_LABEL_CHARS - 1] + "…"
+
+
+def _label_margin(labels: Sequence[str], height: int) -> float:
+    """The share of the figure's height below the heatmap that vertical labels need."""
+    chars = max((len(_cut(label)) for label in labels), default=1)
+    return min(0.5, (chars * 5 + 45) / height)
+
+
+def _mark_decode_start(heat: Axes, decode_start: int, n_tokens: int) -> None:
     """The prefill/decode boundary: a dashed line between the two phases' cells."""
     if not 0 < decode_start < n_tokens:
         raise InvalidArgumentError(f"decode_start {decode_start} is not inside the {n_tokens} plotted tokens")
     heat.axvline(decode_start - 0.5, color=BOUNDARY_COLOR, linestyle="--", linewidth=2)
-    heat.set_xlabel("token position (dashed: decode starts)")
+    heat.set_xlabel(heat.get_xlabel() + " (dashed: decode starts)")

@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # torch and the reader (which imports torch) load on the firs
     import torch
 
     from dmi._lazy import LazyInternal
+    from dmi._tokens import RequestTokens
     from dmi.reader import FooterCache
 
 __all__ = ["Store", "open", "capture", "default_home", "PACKS_ENV", "HOME_ENV", "CATALOG_ENV"]
@@ -105,8 +106,9 @@ def capture(model: Any, *, hooks: Any = "resid_post", layers: Any = None, store:
     ``hooks`` are hook names or group tokens (``"resid"``, ``"attn"``, ``"mlp"``,
     ``"logits"``, ``"all"``, ...), ``layers`` a range, list, int or ``None`` (all).
     ``options`` go to ``dmi.capture.attach`` (``model_id``, ``run_id``, ``schedule``,
-    ``ring_slots``, ``drop_policy``, ...). On exit every hook is removed and every record is
-    sealed and published.
+    ``ring_slots``, ``drop_policy``, ``tokenizer``, ...); with ``tokenizer=`` each request
+    also keeps its prompt text and token strings (``Store.tokens``). On exit every hook is
+    removed and every record is sealed and published.
 
     ``plan``: a capture plan (``dmi.CapturePlan`` or the path of a plan file, see
     ``docs/plans.md``) instead of ``hooks``/``layers``/options: the plan becomes the same
@@ -280,7 +282,8 @@ class Store:
         rows = self.catalog.request_totals(model_id, run_id=run_id)
         if not rows:
             self._diagnose(model_id, None, None, run_id=run_id)
-        return [RequestSummary(model_id, r.run_id, r.request_id, r.n_tokens, _hook_order(r.hooks), r.records,
+        return [RequestSummary(model_id, r.run_id, r.request_id, r.n_tokens,
+                               _hook_order(h for h in r.hooks if not _is_text(h)), r.records,
                                r.stored_bytes, r.raw_bytes) for r in rows]
 
     def contents(self, model_id: str, request_id: str, *, run_id: str | None = None) -> RequestContents:
@@ -297,12 +300,38 @@ class Store:
         hooks = {
             h.hook: HookSummary(h.hook, h.layers, h.shard_ranks, h.n_tokens, h.dtype, h.feature_shape, h.n_records,
                                 h.stored_bytes, h.raw_bytes, tp_layout_text(h.shard_ranks, h.tp_sizes, h.shard_axes))
-            for h in held.values()
+            for h in held.values() if not _is_text(h.hook)
         }
         lost = self.catalog.losses(model_id=model_id, run_id=run, request_id=request_id).to_pylist()
         losses = tuple(Loss(r["hook"], int(r["layer"]), int(r["count"]), r["reason"]) for r in lost)
         return RequestContents(model_id, run, request_id, tuple(hooks[h] for h in _hook_order(hooks)), losses,
                                self._phases(model_id, request_id, run))
+
+    def tokens(self, model_id: str, request_id: str, *, run_id: str | None = None) -> RequestTokens | None:
+        """One request's prompt text and token strings, with each position's ids and phase
+        (``"prefill"``, ``"decode"`` or ``"forward"``), in token order: a
+        :class:`dmi.RequestTokens`. Kept when capture was given the tokenizer
+        (``dmi.capture(..., tokenizer=)``; ``dmi capture`` and ``dmi demo`` always pass it).
+
+        Returns ``None`` when the request was captured without a tokenizer. Raises
+        ``InvalidIdentifierError``, ``RecordNotFoundError`` (unknown model, request or run),
+        ``DuplicateChunkError`` (the request id is in several runs and ``run_id`` is not
+        given), ``PackCorruptError``/``PackNotFoundError``.
+        """
+        from dmi._tokens import read_tokens
+        from dmi.capture import TEXT_HOOKS
+
+        _check_read_arguments(model_id, request_id, "token_ids", run_id)
+        run = self._resolve_run(model_id, request_id, run_id)
+        entries = self.catalog.find_records(model_id, request_id=request_id, hook=("token_ids", *TEXT_HOOKS),
+                                            run_id=run)
+        return read_tokens(entries, self._read, model_id=model_id, run_id=run, request_id=request_id)
+
+    def _read(self, entries: list[RecordEntry]) -> list[torch.Tensor]:
+        """The records' tensors, checksums verified (the store's footer cache)."""
+        from dmi.reader import read_records
+
+        return read_records(self.packs, entries, cache=self._footers)
 
     def _phases(self, model_id: str, request_id: str, run_id: str) -> tuple[PhaseSpan, ...]:
         """Each phase's span of the request's token positions, in token order."""
@@ -467,7 +496,8 @@ class Store:
         held = self.catalog.request_contents(model_id, request_id, run_id=run_id)
         if hook not in held:
             raise RecordNotFoundError(
-                f"request {request_id!r} holds no {hook!r} records; it holds: {', '.join(_hook_order(held)) or 'nothing'}"
+                f"request {request_id!r} holds no {hook!r} records; it holds: "
+                f"{', '.join(_hook_order(h for h in held if not _is_text(h))) or 'nothing'}"
             )
         raise RecordNotFoundError(
             f"request {request_id!r} hook {hook!r} has layers {list(held[hook].layers)} and shard ranks "
@@ -579,6 +609,8 @@ def _check_hook(hook: str) -> None:
 
     if hook not in HOOKS:
         hint = f" ({hook!r} is a group: read its hooks one by one)" if hook in GROUPS else ""
+        if _is_text(hook):
+            hint = f" ({hook!r} records hold text: read them with Store.tokens, or `dmi show`)"
         raise HookSelectionError(f"unknown hook {hook!r}{hint}; hooks: {', '.join(HOOKS)}")
 
 
@@ -597,6 +629,13 @@ def _resolve_alias(hook: Any, layers: Any) -> tuple[Any, Any]:
             f"{hook!r} names its layer ({what}); drop layers={layers!r}, or read {alias.hook!r} with layers="
         )
     return alias.hook, None if alias.layer < 0 else [alias.layer]
+
+
+def _is_text(hook: str) -> bool:
+    """Whether ``hook`` names the token strings' records (not a hook of the model)."""
+    from dmi.capture import TEXT_HOOKS
+
+    return hook in TEXT_HOOKS
 
 
 def _hook_order(hooks: Iterable[str]) -> tuple[str, ...]:

@@ -37,6 +37,9 @@ EXIT_USAGE = 2
 SCORING_HELP = "0: no generation, one scoring pass per batch, phase forward"
 """What ``--max-new-tokens 0`` does, worded once for the help and docs/cli.md."""
 
+NO_TOKENIZER = "no token strings: this request was captured without a tokenizer (dmi.capture(..., tokenizer=))"
+"""What ``show`` and ``plot`` say for a request without token strings."""
+
 
 # ----------------------------------------------------------------------------- parsing helpers
 
@@ -321,14 +324,19 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
     with _open_store(args) as store:
         contents = store.contents(args.model_id, args.request_id, run_id=args.run)
+        tokens = store.tokens(contents.model_id, contents.request_id, run_id=contents.run_id)
         audits = store.catalog.audits(contents.model_id, contents.run_id, contents.request_id).to_pylist()
     if args.json:
-        _emit_json({**contents.as_dict(), "audits": audits})
+        _emit_json({**contents.as_dict(), "tokens": None if tokens is None else tokens.as_dict(), "audits": audits})
         return EXIT_OK
     rows = [h.as_dict() for h in contents.hooks]
     _say(args, f"model {contents.model_id}  request {contents.request_id}  run {contents.run_id}")
     if contents.phases:
         _say(args, "token positions: " + ", ".join(f"{p.phase} {p.start}-{p.stop - 1}" for p in contents.phases))
+    from dmi._tokens import token_lines
+
+    for line in token_lines(tokens) if tokens is not None else [NO_TOKENIZER]:
+        print(line)
     tp = [("tp_layout", "tensor parallel", lambda text: text or "-")] if any(h.tp_layout for h in contents.hooks) else []
     _emit(args, rows, [
         ("hook", "hook", None),
@@ -463,6 +471,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         view = store.lazy(args.model_id, args.request_id, args.hook, layers=parse_layers(args.layers),
                           shard_rank=args.shard_rank, run_id=args.run)
         tensor = view[:]
+        tokens = store.tokens(args.model_id, args.request_id, run_id=args.run)
     if view.per_layer:
         norms = token_norms(tensor, view.token_axis)
     else:
@@ -470,16 +479,18 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     layers = view.layers if view.per_layer else (GLOBAL_LAYER,)
     drawn = write_norm_plot(norms, layers, output, width=width, height=height,
                             title=f"{args.hook} L2 norm · {args.model_id} · {args.request_id}",
-                            decode_start=view.decode_start or None)
+                            decode_start=view.decode_start or None, token_labels=_token_labels(tokens, view))
     if args.json:
         _emit_json({"path": drawn.path, "width": drawn.width, "height": drawn.height, "layers": drawn.layers,
                     "n_tokens": drawn.n_tokens, "mean_norm_per_layer": drawn.mean_norm_per_layer,
-                    "decode_start": drawn.decode_start})
+                    "decode_start": drawn.decode_start, "token_labels": drawn.token_labels})
     else:
         from dmi._human import plural
 
         _say(args, f"wrote {drawn.width}x{drawn.height} plot of {args.hook} "
                    f"({plural(len(drawn.layers), 'layer')} x {plural(drawn.n_tokens, 'token')}) to {drawn.path}")
+        if tokens is None:
+            _say(args, NO_TOKENIZER + "; the token axis shows positions")
     return EXIT_OK
 
 
@@ -502,6 +513,16 @@ def _cmd_export(args: argparse.Namespace) -> int:
                f"{plural(summary.shards, 'shard')}, {human_bytes(summary.bytes)}, to {summary.directory}")
     _say(args, f"manifest: {summary.manifest}")
     return EXIT_OK
+
+
+def _token_labels(tokens: Any, view: Any) -> list[str] | None:
+    """The token strings at the plotted positions (``None`` without them: positions are shown)."""
+    if tokens is None:
+        return None
+    from dmi._tokens import display_token
+
+    held = dict(zip(tokens.positions, tokens.tokens))
+    return [display_token(held[p]) if p in held else "" for p in view.positions]
 
 
 def _emit_document(args: argparse.Namespace, document: dict[str, Any]) -> None:

@@ -306,7 +306,9 @@ def test_capture_then_upkeep(tmp_path):
     result = parsed(dmi("capture", "--model", "tiny-llama", "--prompt", "hello there", "--hooks", "resid_post",
                         "--max-new-tokens", "2", "--model-id", "t", "--json", home=home))
     assert result["model_id"] == "t" and len(result["request_ids"]) == 1
-    assert result["records"] == len(LAYERS) * 2  # prefill + one decode forward, per layer
+    # prefill + one decode forward, per layer; and the tokens dmi capture keeps with its tokenizer:
+    # token_ids and token_text (prefill, decode), prompt_text
+    assert result["records"] == len(LAYERS) * 2 + 5
     [captured] = (home / "packs").glob("*.arrow")
     with PackWriter(PackStore.local(home / "packs")) as writer:  # sealed, never published: a crash
         for layer in (0, 1):
@@ -405,10 +407,11 @@ def test_capture_from_a_model_directory(tmp_path):
     assert_one_line_error(sdpa, 1, "eager")
     result = parsed(eager)
     assert result["model_id"] == str(model_dir) and len(result["request_ids"]) == 2  # the default id: its path
-    # a scoring pass: one attn_pattern record (layer 1) and one logits record per request
-    assert result["records"] == 2 * 2
+    # a scoring pass: one attn_pattern record (layer 1) and one logits record per request, and the
+    # tokens dmi capture keeps with the directory's tokenizer: token_ids, token_text, prompt_text
+    assert result["records"] == 2 * 2 + 2 * 3
     [model] = parsed(shown)
-    assert model["model_id"] == str(model_dir) and model["requests"] == 2 and model["records"] == 4
+    assert model["model_id"] == str(model_dir) and model["requests"] == 2 and model["records"] == 10
 
 
 def test_locked_catalog_is_a_one_line_error(tmp_path):

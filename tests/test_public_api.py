@@ -31,7 +31,7 @@ DMI_ALL = [
     "__version__", "open", "capture", "Store", "LazyInternal", "ModelSummary", "RequestSummary", "HookSummary",
     "RequestContents", "Loss", "VerifyReport", "Problem", "RecoveredPack", "TokenLoader", "ShuffleQuality",
     "RunSummary", "DeleteReport", "AuditReport", "AuditCheck", "default_home", "load_model", "LoadedModel",
-    "CapturePlan", "load_plan", "dump_plan",
+    "CapturePlan", "load_plan", "dump_plan", "RequestTokens",
 ]
 
 CAPTURE_ALL = [
@@ -39,6 +39,7 @@ CAPTURE_ALL = [
     "resolve_hooks", "resolve_layers", "layer_numbers", "Selection", "StepPlan", "RowSpan", "Ring", "prepare_batch",
     "derive_model_id", "resolve_architecture", "SUPPORTED_MODEL_TYPES", "ALIASES", "HookAlias", "resolve_alias",
     "TPShard", "TPReplicated", "ParallelRanks", "resolve_parallel_ranks", "load_tensor_parallel",
+    "TOKEN_TEXT", "PROMPT_TEXT", "TEXT_HOOKS", "decode_strings",
 ]
 
 STORAGE_ALL = [
@@ -88,6 +89,6 @@ def test_every_public_callable_of_the_facade_says_what_it_returns_and_raises():
         for name, member in inspect.getmembers(cls):
             if not name.startswith("_") and (callable(member) or isinstance(member, property)):
                 assert inspect.getdoc(member), f"{cls.__name__}.{name} has no docstring"
-    reading = ("requests", "contents", "get_internal", "lazy", "sql", "verify", "recover")
+    reading = ("requests", "contents", "tokens", "get_internal", "lazy", "sql", "verify", "recover")
     for name in reading:
         assert "Raises" in inspect.getdoc(getattr(dmi.Store, name)), f"Store.{name} does not say what it raises"

@@ -1,0 +1,150 @@
+"""Token strings and prompt text, kept with a request when capture knows the tokenizer.
+
+They are records of their own, beside the numbers, so they travel the same path: sealed
+packs (which carry their own index), the catalog protocol, ``recover``, ``delete``. No
+new storage path and no record field:
+
+* ``token_text``: one record per ``token_ids`` record, with its exact key (same request,
+  start token, token count, step, phase) but this hook name. Its payload holds
+  ``tokenizer.convert_ids_to_tokens`` of those ids.
+* ``prompt_text``: one record per request, beside the ``token_ids`` record of its prefill
+  (or scoring forward): ``tokenizer.decode(prompt ids, skip_special_tokens=True)``.
+
+Payload (``uint8``, one dimension): ``k`` as int32, then ``k`` int32 byte lengths
+(``-1``: an id the tokenizer has no string for, read back as ``None``), then the strings'
+UTF-8 bytes back to back; all little-endian. :func:`encode_strings` writes it,
+:func:`decode_strings` reads it.
+
+The work happens on the drain thread, never on the model's: ``attach`` turns the whole
+vocabulary into one UTF-8 table with a single batched ``convert_ids_to_tokens`` (so a
+tokenizer that cannot do it is refused before the model is touched), and each
+``token_ids`` record then becomes its strings by a few NumPy gathers over that table,
+without a Python loop over tokens and without calling the tokenizer again. Only the prompt text calls the
+tokenizer (``decode``, once per request).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from dmi.storage.errors import InvalidArgumentError, PackCorruptError
+
+from ._hooks import HOOKS
+from ._selection import Selection
+
+__all__ = ["TOKEN_TEXT", "PROMPT_TEXT", "TEXT_HOOKS", "TokenStrings", "encode_strings", "decode_strings",
+           "with_token_ids"]
+
+TOKEN_TEXT = "token_text"
+PROMPT_TEXT = "prompt_text"
+TEXT_HOOKS = (TOKEN_TEXT, PROMPT_TEXT)
+"""The record names of the strings: not hooks of the model (``HOOKS`` does not list them),
+so readers of tensors and the audit leave them out."""
+
+_MISSING = -1
+_INT32 = struct.Struct("<i")
+
+
+class TokenStrings:
+    """A tokenizer's string for each of its ids, as one UTF-8 table. An id past the
+    tokenizer (a model vocabulary padded beyond it) has no string: ``None``, as
+    ``convert_ids_to_tokens`` says for it. Raises ``InvalidArgumentError`` for an object
+    that is not a tokenizer (no ``convert_ids_to_tokens`` / ``decode``, or strings that are
+    not ``str``).
+    """
+
+    def __init__(self, tokenizer: Any):
+        for method in ("convert_ids_to_tokens", "decode"):
+            if not callable(getattr(tokenizer, method, None)):
+                raise InvalidArgumentError(
+                    f"tokenizer= needs a Hugging Face tokenizer (with {method}); got {type(tokenizer).__name__}"
+                )
+        try:
+            known = len(tokenizer)
+            strings = list(tokenizer.convert_ids_to_tokens(list(range(known))))
+        except Exception as exc:  # noqa: BLE001 - any tokenizer failure is the caller's argument
+            raise InvalidArgumentError(f"tokenizer= cannot list its vocabulary: {exc!r}") from exc
+        bad = next((s for s in strings if s is not None and not isinstance(s, str)), None)
+        if bad is not None:
+            raise InvalidArgumentError(f"tokenizer= gave a token that is not a string: {bad!r}")
+        self.tokenizer = tokenizer
+        encoded = [b"" if s is None else s.encode("utf-8") for s in strings]
+        self._lengths = np.array([_MISSING if s is None else len(b) for s, b in zip(strings, encoded)], dtype=np.int64)
+        sizes = np.maximum(self._lengths, 0)
+        self._starts = np.cumsum(sizes) - sizes
+        self._blob = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def token_record(self, ids: torch.Tensor) -> torch.Tensor:
+        """The ``token_text`` payload of one ``token_ids`` record (int64 ``[n]``, on the CPU).
+        NumPy on the host: a handful of array operations, whatever ``n``."""
+        ids = ids.reshape(-1).numpy().astype(np.int64, copy=False)
+        inside = (ids >= 0) & (ids < len(self))
+        safe = np.where(inside, ids, 0)
+        lengths = np.where(inside, self._lengths[safe], _MISSING)
+        sizes = np.maximum(lengths, 0)
+        ends = np.cumsum(sizes)
+        # byte j of token i sits at starts[id] + j: repeat each token's (start - its output offset)
+        shift = np.repeat(self._starts[safe] - (ends - sizes), sizes)
+        return _pack(lengths, self._blob[shift + np.arange(len(shift))].tobytes())
+
+    def prompt_record(self, ids: torch.Tensor) -> torch.Tensor:
+        """The ``prompt_text`` payload: the prompt's ids decoded, special tokens skipped."""
+        text = self.tokenizer.decode(ids.reshape(-1).tolist(), skip_special_tokens=True)
+        return encode_strings([text])
+
+
+def encode_strings(strings: Sequence[str | None]) -> torch.Tensor:
+    """``strings`` as one ``uint8`` payload (the format in the module docstring)."""
+    encoded = [b"" if s is None else s.encode("utf-8") for s in strings]
+    return _pack(np.array([_MISSING if s is None else len(b) for s, b in zip(strings, encoded)], dtype=np.int64),
+                 b"".join(encoded))
+
+
+def _pack(lengths: np.ndarray, text: bytes) -> torch.Tensor:
+    """Header (count, lengths: little-endian int32) then the text bytes, as one ``uint8`` tensor."""
+    header = np.concatenate([[len(lengths)], lengths]).astype("<i4").tobytes()
+    return torch.frombuffer(bytearray(header + text), dtype=torch.uint8)  # never empty: the count is there
+
+
+def decode_strings(payload: torch.Tensor, where: str) -> tuple[str | None, ...]:
+    """The strings of one payload. ``where`` names the record in the error: a payload that
+    does not parse (it passed its checksum, so it was written wrong) is a
+    ``PackCorruptError``."""
+    data = bytes(payload.reshape(-1).to(torch.uint8).numpy())
+    try:
+        (count,) = _INT32.unpack_from(data, 0)
+        if count < 0:
+            raise ValueError(f"a negative string count {count}")
+        lengths = struct.unpack_from(f"<{count}i", data, _INT32.size)
+        offset = _INT32.size * (count + 1)
+        strings: list[str | None] = []
+        for length in lengths:
+            if length == _MISSING:
+                strings.append(None)
+                continue
+            if length < 0 or offset + length > len(data):
+                raise ValueError(f"a string of {length} bytes at byte {offset} of {len(data)}")
+            strings.append(data[offset : offset + length].decode("utf-8"))
+            offset += length
+        if offset != len(data):
+            raise ValueError(f"{len(data) - offset} bytes after the last string")
+    except (struct.error, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise PackCorruptError(f"{where}: the token text payload does not parse: {exc}") from exc
+    return tuple(strings)
+
+
+def with_token_ids(selection: Selection) -> Selection:
+    """``selection`` with ``token_ids`` added (the strings are cut from its records)."""
+    if "token_ids" in selection.hooks:
+        return selection
+    hooks = {name: selection.hooks.get(name, (-1,)) for name in HOOKS
+             if name in selection.hooks or name == "token_ids"}
+    return Selection(hooks, selection.layers)
