@@ -379,8 +379,9 @@ def test_strings_whose_count_is_not_the_records_token_count_are_refused(home):
 def test_tensor_parallel_ranks_copies_of_the_strings_are_read_once(tmp_path, tok):
     model = tiny("llama")
     with dmi.open(home=tmp_path) as store:
-        for rank in (0, 1):  # two ranks of one run, as two TP processes would write them
-            with store.capture(model, run_id="r", model_id="m", tokenizer=tok, tp_rank=rank, tp_size=2) as cap:
+        for rank in (0, 1):  # two ranks of one run, as two TP processes asked for every copy write them
+            with store.capture(model, run_id="r", model_id="m", tokenizer=tok, tp_rank=rank, tp_size=2,
+                               tp_replicas="all") as cap:
                 cap.generate(PROMPTS[:1], max_new_tokens=N_NEW, do_sample=False, request_ids=["q"])
         got = store.tokens("m", "q")
         ranks = {e.meta.key.shard_rank for e in store.catalog.find_records("m", request_id="q", hook=TOKEN_TEXT)}
