@@ -120,7 +120,7 @@ def run_demo(
 
         _quiet_transformers()
         loaded = load_model(model, progress=lambda line: say(_indent(line)))
-    model_id, tokenizer = model, loaded.tokenizer
+    model_id, tokenizer = model, loaded.tokenizer  # each demo model is stored under its own name
 
     say(f"   store: catalog {store.catalog_uri}, packs {store.packs_uri}")
     enc = tokenizer(list(DEMO_PROMPTS), return_tensors="pt", padding=True)

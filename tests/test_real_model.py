@@ -106,6 +106,17 @@ def test_the_first_load_converts_and_later_loads_read_the_cache(tmp_path_factory
     assert again.tokenizer(list(PROMPTS))["input_ids"] == first.loaded.tokenizer(list(PROMPTS))["input_ids"]
 
 
+def test_dmi_demo_runs_on_it_bit_exact(tmp_path_factory, tmp_path, monkeypatch, capsys):
+    first = smollm2(tmp_path_factory)
+    monkeypatch.setenv("DMI_HOME", str(first.home))  # where the converted model is cached
+    assert main(["demo", "--model", "smollm2", "--home", str(tmp_path / "store"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model_id"] == "smollm2" and report["bit_exact"] is True
+    layers = first.loaded.model.config.num_hidden_layers
+    assert report["layers"] == list(range(layers))
+    assert report["checked_tensors"] == 4 * (layers + 1)  # per prompt: embed, resid_post 0..28, final_norm
+
+
 def test_the_cached_weights_are_the_gguf_files_own_values(tmp_path_factory):
     """Against an independent reader: the ``gguf`` package's own dequantization of one tensor."""
     gguf = pytest.importorskip("gguf")
