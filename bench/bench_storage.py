@@ -99,7 +99,8 @@ def real_activations(model_name: str, dtype: torch.dtype, requests: int, prompt:
     with tempfile.TemporaryDirectory(prefix="dmi-bench-real-") as home, dmi.open(home=home) as store:
         with dmi.capture(model, hooks="all_but_patterns", store=store, model_id="bench-real") as cap:
             with torch.inference_mode():
-                rids, _ = cap.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+                rids, _ = cap.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                       do_sample=False)
         for r, rid in enumerate(rids):
             tensors = []
             for summary in store.contents("bench-real", rid).hooks:
@@ -120,7 +121,8 @@ def hook_codec_table(data: dict, hooks: dict, dtype_name: str) -> str:
     raws = {k: t.view(torch.uint8).reshape(-1).numpy() for k, t in data.items()}
     width = next(iter(data.values())).element_size()
     names = sorted(set(hooks.values()))
-    lines = [f"| codec ({dtype_name}, real activations) | " + " | ".join(names) + " | all | compress GB/s | decode GB/s |",
+    lines = [f"| codec ({dtype_name}, real activations) | " + " | ".join(names)
+             + " | all | compress GB/s | decode GB/s |",
              "|---|" + "---|" * (len(names) + 3)]
     total = sum(r.nbytes for r in raws.values())
     for codec in CODECS:
@@ -131,7 +133,8 @@ def hook_codec_table(data: dict, hooks: dict, dtype_name: str) -> str:
                     for h in names]
         lines.append(f"| {codec} | " + " | ".join(f"{x:.3f}" for x in per_hook)
                      + f" | {total / sum(sizes.values()):.3f} | "
-                     + ("- (stored as is)" if codec == "raw" else f"{total / t_c / 1e9:.2f}") + f" | {total / t_d / 1e9:.2f} |")
+                     + ("- (stored as is)" if codec == "raw" else f"{total / t_c / 1e9:.2f}")
+                     + f" | {total / t_d / 1e9:.2f} |")
     return "\n".join(lines)
 
 
