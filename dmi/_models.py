@@ -134,7 +134,7 @@ def load_model(
     a built-in model is asked for an attention implementation other than eager;
     ``ModelNotInstalledError`` (with the ``pip install`` command) when ``smollm2``'s
     package is absent and not cached yet; ``ModelCacheError`` when its cache cannot be
-    written or loaded.
+    written or loaded; ``ModelError`` when transformers cannot convert the package's file.
     """
     spec = BUILTIN_MODELS.get(name_or_dir)
     if spec is not None:

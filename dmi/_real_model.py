@@ -164,8 +164,8 @@ def _convert(gguf: Path, out: Path, progress: Callable[[str], None]) -> None:
         tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         progress("  dequantizing the weights to float32 (about a minute)")
         model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **packed)
-    except (ValueError, RuntimeError, KeyError) as exc:
-        raise ModelError(f"transformers could not convert {gguf}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - whatever transformers' GGUF reader raises, the file did not convert
+        raise ModelError(f"transformers could not convert {gguf}: {type(exc).__name__}: {exc}") from exc
     progress("  writing model.safetensors, config and tokenizer")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

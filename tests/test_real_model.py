@@ -27,7 +27,7 @@ from dmi import _real_model
 from dmi._models import byte_tokenizer
 from dmi._real_model import INSTALL_HINT, REAL_MODELS
 from dmi.cli import main
-from dmi.storage.errors import ModelCacheError, ModelNotInstalledError
+from dmi.storage.errors import ModelCacheError, ModelError, ModelNotInstalledError
 
 from ._models import tiny
 from ._real_model import smollm2
@@ -152,6 +152,15 @@ def test_a_conversion_that_fails_half_way_leaves_no_cache_behind(tmp_path, fake_
         dmi.load_model("smollm2", home=home, progress=lambda line: None)
     assert str(home / "models") in str(caught.value)
     assert list((home / "models").iterdir()) == [], "a partial cache or a staging directory was left"
+
+
+def test_a_truncated_gguf_file_is_a_named_error_and_leaves_no_cache(tmp_path, fake_gguf):
+    # The real conversion, on a real (truncated: 4 bytes) file; only the package lookup is replaced.
+    home = tmp_path / "home"
+    with pytest.raises(ModelError, match="could not convert") as caught:
+        dmi.load_model("smollm2", home=home, progress=lambda line: None)
+    assert not isinstance(caught.value, ModelCacheError) and str(fake_gguf) in str(caught.value)
+    assert list((home / "models").iterdir()) == []
 
 
 def test_when_another_process_finishes_first_its_cache_is_kept(tmp_path, fake_gguf, monkeypatch):
