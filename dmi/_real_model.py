@@ -134,7 +134,6 @@ def pull(
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=final.parent))
-        staging.chmod(0o755)  # mkdtemp's 0700 would make the cache private to this user
     except OSError as exc:
         raise ModelCacheError(f"cannot create the model cache in {final.parent}: {exc}") from exc
     try:
