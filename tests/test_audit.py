@@ -21,6 +21,7 @@ from dmi.storage import PackWriter
 from dmi.storage.errors import AuditError
 
 from ._models import left_padded_batch, tiny
+from ._real_model import smollm2
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gpt2"]
 HOOKS = "all_but_patterns token_ids"
@@ -418,19 +419,20 @@ def test_audits_are_recorded_and_summarised_on_a_server(tmp_path, clickhouse_uri
         assert catalog.audits(request_id=rids[1], audit_id=report.audit_id).num_rows == 1
 
 
-def test_an_honest_capture_of_the_real_smollm2_passes_where_installed(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained("HuggingFaceTB/SmolLM2-135M", local_files_only=True)
-    except OSError:
-        pytest.skip("HuggingFaceTB/SmolLM2-135M is not in the local Hugging Face cache (nothing is downloaded)")
-    model = model.eval()
-    model.generation_config.pad_token_id = 0
-    ids, mask = left_padded_batch(lengths=(9, 4, 12), vocab=model.config.vocab_size)
+@pytest.mark.timeout(900)  # converts SmolLM2 when this is the session's first test to need it
+def test_an_honest_capture_of_the_real_smollm2_passes_where_installed(tmp_path, tmp_path_factory):
+    loaded = smollm2(tmp_path_factory).loaded  # skips with the install command where it is absent
+    model, tokenizer = loaded.model, loaded.tokenizer
+    enc = tokenizer(["The capital of France is", "Hi", "Residual streams carry the running state"],
+                    return_tensors="pt", padding=True)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
     with dmi.open(home=tmp_path) as s:
         model_id, rids = _capture(s, model, ids, mask, hooks="resid_post attn_q mlp_out token_ids logits")
         report = s.audit(model_id, model=model, request_ids=rids)
     assert report.passed, [c.describe() for c in report.failures]
+    assert model_id == "smollm2" and {rid for _, rid in report.requests} == set(rids)
+    assert {c.hook for c in report.checks} == {"resid_post", "attn_q", "mlp_out", "token_ids", "logits"}
+    assert len({c.layer for c in report.checks if c.hook == "resid_post"}) == model.config.num_hidden_layers
 
 
 def test_only_the_sampled_requests_records_are_read(store, monkeypatch):
