@@ -11,9 +11,10 @@ __all__ = ["run_audit_command", "audit_lines"]
 
 def run_audit_command(store: Any, args: argparse.Namespace) -> Any:
     """Load ``--model`` and audit ``args.model_id``; returns the :class:`AuditReport`."""
-    from dmi._models import load_model
+    from dmi._models import load_model, model_progress
 
-    loaded = load_model(args.model, attn_implementation=args.attn_implementation)
+    loaded = load_model(args.model, attn_implementation=args.attn_implementation,
+                        progress=model_progress(quiet=args.quiet))
     return store.audit(args.model_id, model=loaded.model, model_name=args.model, run_id=args.run,
                        requests=args.requests, request_ids=args.request, seed=args.seed, exact=args.exact)
 
@@ -41,3 +42,4 @@ def audit_lines(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(f"audit {r['audit_id']} {when} against {r['model']}: {outcome} ({r['checks']} checks, "
                      f"{r['exact']} exact, {r['noise']} within {r['tolerance']} noise, {r['failed']} failed)")
     return lines
+

@@ -78,7 +78,7 @@ def run_capture(
         import torch
 
         import dmi
-        from dmi._models import load_model
+        from dmi._models import load_model, model_progress
         from dmi.capture import Schedule
 
         scoring = args.max_new_tokens == 0
@@ -86,7 +86,8 @@ def run_capture(
         schedule = Schedule(phases=phases, step_stride=args.step_stride,
                             request_stride=args.request_stride, warmup=args.warmup)
         _quiet_transformers()
-        loaded = load_model(args.model, attn_implementation=args.attn_implementation)
+        loaded = load_model(args.model, attn_implementation=args.attn_implementation,
+                            progress=model_progress(quiet=args.quiet))
     tokenizer = loaded.tokenizer
     request_ids: list[str] = []
     options = ({"plan": args.plan} if plan is not None else
@@ -117,3 +118,4 @@ def _quiet_transformers() -> None:
 
     logging.disable_progress_bar()
     logging.set_verbosity_error()
+

@@ -20,7 +20,7 @@ from typing import Any
 from dmi._real_model import REAL_MODELS, pull, say_on_stderr
 from dmi.storage.errors import InvalidArgumentError, ModelCacheError
 
-__all__ = ["BUILTIN_MODELS", "BuiltinModel", "LoadedModel", "load_model", "byte_tokenizer"]
+__all__ = ["BUILTIN_MODELS", "BuiltinModel", "LoadedModel", "load_model", "model_progress", "byte_tokenizer"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +104,11 @@ def _build_builtin(spec: BuiltinModel) -> LoadedModel:
     model.config.name_or_path = spec.name
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return LoadedModel(model.eval(), tokenizer, spec.name)
+
+
+def model_progress(*, quiet: bool) -> Callable[[str], None]:
+    """Where a command sends a model's one-time conversion lines: stderr, or nowhere when quiet."""
+    return (lambda line: None) if quiet else say_on_stderr
 
 
 def load_model(

@@ -206,3 +206,17 @@ def test_a_missing_package_is_a_named_error_with_the_install_command(tmp_path, m
     assert err.startswith("dmi: error: ") and INSTALL_HINT in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "models").exists()
+
+
+@pytest.mark.parametrize("command", ["capture", "audit"])
+@pytest.mark.parametrize("quiet", [False, True])
+def test_the_conversion_lines_go_to_stderr_and_are_silenced_by_quiet(tmp_path, fake_gguf, monkeypatch, capsys,
+                                                                     command, quiet):
+    # The real conversion of a truncated (4-byte) file: it announces itself, then fails by name.
+    monkeypatch.setenv("DMI_HOME", str(tmp_path / "home"))
+    args = {"capture": ["capture", "--model", "smollm2", "--prompt", "hi"],
+            "audit": ["audit", "smollm2", "--model", "smollm2"]}[command]
+    assert main([*args, "--home", str(tmp_path / "store"), *(["-q"] if quiet else [])]) == 1
+    err = capsys.readouterr().err
+    assert "could not convert" in err
+    assert ("converting" in err) is not quiet
