@@ -374,8 +374,8 @@ class CaptureSession:
 
     def _on_model_post(self, module, args, output):
         t0 = perf_counter()
-        if self._staging is not None and self._plan is not None:
-            self._commit_compiled(output)
+        if self._staging is not None and self._plan is not None and output is not None:
+            self._commit_compiled(output)  # output None: the forward raised, its staging is partial
         self._plan = None
         self.ring.submit()
         self._hook_seconds += perf_counter() - t0
