@@ -16,6 +16,14 @@ shared machine hits all of them alike:
 * ``naive resid_post``    forward hooks that copy each output to the CPU (``.clone()``),
                           then one ``torch.save`` + fsync of everything
 * ``naive all_but_patterns`` the same on the same module outputs DMI captures
+* ``compiled baseline``   ``model.forward = torch.compile(model.forward)`` (inductor; on CUDA
+                          ``--compile-mode reduce-overhead`` adds CUDA graphs), nothing attached
+* ``compiled dmi resid_post`` the same compiled forward with ``attach(hooks="resid_post")``:
+                          capture through the ``dmi::ring_write`` op inside the graph (see
+                          docs/capture.md, "Compiled models"); its ratio is to ``compiled baseline``
+
+Compiled configurations are run once, untimed, before the first round (each compiles its
+graphs for the prefill and decode shapes then), so rounds time steady-state generation.
 
 Reported: tokens/s (batch × new tokens / wall time), and the ratio to the baseline of the
 same round (median over rounds). For DMI also where the time goes: time inside
@@ -92,6 +100,21 @@ def run_dmi(hooks, writer_options=None):
     return run
 
 
+def compiled(run):
+    """``run`` with the model's forward compiled (one compiled forward per process, kept in
+    ``ctx`` so its graphs are reused across rounds); the eager forward is restored after."""
+    def run_compiled(model, ids, mask, args, ctx):
+        forward = ctx.get("compiled_forward")
+        if forward is None:
+            forward = ctx["compiled_forward"] = torch.compile(model.forward, mode=args.compile_mode)
+        model.forward = forward
+        try:
+            return run(model, ids, mask, args, ctx)
+        finally:
+            del model.forward
+    return run_compiled
+
+
 def run_naive(hooks):
     def run(model, ids, mask, args, ctx):
         from dmi.capture._arch import resolve_architecture
@@ -145,7 +168,11 @@ CONFIGS = {
     "dmi all_but_patterns raw": run_dmi("all_but_patterns", {"codec": "raw", "stats": False}),
     "naive resid_post": run_naive("resid_post"),
     "naive all_but_patterns": run_naive("all_but_patterns"),
+    "compiled baseline": compiled(run_baseline),
+    "compiled dmi resid_post": compiled(run_dmi("resid_post")),
 }
+RATIO_TO = {"compiled baseline": "compiled baseline", "compiled dmi resid_post": "compiled baseline"}
+"""Configurations whose ratio is to another baseline than ``baseline``."""
 
 
 def main(argv=None):
@@ -165,6 +192,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--device", default="cpu")
+    p.add_argument("--compile-mode", default=None,
+                   help="torch.compile mode of the compiled configurations (default: inductor's default)")
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.hidden, args.intermediate, args.heads, args.vocab = 2, 256, 704, 4, 4096
@@ -172,6 +201,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    torch._dynamo.config.recompile_limit = 64  # prefill, decode and dynamic-decode graphs per config
 
     from dmi.catalog import open_catalog
     from dmi.storage import PackStore
@@ -183,15 +213,17 @@ def main(argv=None):
         try:
             with torch.inference_mode():
                 run_baseline(model, ids[:, :8], mask[:, :8], argparse.Namespace(new=2), ctx)  # warm-up
+                for n in names:
+                    if n.startswith("compiled"):
+                        CONFIGS[n](model, ids, mask, args, ctx)  # compile its graphs, untimed
                 results: dict[str, list] = {n: [] for n in names}
-                ref = None
+                refs: dict[str, torch.Tensor] = {}  # compiled kernels may round differently from eager
                 for r in range(args.rounds):
                     for n in names:
                         secs, info = CONFIGS[n](model, ids, mask, args, ctx)
                         seq = info.pop("sequences").cpu()
-                        if ref is None:
-                            ref = seq
-                        assert torch.equal(seq, ref), f"{n}: generated tokens differ from the baseline"
+                        ref = refs.setdefault(RATIO_TO.get(n, "baseline"), seq)
+                        assert torch.equal(seq, ref), f"{n}: generated tokens differ from its baseline"
                         results[n].append((secs, info))
                         print(f"round {r} {n:24s} {secs:7.2f}s", file=sys.stderr, flush=True)
         finally:
@@ -212,8 +244,8 @@ def report(args, names, results):
     print("| configuration | tokens/s (median) | × baseline (median of per-round ratios) | "
           "generate s | close s | model-thread hook s | drain busy s | ring waits | captured bytes |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    base = [s for s, _ in results.get("baseline", [])]
     for n in names:
+        base = [s for s, _ in results.get(RATIO_TO.get(n, "baseline"), [])]
         secs = [s for s, _ in results[n]]
         tps = new_tokens / statistics.median(secs)
         ratio = (statistics.median(b / s for b, s in zip(base, secs)) if base else float("nan"))

@@ -22,6 +22,12 @@ under a ``threading.Condition`` and append Python records, so every hook breaks 
 
 The graph therefore sees the same code every step; only tensor values change. A step the
 schedule skips flips one Python flag (``active``), which dynamo guards on: one more graph.
+
+Dynamo does not guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards`` is
+on by default): a graph compiled before the taps were installed would keep running without
+them (records of stale bytes), and one compiled with them would keep calling the op after
+detach. Attach and detach therefore clear torch.compile's in-process caches
+(:func:`forget_compiled_graphs`); the next call recompiles.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from ._hooks import HOOKS, ModelGeometry
 from ._ring import Entry
 
 __all__ = ["ring_write", "Staging", "compiled_form", "inner_model", "check_compiled_selection",
-           "install_compiled_taps", "outside_graph"]
+           "install_compiled_taps", "outside_graph", "forget_compiled_graphs"]
 
 _ALIGN = 16
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -119,6 +125,13 @@ def check_compiled_selection(hooks: dict[str, tuple[int, ...]], tp_size: int) ->
         )
     if tp_size > 1:
         raise AttachError("compiled capture of a tensor-parallel shard is not supported; pass compiled=False")
+
+
+def forget_compiled_graphs() -> None:
+    """Make every compiled function retrace at its next call, so that it sees the taps just
+    installed or removed (dynamo keeps no guard on hooks). Clears the whole process's
+    in-memory torch.compile caches: other compiled models recompile once too."""
+    torch.compiler.reset()
 
 
 def outside_graph(fn):

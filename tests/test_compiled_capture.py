@@ -205,24 +205,31 @@ def test_explain_reports_one_graph_and_no_break_with_capture():
     assert str(report.graphs[0].graph).count("dmi.ring_write") == 2 * 3  # layers × hooks
 
 
-def _capture_forward(model, **attach_kw) -> dict:
+def _capture_forward(model, **attach_kw):
     ids, mask = left_padded_batch()
     w = MemoryWriter()
-    with attach(model, hooks=HOOKS, writer=w, run_id="run", **attach_kw) as cap:
+    with attach(model, hooks=HOOKS, writer=w, run_id="run", **attach_kw) as cap, torch.no_grad():
         cap.forward(ids, attention_mask=mask)
-    assert cap.compiled == attach_kw.get("compiled", cap.compiled)
-    return _records(w)
+    return _records(w), cap
 
 
 def test_optimized_module_aot_eager_matches_eager_hooks_byte_for_byte():
     model = _model()
-    reference = _capture_forward(model, compiled=False)
+    reference, _ = _capture_forward(model, compiled=False)
     compiled = torch.compile(model, backend="aot_eager")
+    ids, mask = left_padded_batch()
+    with torch.no_grad():
+        compiled(input_ids=ids, attention_mask=mask, use_cache=False)  # traced before any tap exists
     torch._dynamo.utils.counters.clear()
-    got = _capture_forward(compiled)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    got, cap = _capture_forward(compiled)
+    assert cap.compiled
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # retraced with the taps
     assert not torch._dynamo.utils.counters["graph_break"]
     _assert_same_records(got, reference)
+    cap._staging.buffer.zero_()
+    with torch.no_grad():
+        compiled(input_ids=ids, attention_mask=mask, use_cache=False)  # after detach: retraced without the op
+    assert not cap._staging.buffer.any()
 
 
 # -- inductor --------------------------------------------------------------------------------------
