@@ -33,6 +33,7 @@ detach. Attach and detach therefore clear torch.compile's in-process caches
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 from torch import nn
@@ -49,6 +50,10 @@ _ALIGN = 16
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool)
 """Dtype codes a region carries (the position in this tuple), checked by the op on CPU."""
+
+_CPU_WRITES = threading.local()
+"""How many CPU ``ring_write`` calls this thread has run (``count``): the model thread's
+staging compares it before and after a forward, so a graph that skipped the op is caught."""
 
 
 @torch.library.custom_op("dmi::ring_write", mutates_args=("buffer",))
@@ -76,6 +81,7 @@ def ring_write(buffer: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, regi
             )
         dst = buffer.narrow(0, offset, nbytes).view(src.dtype).view(n, width)
         torch.index_select(src, 0, rows, out=dst)
+        _CPU_WRITES.count = _cpu_writes() + 1
         return
     torch._assert_async(region[1] == nbytes)
     elements = buffer.view(src.dtype)
@@ -87,6 +93,10 @@ def ring_write(buffer: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, regi
 def _ring_write_fake(buffer, src, rows, region) -> None:
     """Shapes only: the op returns nothing and writes in place."""
     return None
+
+
+def _cpu_writes() -> int:
+    return getattr(_CPU_WRITES, "count", 0)
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -159,6 +169,7 @@ class Staging:
         self.rows = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.active = False
         self._layout: list[tuple[int, int]] = []  # (offset, nbytes) per emission, this step
+        self._writes_before = 0
         self._plan = None
         self._full_rows: dict[int, torch.Tensor] = {}
 
@@ -188,6 +199,7 @@ class Staging:
         regions = torch.tensor([(o, b, c) for (o, b), c in zip(layout, self._codes)], dtype=torch.int64)
         self.regions.copy_(regions, non_blocking=True)
         self.rows = self._rows(plan)
+        self._writes_before = _cpu_writes()
 
     def _rows(self, plan) -> torch.Tensor:
         index = plan.index_on(self.device)
@@ -207,6 +219,7 @@ class Staging:
         self._plan = None
         if plan is None or not self.active:
             return
+        self._check_written()
         for (hook, layer), (offset, nbytes), dtype in zip(self.emissions, self._layout, self._dtypes):
             res = ring.reserve(nbytes, check=drain.check)
             if res is None:
@@ -216,6 +229,21 @@ class Staging:
             copy(slot.buffer[off : off + nbytes], self.buffer[offset : offset + nbytes])
             slot.entries.append(Entry(hook, layer, off, nbytes, dtype, plan.n_rows, plan))
             ring.stats.copies += 1
+
+
+    def _check_written(self) -> None:
+        """On CPU every staged region must have been written by this forward; otherwise the
+        graph that ran lacks the taps and the staged bytes are stale. (On CUDA a replayed
+        graph runs the op without calling back into Python, so there is nothing to count.)"""
+        if self.device.type != "cpu":
+            return
+        written = _cpu_writes() - self._writes_before
+        if written != len(self.emissions):
+            raise CaptureError(
+                f"the compiled forward ran the capture op {written} times for {len(self.emissions)} "
+                "staged (hook, layer) tensors: the graph that ran was not traced with the capture "
+                "taps; nothing of this step is recorded"
+            )
 
 
 def install_compiled_taps(taps, staging: Staging) -> list:

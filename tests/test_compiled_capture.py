@@ -157,6 +157,20 @@ def test_a_forward_that_raises_stages_nothing_and_the_session_goes_on():
     assert {k.request_id for k, _, _ in w.records} == set(rids) and len(w.records) == 3 * 2
 
 
+def test_a_graph_without_the_taps_is_caught_not_recorded():
+    model = _model()
+    ids, mask = left_padded_batch()
+    w = MemoryWriter()
+    with pytest.raises(CaptureError, match="0 times for 2"):
+        with attach(model, hooks="resid_post", writer=w, compiled=True) as cap:
+            # a stand-in for a graph traced before the taps existed (attach clears compiled
+            # graphs, so a real one cannot be produced): the taps' handles removed by hand
+            for handle in cap._handles[-2:]:
+                handle.remove()
+            cap.forward(ids, attention_mask=mask)
+    assert w.records == []
+
+
 # -- what compiled capture refuses, before the model is touched ------------------------------------
 def test_attn_pattern_refused_in_compiled_mode():
     model = tiny("llama", attn="eager", num_hidden_layers=2)
