@@ -25,10 +25,11 @@ shared machine hits all of them alike:
                           ``cap.generate`` plus ``cap.flush()`` (the round's packs sealed and
                           published). Its ratio is to ``compiled baseline``.
 
-Attaching to a compiled model clears torch.compile's caches (dynamo keeps no guard on module
-hooks), so the compiled session stays attached across rounds, and both compiled
-configurations run once, untimed, after it attached and before the first round: rounds time
-steady-state generation, not compilation.
+Attaching to a compiled model clears torch.compile's caches and turns on dynamo's hook
+guards until detach (docs/capture.md), so the compiled session stays attached across rounds
+(both compiled configurations run under the same guards), and both run once, untimed,
+after it attached and before the first round: rounds time steady-state generation, not
+compilation.
 
 Reported: tokens/s (batch × new tokens / wall time), and the ratio to the baseline of the
 same round (median over rounds). For DMI also where the time goes: time inside

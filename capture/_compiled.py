@@ -23,11 +23,13 @@ under a ``threading.Condition`` and append Python records, so every hook breaks 
 The graph therefore sees the same code every step; only tensor values change. A step the
 schedule skips flips one Python flag (``active``), which dynamo guards on: one more graph.
 
-Dynamo does not guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards`` is
-on by default): a graph compiled before the taps were installed would keep running without
-them (records of stale bytes), and one compiled with them would keep calling the op after
-detach. Attach and detach therefore clear torch.compile's in-process caches
-(:func:`forget_compiled_graphs`); the next call recompiles.
+Dynamo does not guard on module hooks by default (``torch._dynamo.config.
+skip_nnmodule_hook_guards``), and it shares one graph between instances of a model class: a
+graph compiled before the taps were installed, or for another instance without taps, would
+run without them (records of stale bytes), and one compiled with them would keep calling
+the op after detach. So while a compiled session is attached, hook guards are on
+(:func:`guard_hooks`), and attach and detach clear torch.compile's in-process caches; the
+next call recompiles.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from ._hooks import HOOKS, ModelGeometry
 from ._ring import Entry
 
 __all__ = ["ring_write", "Staging", "compiled_form", "inner_model", "check_compiled_selection",
-           "install_compiled_taps", "outside_graph", "forget_compiled_graphs"]
+           "install_compiled_taps", "outside_graph", "guard_hooks", "unguard_hooks"]
 
 _ALIGN = 16
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -137,11 +139,31 @@ def check_compiled_selection(hooks: dict[str, tuple[int, ...]], tp_size: int) ->
         raise AttachError("compiled capture of a tensor-parallel shard is not supported; pass compiled=False")
 
 
-def forget_compiled_graphs() -> None:
-    """Make every compiled function retrace at its next call, so that it sees the taps just
-    installed or removed (dynamo keeps no guard on hooks). Clears the whole process's
-    in-memory torch.compile caches: other compiled models recompile once too."""
-    torch.compiler.reset()
+_GUARDED = {"sessions": 0, "saved": True}
+_GUARDED_LOCK = threading.Lock()
+
+
+def guard_hooks() -> None:
+    """A compiled session starts: dynamo guards on module hooks from now on, so a graph
+    traced without the taps never runs where they are installed, nor one traced with them
+    where they are not. Clears the process's in-memory torch.compile caches (graphs traced
+    before hold no such guard): every compiled model recompiles once."""
+    with _GUARDED_LOCK:
+        if _GUARDED["sessions"] == 0:
+            _GUARDED["saved"] = torch._dynamo.config.skip_nnmodule_hook_guards
+            torch._dynamo.config.skip_nnmodule_hook_guards = False
+        _GUARDED["sessions"] += 1
+        torch.compiler.reset()
+
+
+def unguard_hooks() -> None:
+    """A compiled session ended: clear the caches again (graphs traced with its taps would
+    call the op) and, when it was the last, restore the hook-guard setting."""
+    with _GUARDED_LOCK:
+        _GUARDED["sessions"] -= 1
+        if _GUARDED["sessions"] == 0:
+            torch._dynamo.config.skip_nnmodule_hook_guards = _GUARDED["saved"]
+        torch.compiler.reset()
 
 
 def outside_graph(fn):

@@ -37,8 +37,8 @@ from dmi.storage.errors import (
 from dmi.storage.records import GLOBAL_LAYER
 
 from ._arch import Architecture, resolve_architecture
-from ._compiled import (Staging, check_compiled_selection, compiled_form, forget_compiled_graphs,
-                        inner_model, install_compiled_taps, outside_graph)
+from ._compiled import (Staging, check_compiled_selection, compiled_form, guard_hooks, inner_model,
+                        install_compiled_taps, outside_graph, unguard_hooks)
 from ._drain import Drain, KeyContext, cuda_event_for_submission
 from ._generate import CaptureResult, left_pads, prepare_batch, sequences_per_prompt
 from ._hooks import HOOKS, ModelGeometry
@@ -131,6 +131,7 @@ class CaptureSession:
         self._closed = False
         self._cuda_side_stream = None
         self._staging: Staging | None = None
+        self._hooks_guarded = False  # this session turned dynamo's hook guards on (compiled)
         self.compiled = compiled
         self._lock = threading.RLock()
         self.published: list = []
@@ -269,7 +270,8 @@ class CaptureSession:
         emissions = [(em.hook, em.layer) for tap in taps for em in tap.emissions]
         self._staging = Staging(emissions, self.geometry, _model_device(self.model))
         self._handles.extend(install_compiled_taps(taps, self._staging))
-        forget_compiled_graphs()
+        guard_hooks()
+        self._hooks_guarded = True
 
     def _install_taps(self, taps) -> None:
         for tap in taps:
@@ -283,8 +285,9 @@ class CaptureSession:
     def _remove_hooks(self) -> None:
         while self._handles:
             self._handles.pop().remove()
-        if self._staging is not None:
-            forget_compiled_graphs()  # graphs traced with the taps would go on calling the op
+        if self._hooks_guarded:
+            self._hooks_guarded = False
+            unguard_hooks()
 
     def _emitter(self, tap):
         """Emit every tensor ``tap`` captures from one call of its module (nothing when no plan)."""

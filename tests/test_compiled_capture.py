@@ -246,6 +246,22 @@ def test_optimized_module_aot_eager_matches_eager_hooks_byte_for_byte():
     assert not cap._staging.buffer.any()
 
 
+def test_a_graph_traced_for_another_instance_without_taps_is_not_reused():
+    """Dynamo shares graphs between instances of one class; without hook guards the attached
+    model would run the graph traced for the plain one (and the op would not run)."""
+    reference, _ = _capture_forward(_model(), compiled=False)
+    plain, attached = _model(), _model()
+    for m in (plain, attached):
+        m.forward = torch.compile(m.forward, backend="aot_eager")
+    ids, mask = left_padded_batch()
+    w = MemoryWriter()
+    with attach(attached, hooks=HOOKS, writer=w, run_id="run") as cap, torch.no_grad():
+        plain(input_ids=ids, attention_mask=mask, use_cache=False)  # traced first, no taps
+        cap.forward(ids, attention_mask=mask)
+    _assert_same_records(_records(w), reference)
+    assert torch._dynamo.config.skip_nnmodule_hook_guards  # restored when the session left
+
+
 # -- inductor --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def inductor_model():
