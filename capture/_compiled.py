@@ -75,7 +75,7 @@ def ring_write(buffer: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, regi
     nbytes = n * width * src.element_size()
     if buffer.device.type == "cpu":
         offset, length, code = region.tolist()
-        if length != nbytes or code != _DTYPES.index(src.dtype):
+        if length != nbytes or src.dtype not in _DTYPES or code != _DTYPES.index(src.dtype):
             raise CaptureError(
                 f"compiled capture planned {length} bytes of {_DTYPES[code]} for a tensor of "
                 f"{nbytes} bytes of {src.dtype} ({n} rows of width {width}); the model produced a "

@@ -79,6 +79,8 @@ def test_op_refuses_a_region_that_does_not_fit_the_tensor():
     for region in ([0, 16, 0], [0, 24, 2]):  # too few bytes; right size, wrong dtype (bf16)
         with pytest.raises(CaptureError, match="planned"):
             ring_write(buffer, src, torch.tensor([0, 1]), torch.tensor(region))
+    with pytest.raises(CaptureError, match="complex64"):  # a dtype no region can describe
+        ring_write(buffer, src.to(torch.complex64), torch.tensor([0]), torch.tensor([0, 24, 0]))
     assert not buffer.any()
 
 
