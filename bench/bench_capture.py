@@ -16,6 +16,20 @@ shared machine hits all of them alike:
 * ``naive resid_post``    forward hooks that copy each output to the CPU (``.clone()``),
                           then one ``torch.save`` + fsync of everything
 * ``naive all_but_patterns`` the same on the same module outputs DMI captures
+* ``compiled baseline``   a copy of the model with ``model.forward = torch.compile(model.forward)``
+                          (inductor; ``--compile-mode reduce-overhead`` adds CUDA graphs on CUDA),
+                          nothing attached
+* ``compiled dmi resid_post`` another compiled copy, attached (``hooks="resid_post"``) once for
+                          the whole run: capture through the ``dmi::ring_write`` op inside the
+                          graph (docs/capture.md, "Compiled models"). Timed per round:
+                          ``cap.generate`` plus ``cap.flush()`` (the round's packs sealed and
+                          published). Its ratio is to ``compiled baseline``.
+
+Attaching to a compiled model clears torch.compile's caches and turns on dynamo's hook
+guards until detach (docs/capture.md), so the compiled session stays attached across rounds
+(both compiled configurations run under the same guards), and both run once, untimed,
+after it attached and before the first round: rounds time steady-state generation, not
+compilation.
 
 ``--model smollm2`` runs the same configurations on a real trained model instead,
 SmolLM2-135M-Instruct (30 layers, hidden 576, vocab 49152; cast to bf16) through
@@ -36,6 +50,7 @@ ring waits. ``--quick`` runs a small version for a smoke test.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
@@ -118,6 +133,44 @@ def run_dmi(hooks, writer_options=None):
     return run
 
 
+def open_compiled(model, args, ctx, stack) -> None:
+    """Two compiled copies of ``model`` (same weights): one plain, one attached for the run."""
+    import copy
+
+    from dmi.capture import attach
+
+    plain, captured = copy.deepcopy(model), copy.deepcopy(model)
+    for m in (plain, captured):
+        m.forward = torch.compile(m.forward, mode=args.compile_mode)
+    ctx["compiled_plain"] = plain
+    ctx["compiled_session"] = stack.enter_context(attach(
+        captured, hooks="resid_post", store=ctx["store"], catalog=ctx["catalog"], model_id="bench-llama-compiled",
+        ring_slots=args.ring_slots, slot_bytes=args.slot_mib << 20))
+
+
+def run_compiled_baseline(model, ids, mask, args, ctx):
+    return run_baseline(ctx["compiled_plain"], ids, mask, args, ctx)
+
+
+def run_compiled_dmi(model, ids, mask, args, ctx):
+    cap = ctx["compiled_session"]
+    before = cap.stats
+    sync()
+    t0 = time.perf_counter()
+    rids, out = cap.generate(ids, attention_mask=mask, **gen_kwargs(args))
+    sync()
+    t1 = time.perf_counter()
+    cap.flush()
+    t2 = time.perf_counter()
+    s = cap.stats
+    delta = lambda k: s[k] - before[k]  # noqa: E731 - the session's counters span every round
+    return t2 - t0, {"sequences": out, "generate_s": t1 - t0, "close_s": t2 - t1,
+                     "drain_busy_s": delta("drain_busy_seconds"), "hook_s": delta("hook_seconds"),
+                     "ring_waits": delta("ring_waits"), "ring_wait_s": delta("ring_wait_seconds"),
+                     "records": delta("records"), "packs": delta("packs_published"),
+                     "bytes": delta("reserved_bytes")}
+
+
 def run_naive(hooks):
     def run(model, ids, mask, args, ctx):
         from dmi.capture._arch import resolve_architecture
@@ -171,7 +224,11 @@ CONFIGS = {
     "dmi all_but_patterns raw": run_dmi("all_but_patterns", {"codec": "raw", "stats": False}),
     "naive resid_post": run_naive("resid_post"),
     "naive all_but_patterns": run_naive("all_but_patterns"),
+    "compiled baseline": run_compiled_baseline,
+    "compiled dmi resid_post": run_compiled_dmi,
 }
+RATIO_TO = {"compiled baseline": "compiled baseline", "compiled dmi resid_post": "compiled baseline"}
+"""Configurations whose ratio is to another baseline than ``baseline``."""
 
 
 def main(argv=None):
@@ -194,6 +251,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--device", default="cpu")
+    p.add_argument("--compile-mode", default=None,
+                   help="torch.compile mode of the compiled configurations (default: inductor's default)")
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.hidden, args.intermediate, args.heads, args.vocab = 2, 256, 704, 4, 4096
@@ -203,6 +262,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    torch._dynamo.config.recompile_limit = 64  # prefill, decode and dynamic-decode graphs per config
 
     from dmi.catalog import open_catalog
     from dmi.storage import PackStore
@@ -212,17 +272,21 @@ def main(argv=None):
         catalog = open_catalog(f"chdb://{tmp}/catalog")
         ctx = {"store": PackStore.local(os.path.join(tmp, "packs")), "catalog": catalog, "tmp": tmp}
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), contextlib.ExitStack() as stack:
                 run_baseline(model, ids[:, :8], mask[:, :8], argparse.Namespace(new=2), ctx)  # warm-up
+                if any(n.startswith("compiled") for n in names):
+                    open_compiled(model, args, ctx, stack)
+                for n in names:
+                    if n.startswith("compiled"):
+                        CONFIGS[n](model, ids, mask, args, ctx)  # compile its graphs, untimed
                 results: dict[str, list] = {n: [] for n in names}
-                ref = None
+                refs: dict[str, torch.Tensor] = {}  # compiled kernels may round differently from eager
                 for r in range(args.rounds):
                     for n in names:
                         secs, info = CONFIGS[n](model, ids, mask, args, ctx)
                         seq = info.pop("sequences").cpu()
-                        if ref is None:
-                            ref = seq
-                        assert torch.equal(seq, ref), f"{n}: generated tokens differ from the baseline"
+                        ref = refs.setdefault(RATIO_TO.get(n, "baseline"), seq)
+                        assert torch.equal(seq, ref), f"{n}: generated tokens differ from its baseline"
                         results[n].append((secs, info))
                         print(f"round {r} {n:24s} {secs:7.2f}s", file=sys.stderr, flush=True)
         finally:
@@ -243,8 +307,8 @@ def report(args, names, results):
     print("| configuration | tokens/s (median) | × baseline (median of per-round ratios) | "
           "generate s | close s | model-thread hook s | drain busy s | ring waits | captured bytes |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    base = [s for s, _ in results.get("baseline", [])]
     for n in names:
+        base = [s for s, _ in results.get(RATIO_TO.get(n, "baseline"), [])]
         secs = [s for s, _ in results[n]]
         tps = new_tokens / statistics.median(secs)
         ratio = (statistics.median(b / s for b, s in zip(base, secs)) if base else float("nan"))

@@ -37,6 +37,8 @@ from dmi.storage.errors import (
 from dmi.storage.records import GLOBAL_LAYER
 
 from ._arch import Architecture, resolve_architecture
+from ._compiled import (Staging, check_compiled_selection, compiled_form, guard_hooks, inner_model,
+                        install_compiled_taps, outside_graph, unguard_hooks)
 from ._drain import Drain, KeyContext, cuda_event_for_submission
 from ._generate import CaptureResult, left_pads, prepare_batch, sequences_per_prompt
 from ._hooks import HOOKS, ModelGeometry
@@ -106,7 +108,7 @@ class CaptureSession:
     def __init__(self, model, arch: Architecture, selection: Selection, geometry: ModelGeometry,
                  *, model_id: str, run_id: str, schedule: Schedule, ring: Ring, drain: Drain,
                  publisher=None, tp_rank: int = 0, tp_size: int = 1, capture_enabled: bool = True,
-                 emitted_hooks: dict[str, tuple[int, ...]] | None = None):
+                 emitted_hooks: dict[str, tuple[int, ...]] | None = None, compiled: bool = False):
         self.model = model
         self.arch = arch
         self.selection = selection
@@ -132,6 +134,9 @@ class CaptureSession:
         self._hook_seconds = 0.0  # model-thread time inside DMI's hooks (plan, reserve, copy)
         self._closed = False
         self._cuda_side_stream = None
+        self._staging: Staging | None = None
+        self._hooks_guarded = False  # this session turned dynamo's hook guards on (compiled)
+        self.compiled = compiled
         self._lock = threading.RLock()
         self.published: list = []
 
@@ -246,12 +251,37 @@ class CaptureSession:
 
     # -- hooks ----------------------------------------------------------------------------------
     def _install(self) -> None:
-        m = self.model
-        self._handles.append(m.register_forward_pre_hook(self._on_model_pre, with_kwargs=True))
-        self._handles.append(m.register_forward_hook(self._on_model_post, always_call=True))
+        m = self.arch.model  # under torch.compile(model): the module it wraps
+        pre, post = self._on_model_pre, self._on_model_post
+        if self.compiled:
+            pre, post = outside_graph(pre), outside_graph(post)
+        self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        self._handles.append(m.register_forward_hook(post, always_call=True))
         if callable(getattr(m, "generate", None)):
             self._handles.append(_GenerateGuard(m))
-        for tap in self.arch.taps(self._emitted):
+        if self.compiled:
+            self._install_compiled()
+            return
+        self._install_taps(self.arch.taps(self._emitted))
+
+    def _install_compiled(self) -> None:
+        """Taps that write through the ``dmi::ring_write`` op into a staging buffer (see
+        ``_compiled``); ``logits`` is taken from the model's output after the forward."""
+        if not self._capture_enabled:
+            return
+        inside = {h: ls for h, ls in self.selection.hooks.items() if h not in ("logits", "token_ids")}
+        taps = self.arch.taps(inside)
+        for tap in taps:
+            if tap.module is None:
+                raise AttachError(f"module for {[e.hook for e in tap.emissions]} not found")
+        emissions = [(em.hook, em.layer) for tap in taps for em in tap.emissions]
+        self._staging = Staging(emissions, self.geometry, _model_device(self.model))
+        self._handles.extend(install_compiled_taps(taps, self._staging))
+        guard_hooks()
+        self._hooks_guarded = True
+
+    def _install_taps(self, taps) -> None:
+        for tap in taps:
             if tap.module is None:
                 raise AttachError(f"module for {[e.hook for e in tap.emissions]} not found")
             if tap.kind == "pre":
@@ -262,6 +292,9 @@ class CaptureSession:
     def _remove_hooks(self) -> None:
         while self._handles:
             self._handles.pop().remove()
+        if self._hooks_guarded:
+            self._hooks_guarded = False
+            unguard_hooks()
 
     def _emitter(self, tap):
         """Emit every tensor ``tap`` captures from one call of its module (nothing when no plan)."""
@@ -298,7 +331,11 @@ class CaptureSession:
     def _on_model_pre(self, module, args, kwargs):
         t0 = perf_counter()
         try:
-            return self._begin_step(args, kwargs)
+            self._begin_step(args, kwargs)
+            if self._staging is not None:
+                self._wait_side_stream()
+                self._staging.prepare(self._plan)
+            return None
         finally:
             self._hook_seconds += perf_counter() - t0
 
@@ -351,10 +388,34 @@ class CaptureSession:
 
     def _on_model_post(self, module, args, output):
         t0 = perf_counter()
+        if self._staging is not None and self._plan is not None and output is not None:
+            self._commit_compiled(output)  # output None: the forward raised, its staging is partial
         self._plan = None
         self.ring.end_step()
         self._hook_seconds += perf_counter() - t0
         return None
+
+    def _commit_compiled(self, output) -> None:
+        """After a compiled forward: staged bytes into the ring, then ``logits`` from the
+        model's output (the tensor its ``lm_head`` returned) through the eager copy."""
+        plan = self._plan
+        self._staging.commit(self.ring, self.drain, self._copy_staged)
+        if "logits" in self.selection.hooks:
+            logits = output.logits if hasattr(output, "logits") else output[0]
+            self._emit("logits", GLOBAL_LAYER, logits, "bt", plan)
+
+    def _copy_staged(self, dst, src) -> None:
+        if src.device.type == "cuda":
+            self._copy_cuda(dst, src, None)
+        else:
+            dst.copy_(src)
+
+    def _wait_side_stream(self) -> None:
+        """The next compiled forward overwrites the staging buffer: on CUDA its stream first
+        waits for the side stream's copies of the previous step (no host synchronisation)."""
+        side = self._cuda_side_stream
+        if side is not None:
+            torch.cuda.current_stream(side.device).wait_stream(side)
 
     def _implicit_call(self, b: int, kwargs) -> _Call:
         """A forward that did not come through ``generate``/``forward`` (e.g. the user called
@@ -541,6 +602,7 @@ def attach(
     tp_layout=None,
     tp_replicas: str = "rank0",
     tokenizer=None,
+    compiled: bool | None = None,
 ):
     """Attach capture to ``model``; yields a :class:`CaptureSession`.
 
@@ -577,9 +639,14 @@ def attach(
       whatever ``hooks`` says, and each request keeps its token strings (``token_text``
       records) and its prompt text (``prompt_text``), decoded on the drain thread (see
       ``dmi.capture._token_text``). ``InvalidArgumentError`` if it is not a tokenizer.
+    * ``compiled``: capture through the ``dmi::ring_write`` op that ``torch.compile`` keeps in
+      its graph (see ``dmi.capture._compiled``). ``None`` (default): when ``model`` is
+      compiled (``torch.compile(model)``, a compiled ``model.forward``, ``model.compile()``);
+      ``True``: also for a model compiled after attaching; ``False``: eager hooks always.
     """
     # 1. everything that can be refused is checked before the model is touched
-    arch = resolve_architecture(model)
+    compiled = _wants_compiled(model, compiled)
+    arch = resolve_architecture(inner_model(model))
     impl = getattr(model.config, "_attn_implementation", None)
     selection = select(arch, hooks, layers, attn_implementation=impl)
     schedule = Schedule.coerce(schedule)
@@ -587,6 +654,8 @@ def attach(
     run_id = _validate_id("run id", run_id if run_id is not None else _new_run_id())
     ranks = resolve_parallel_ranks(model, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, pp_rank=pp_rank)
     tp_rank, tp_size, pp_rank = ranks.tp_rank, ranks.tp_size, ranks.pp_rank
+    if compiled:
+        check_compiled_selection(selection.hooks, tp_size)
     enabled = (tp_ranks is None or tp_rank in set(tp_ranks)) and (pp_ranks is None or pp_rank in set(pp_ranks))
     if isinstance(decode_chunk_steps, bool) or not isinstance(decode_chunk_steps, int) or decode_chunk_steps < 1:
         raise InvalidArgumentError(f"decode_chunk_steps must be an int >= 1, got {decode_chunk_steps!r}")
@@ -631,7 +700,7 @@ def attach(
         session = CaptureSession(model, arch, selection, geometry, model_id=model_id, run_id=run_id,
                                  schedule=schedule, ring=ring, drain=drain, publisher=publisher,
                                  tp_rank=tp_rank, tp_size=tp_size, capture_enabled=enabled,
-                                 emitted_hooks=emitted)
+                                 emitted_hooks=emitted, compiled=compiled)
         ring.connect(drain.submit, stamp=session._copies_done)
         with _OWNERS_LOCK:
             _OWNERS[owner_key] = session
@@ -672,6 +741,15 @@ def _check_fill(name: str, value) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise InvalidArgumentError(f"{name} must be a fraction in (0, 1] or None, got {value!r}")
+
+
+def _wants_compiled(model, compiled) -> bool:
+    """``compiled`` as given, or (``None``) whether ``model`` was compiled."""
+    if compiled is None:
+        return compiled_form(model) is not None
+    if not isinstance(compiled, bool):
+        raise InvalidArgumentError(f"compiled must be True, False or None, got {compiled!r}")
+    return compiled
 
 
 def default_publish_scope(model_id: str, run_id: str, tp_rank: int, tp_size: int) -> str:
