@@ -41,8 +41,10 @@ class GatedPackWriter(PackWriter):
     def __init__(self, store, **options):
         super().__init__(store, **options)
         self.gate = threading.Event()
+        self.entered = threading.Event()  # the drain has taken its first slot and reached an append
 
     def append(self, key, data, **kwargs):
+        self.entered.set()
         if not self.gate.wait(60):
             raise TimeoutError("the test never opened the gate")
         super().append(key, data, **kwargs)
@@ -192,8 +194,12 @@ def test_a_drain_behind_the_model_stores_raw_and_every_record_reads_back_bit_exa
     try:
         with attach(model, hooks="resid_post", writer=w, catalog=catalog, model_id="m-adaptive",
                     ring_slots=8, slot_bytes=2304, decode_chunk_steps=1) as cap:
+            # after DMI's own post-hook hands the first step over, the model waits until the drain
+            # holds it: however fast the model or slow the lease, the drain reads the fill first here
+            first_step = model.register_forward_hook(lambda *_: w.entered.wait(60) and None)
             rids, out = cap.generate(ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
                                      do_sample=False, return_dict_in_generate=True)
+            first_step.remove()
             cap.ring.submit()  # the last slot too, before the drain moves: every fill it reads is fixed
             assert cap.ring.stats.waits == 0 and cap.ring.fill == 14592 / (8 * 2304)
             w.gate.set()
