@@ -69,7 +69,8 @@ def open(catalog: str | None = None, packs: str | None = None, *, home: str | os
 
     ``catalog``: ``chdb:///path`` (embedded, shared by processes that take turns) or
     ``clickhouse://user:password@host:port/database`` (a server). ``packs``: a directory
-    or a ``pyarrow.fs`` URI (``s3://bucket/prefix``, ``file:///dir``). ``home``: a
+    (``s3://bucket/prefix``: sealed by a create-if-absent PUT) or another ``pyarrow.fs`` URI
+    (``file:///dir``). ``home``: a
     directory holding both (``home/catalog``, ``home/packs``). See the module docstring
     for the precedence of arguments and environment variables.
 
