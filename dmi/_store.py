@@ -68,9 +68,9 @@ def open(catalog: str | None = None, packs: str | None = None, *, home: str | os
     """Open a store: the embedded chDB catalog and a local packs directory by default.
 
     ``catalog``: ``chdb:///path`` (embedded, shared by processes that take turns) or
-    ``clickhouse://user:password@host:port/database`` (a server). ``packs``: a directory
-    (``s3://bucket/prefix``: sealed by a create-if-absent PUT) or another ``pyarrow.fs`` URI
-    (``file:///dir``). ``home``: a
+    ``clickhouse://user:password@host:port/database`` (a server; ``?cluster=NAME`` for a
+    replicated cluster). ``packs``: a directory, ``s3://bucket/prefix`` (sealed by a
+    create-if-absent PUT) or another ``pyarrow.fs`` URI (``file:///dir``). ``home``: a
     directory holding both (``home/catalog``, ``home/packs``). See the module docstring
     for the precedence of arguments and environment variables.
 
