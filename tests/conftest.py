@@ -65,6 +65,20 @@ def pytest_runtest_makereport(item, call):
     report.longrepr = f"{MODE_VARIABLE}={mode} requires every {kind} test to run, but this one skipped: {reason}"
 
 
+@pytest.fixture
+def store_and_catalog(tmp_path):
+    """A local pack store and an embedded catalog in the test's own directory."""
+    from dmi.catalog import open_catalog
+    from dmi.storage import PackStore
+
+    store = PackStore.local(tmp_path / "packs")
+    catalog = open_catalog(f"chdb://{tmp_path / 'catalog'}")
+    try:
+        yield store, catalog
+    finally:
+        catalog.close()
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A moto S3 server for the session, with test credentials in the environment."""

@@ -8,23 +8,11 @@ import pytest
 import torch
 
 from dmi.capture import attach
-from dmi.catalog import open_catalog
-from dmi.storage import PackStore
 from dmi.reader import assemble, read_records
 
 from ._models import MemoryWriter, left_padded_batch, tiny
 
 N_NEW = 4
-
-
-@pytest.fixture
-def store_and_catalog(tmp_path):
-    store = PackStore.local(tmp_path / "packs")
-    catalog = open_catalog(f"chdb://{tmp_path / 'catalog'}")
-    try:
-        yield store, catalog
-    finally:
-        catalog.close()
 
 
 def read_back(store, catalog, model_id, request_id, hook, run_id=None):

@@ -154,12 +154,12 @@ def test_schema_is_replicated_on_every_replica(local_cluster, cluster_database):
 def test_an_upgrade_through_one_replica_reaches_the_other(local_cluster, cluster_database):
     """Tables left as schema version 1 (records without the token layout columns, version row 1),
     opened through replica 2, are upgraded on both replicas: replica 1 then has the columns and
-    reads both version rows."""
+    reads both version rows (1 and the current one)."""
     first, second = local_cluster.nodes
     with open_catalog(first.uri(cluster_database)) as catalog:
         records = catalog.tables["records"]
-        catalog._backend.command(f"ALTER TABLE {records} DROP COLUMN token_axis")
-        catalog._backend.command(f"ALTER TABLE {records} DROP COLUMN key_axis")
+        for column in ("token_axis", "key_axis", "dp_rank", "pp_rank"):  # added by versions 2 and 3
+            catalog._backend.command(f"ALTER TABLE {records} DROP COLUMN {column}")
         catalog._backend.command(f"DROP TABLE {catalog.tables['schema']}")
         catalog._backend.command(
             f"CREATE TABLE {catalog.tables['schema']} (version UInt32, written_at Float64, written_by String) "
@@ -169,12 +169,12 @@ def test_an_upgrade_through_one_replica_reaches_the_other(local_cluster, cluster
             {"version": pa.array([1], pa.uint32()), "written_at": [0.0], "written_by": ["v1"]}
         ))
     with open_catalog(second.uri(cluster_database)) as before:
-        assert before.schema_version() == 2  # opening through replica 2 upgrades it, on both
+        assert before.schema_version() == SCHEMA_VERSION  # opening through replica 2 upgrades it, on both
     with open_catalog(first.uri(cluster_database)) as after:
         columns = after._backend.query(f"DESCRIBE TABLE {records}").column("name").to_pylist()
-        assert {"token_axis", "key_axis"} <= set(columns)
+        assert {"token_axis", "key_axis", "dp_rank", "pp_rank"} <= set(columns)
         versions = after.sql(f"SELECT version FROM {after.tables['schema']} ORDER BY version").column("version")
-        assert versions.to_pylist() == [1, 2]
+        assert versions.to_pylist() == [1, SCHEMA_VERSION]
 
 
 @pytest.mark.cluster

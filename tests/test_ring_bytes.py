@@ -15,22 +15,11 @@ import torch
 
 from dmi.capture import Ring, attach
 from dmi.capture._ring import Entry
-from dmi.catalog import open_catalog
 from dmi.reader import assemble, read_records
 from dmi.storage import PackStore, PackWriter, RecordKey
 from dmi.storage.errors import DrainError, InvalidArgumentError, RingFullError
 
 from ._models import MemoryWriter, left_padded_batch, tiny
-
-
-@pytest.fixture
-def store_and_catalog(tmp_path):
-    store = PackStore.local(tmp_path / "packs")
-    catalog = open_catalog(f"chdb://{tmp_path / 'catalog'}")
-    try:
-        yield store, catalog
-    finally:
-        catalog.close()
 
 
 class GatedPackWriter(PackWriter):
