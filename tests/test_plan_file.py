@@ -236,10 +236,11 @@ def test_cli_capture_with_plan_takes_model_and_store_from_the_plan(tmp_path):
     rc, out, err = _cli("capture", "--plan", str(plan), "--prompt", "hello", "--max-new-tokens", "0", "--json", "-q")
     assert (rc, err) == (0, "")
     result = json.loads(out)
-    assert result["model_id"] == "cli-plan" and result["records"] == 2  # one request x layers 1, 2
+    # one request x layers 1, 2, plus what the CLI's tokenizer adds: token_ids, token_text, prompt_text
+    assert result["model_id"] == "cli-plan" and result["records"] == 2 + 3
     with dmi.open(home=cli_home) as store:
         assert [(h.hook, tuple(h.layers)) for h in store.contents("cli-plan", result["request_ids"][0]).hooks] == [
-            ("resid_pre", (1, 2))]
+            ("token_ids", (-1,)), ("resid_pre", (1, 2))]
 
 
 def test_cli_refuses_flags_the_plan_sets(tmp_path):
