@@ -377,6 +377,7 @@ class CaptureSession:
         if not rows:
             return None
         self.drain.check()  # the open slot may have room: a failed drain must stop the copies here
+        first_cols, starts = self.schedule.trim_prompt(phase, first_cols, starts, t)
         plan = StepPlan.build(batch=b, tokens=t, phase=phase, step=call.step, first_cols=first_cols,
                               starts=starts, kv_pads=call.pads, rows=rows, request_ids=call.request_ids,
                               geometry=self.geometry, hooks=self._emitted, call_id=call.call_id)
