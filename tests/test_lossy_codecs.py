@@ -111,6 +111,20 @@ def test_attach_refuses_lossy_codec_for_integer_hooks_before_the_model_runs(tmp_
     assert store.list_packs() == []
 
 
+@pytest.mark.parametrize("how", ["writer_options", "tokenizer"])
+def test_attach_refuses_a_capture_wide_lossy_codec_that_would_reach_integers(tmp_path, how):
+    from .test_token_text import word_tokenizer
+
+    model = tiny("llama")
+    store = PackStore.local(tmp_path)
+    hooks, extra = ("resid_post token_ids", {}) if how == "writer_options" else ("resid_post", {"tokenizer": word_tokenizer()})
+    codec = {"writer_options": {"codec": "int8"}} if how == "writer_options" else {"codec": "fp8"}
+    with pytest.raises(LossyCodecError, match="token_ids" if how == "writer_options" else "token text"):
+        with attach(model, hooks=hooks, store=store, **codec, **extra):
+            pass
+    assert store.list_packs() == []
+
+
 def test_capture_per_hook_lossy_codec_is_in_the_catalog_row(tmp_path):
     model = tiny("llama", dtype=torch.bfloat16)
     ids, mask = left_padded_batch()
