@@ -153,3 +153,20 @@ def test_capture_per_hook_lossy_codec_is_in_the_catalog_row(tmp_path):
             assert (ids_row["codec_max_abs_error"], ids_row["codec_rel_l2_error"]) == (0.0, 0.0)
     finally:
         catalog.close()
+
+
+@pytest.mark.parametrize("codec, extra, match", [
+    ({"attn_q": "fp8"}, {}, "does not write"),
+    ({"resid_post": "bogus"}, {}, "unknown codec 'bogus'"),
+    ("bogus", {}, "unknown codec 'bogus'"),
+    (8, {}, "codec must be a codec name"),
+    ("fp8", {"writer_options": {"codec": "raw"}}, "disagree"),
+])
+def test_attach_refuses_a_codec_it_cannot_apply(tmp_path, codec, extra, match):
+    from dmi.storage.errors import InvalidArgumentError
+
+    store = PackStore.local(tmp_path)
+    with pytest.raises(InvalidArgumentError, match=match):
+        with attach(tiny("llama"), hooks="resid_post", store=store, codec=codec, **extra):
+            pass
+    assert store.list_packs() == []
