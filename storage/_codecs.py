@@ -130,7 +130,7 @@ def decode(codec: str, stored, out: np.ndarray, itemsize: int) -> None:
         elif codec == "split-zstd":
             _decode_split(stored, out, itemsize)
         elif codec in LOSSY_CODECS:
-            _decode_lossy(codec, stored, out)
+            _decode_lossy(codec, stored, out, itemsize)
         else:
             raise CodecError(f"unknown codec {codec!r}")
     except zstandard.ZstdError as exc:
@@ -298,7 +298,7 @@ def _plane_bytes(plane: np.ndarray) -> bytes:
     return _PLANE_ENTRY.pack(_PLANE_RAW, plane.nbytes) + plane.tobytes()
 
 
-def _decode_lossy(codec: str, stored, out: np.ndarray) -> None:
+def _decode_lossy(codec: str, stored, out: np.ndarray, itemsize: int) -> None:
     import torch
 
     view = memoryview(stored).cast("B")
@@ -308,6 +308,8 @@ def _decode_lossy(codec: str, stored, out: np.ndarray) -> None:
     if tag != _LOSSY_TAGS[codec] or not 1 <= dtype_code <= len(_LOSSY_DTYPES):
         raise CodecError(f"{codec} header tag={tag} dtype code={dtype_code} is not a {codec} payload")
     dtype = getattr(torch, _LOSSY_DTYPES[dtype_code - 1])
+    if dtype.itemsize != itemsize:
+        raise CodecError(f"{codec} payload holds {dtype}, not elements of {itemsize} bytes")
     if rows * row_len * dtype.itemsize != out.nbytes:
         raise CodecError(f"{codec} payload holds {rows}x{row_len} {dtype}, not {out.nbytes} raw bytes")
     pos = _LOSSY_HEADER.size

@@ -170,3 +170,19 @@ def test_attach_refuses_a_codec_it_cannot_apply(tmp_path, codec, extra, match):
         with attach(tiny("llama"), hooks="resid_post", store=store, codec=codec, **extra):
             pass
     assert store.list_packs() == []
+
+
+def test_decode_refuses_a_lossy_payload_of_another_element_size():
+    """A payload whose own dtype disagrees with the record's (same byte count) is refused,
+    not reinterpreted. Built directly: the checksum stops a damaged pack before this."""
+    import numpy as np
+
+    from dmi.storage import CodecError, decode
+    from dmi.storage._codecs import encode_lossy
+
+    stored, decoded = encode_lossy("fp8", torch.ones(2, 4, dtype=torch.bfloat16))
+    out = np.empty(16, np.uint8)
+    decode("fp8", stored, out, 2)
+    assert torch.equal(torch.from_numpy(out).view(torch.bfloat16).reshape(2, 4), decoded)
+    with pytest.raises(CodecError, match="not elements of 4 bytes"):
+        decode("fp8", stored, np.empty(16, np.uint8), 4)
