@@ -186,3 +186,36 @@ def test_decode_refuses_a_lossy_payload_of_another_element_size():
     assert torch.equal(torch.from_numpy(out).view(torch.bfloat16).reshape(2, 4), decoded)
     with pytest.raises(CodecError, match="not elements of 4 bytes"):
         decode("fp8", stored, np.empty(16, np.uint8), 4)
+
+
+def _damaged(kind: str) -> tuple[str, bytes, int]:
+    """(codec to decode with, payload, raw bytes asked for) for one kind of damaged payload."""
+    from dmi.storage._codecs import _LOSSY_HEADER, encode_lossy
+
+    stored, _ = encode_lossy("int8", activations(torch.bfloat16))
+    plane_kind_at = _LOSSY_HEADER.size + 4 * 8
+    return {
+        "short header": ("int8", stored[:5], 8 * 96 * 2),
+        "other codec's tag": ("fp8", stored, 8 * 96 * 2),
+        "other raw size": ("int8", stored, 8 * 96 * 2 - 2),
+        "truncated plane": ("int8", stored[:-1], 8 * 96 * 2),
+        "unknown plane kind": ("int8", stored[:plane_kind_at] + b"\x07" + stored[plane_kind_at + 1 :], 8 * 96 * 2),
+    }[kind]
+
+
+@pytest.mark.parametrize("kind, match", [
+    ("short header", "shorter than its header"),
+    ("other codec's tag", "is not a fp8 payload"),
+    ("other raw size", "not 1534 raw bytes"),
+    ("truncated plane", "its entry says"),
+    ("unknown plane kind", "unknown codec 7"),
+])
+def test_decode_refuses_a_damaged_lossy_payload(kind, match):
+    """Built directly: in a pack the checksum refuses damaged bytes before decoding."""
+    import numpy as np
+
+    from dmi.storage import CodecError, decode
+
+    codec, stored, raw = _damaged(kind)
+    with pytest.raises(CodecError, match=match):
+        decode(codec, stored, np.empty(raw, np.uint8), 2)
