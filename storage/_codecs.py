@@ -313,10 +313,10 @@ def _decode_lossy(codec: str, stored, out: np.ndarray, itemsize: int) -> None:
     if rows * row_len * dtype.itemsize != out.nbytes:
         raise CodecError(f"{codec} payload holds {rows}x{row_len} {dtype}, not {out.nbytes} raw bytes")
     pos = _LOSSY_HEADER.size
+    if len(view) < pos + 4 * rows + _PLANE_ENTRY.size:
+        raise CodecError(f"{codec} payload shorter than its {rows} scales")
     scales = np.frombuffer(view[pos : pos + 4 * rows], dtype=np.float32)
     pos += 4 * rows
-    if scales.size != rows or len(view) < pos + _PLANE_ENTRY.size:
-        raise CodecError(f"{codec} payload shorter than its {rows} scales")
     kind, length = _PLANE_ENTRY.unpack_from(view, pos)
     body = view[pos + _PLANE_ENTRY.size :]
     if len(body) != length:

@@ -196,6 +196,7 @@ def _damaged(kind: str) -> tuple[str, bytes, int]:
     plane_kind_at = _LOSSY_HEADER.size + 4 * 8
     return {
         "short header": ("int8", stored[:5], 8 * 96 * 2),
+        "cut in the scales": ("int8", stored[: _LOSSY_HEADER.size + 7], 8 * 96 * 2),
         "other codec's tag": ("fp8", stored, 8 * 96 * 2),
         "other raw size": ("int8", stored, 8 * 96 * 2 - 2),
         "truncated plane": ("int8", stored[:-1], 8 * 96 * 2),
@@ -205,6 +206,7 @@ def _damaged(kind: str) -> tuple[str, bytes, int]:
 
 @pytest.mark.parametrize("kind, match", [
     ("short header", "shorter than its header"),
+    ("cut in the scales", "shorter than its 8 scales"),
     ("other codec's tag", "is not a fp8 payload"),
     ("other raw size", "not 1534 raw bytes"),
     ("truncated plane", "its entry says"),
