@@ -196,7 +196,7 @@ def _damaged(kind: str) -> tuple[str, bytes, int]:
     plane_kind_at = _LOSSY_HEADER.size + 4 * 8
     return {
         "short header": ("int8", stored[:5], 8 * 96 * 2),
-        "cut in the scales": ("int8", stored[: _LOSSY_HEADER.size + 7], 8 * 96 * 2),
+        "cut in the scales": ("int8", stored[: _LOSSY_HEADER.size + 13], 8 * 96 * 2),
         "other codec's tag": ("fp8", stored, 8 * 96 * 2),
         "other raw size": ("int8", stored, 8 * 96 * 2 - 2),
         "truncated plane": ("int8", stored[:-1], 8 * 96 * 2),
