@@ -7,6 +7,9 @@ tensors durably (data fsync'd before the clock stops) into its own fresh directo
 
 * ``dmi raw`` / ``dmi split-zstd`` (default codec): ``PackWriter`` + seal, one appending
   thread; ``dmi split-zstd, 2 appenders``: two threads appending to the same writer
+* ``dmi fp8`` / ``dmi int8``: the opt-in lossy codecs (per-row scale), same writer; their
+  rows add the error read back against the original (max abs, relative L2), the very
+  figures each record carries in its ``codec_max_abs_error`` / ``codec_rel_l2_error``
 * ``torch.save``: one file per request holding its 24 layer tensors (dict)
 * ``safetensors``: one file per request (``layer{i}`` tensors)
 * ``parquet zstd``: one file, one row per record (key columns + payload bytes), zstd-1,
@@ -63,7 +66,7 @@ import safetensors.torch as st
 import torch
 import zstandard
 
-from dmi.storage import PackStore, PackWriter, RecordKey
+from dmi.storage import LOSSY_CODECS, PackStore, PackWriter, RecordKey
 from dmi.reader import FooterCache, load_footer, read_by_key, read_records
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -185,6 +188,7 @@ class Dmi:
 
     def __init__(self, codec: str, appenders: int = 1):
         self.codec, self.appenders = codec, appenders
+        self.lossy = codec in LOSSY_CODECS
         self.name = f"dmi {codec}" + (f", {appenders} appenders" if appenders > 1 else "")
 
     def write(self, root, data):
@@ -450,7 +454,7 @@ def run_method(m, root, data, raw_bytes, sample, check):
     size = disk_bytes(root)
     drop_cache(paths)
     t_cold, got = timed(lambda: m.read_all(root))
-    check(m.name, got)
+    max_abs, rel_l2 = check(m.name, got, lossy=getattr(m, "lossy", False))
     del got
     t_warm, got = timed(lambda: m.read_all(root))
     del got
@@ -473,6 +477,8 @@ def run_method(m, root, data, raw_bytes, sample, check):
         "one warm p99": _pct(warm, 99),
         "disk": size,
         "ratio": raw_bytes / size,
+        "max abs error": max_abs,
+        "rel l2 error": rel_l2,
     }
 
 
@@ -492,14 +498,32 @@ def _pct(xs, p):
 def checker(data):
     expected = list(data.values())
 
-    def check(name, got):
+    def check(name, got, lossy=False):
+        """Bit-exact for lossless methods; for lossy ones, the same dtypes and shapes and the
+        error over everything: (max abs, relative L2), ``(0, 0)`` when lossless."""
         if len(got) != len(expected):
             raise SystemExit(f"{name}: read {len(got)} tensors, wrote {len(expected)}")
+        if lossy:
+            return lossy_error(name, got, expected)
         for a, b in zip(got, expected):
             if not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
                 raise SystemExit(f"{name}: a tensor read back differs from what was written")
+        return 0.0, 0.0
 
     return check
+
+
+def lossy_error(name, got, expected) -> tuple[float, float]:
+    """Max abs and relative L2 error of everything ``got`` against ``expected`` (float64)."""
+    max_abs, diff_sq, ref_sq = 0.0, 0.0, 0.0
+    for a, b in zip(got, expected):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            raise SystemExit(f"{name}: read {a.dtype} {tuple(a.shape)}, wrote {b.dtype} {tuple(b.shape)}")
+        diff = a.double() - b.double()
+        max_abs = max(max_abs, float(diff.abs().max()))
+        diff_sq += float(diff.square().sum())
+        ref_sq += float(b.double().square().sum())
+    return max_abs, (diff_sq / ref_sq) ** 0.5 if ref_sq else 0.0
 
 
 # --- report -------------------------------------------------------------------------------
@@ -517,8 +541,8 @@ def report(dtype_name, shape_desc, lim, results):
     lines = [
         f"### {dtype_name}: {shape_desc}",
         "",
-        "| method | durable write GB/s | read-all cold GB/s | read-all warm GB/s | one record cold p50 / p99 ms | one record warm p50 / p99 ms | bytes on disk | ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | durable write GB/s | read-all cold GB/s | read-all warm GB/s | one record cold p50 / p99 ms | one record warm p50 / p99 ms | bytes on disk | ratio | error: max abs / rel L2 |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         lines.append(
@@ -527,7 +551,8 @@ def report(dtype_name, shape_desc, lim, results):
             f" | {r['read warm'] / gb:.2f} ({r['read warm'] / lim['memcpy']:.2f}x memcpy, {r['read warm'] / best_peer['read warm']:.2f}x peer)"
             f" | {r['one cold p50'] * 1e3:.2f} / {r['one cold p99'] * 1e3:.2f}"
             f" | {r['one warm p50'] * 1e3:.2f} / {r['one warm p99'] * 1e3:.2f}"
-            f" | {r['disk'] / 1e6:.1f} MB | {r['ratio']:.3f} |"
+            f" | {r['disk'] / 1e6:.1f} MB | {r['ratio']:.3f}"
+            f" | {r['max abs error']:.3g} / {r['rel l2 error']:.2e} |"
         )
     lines += ["", "Limits (same data): " + ", ".join(
         f"{k} {v:.3f}" if k.endswith("ratio") else f"{k} {v / gb:.2f} GB/s" for k, v in lim.items()
@@ -595,6 +620,7 @@ def make_methods(dtype, shapes):
         Dmi("raw"),
         Dmi("split-zstd"),
         Dmi("split-zstd", appenders=2),
+        *(Dmi(codec) for codec in LOSSY_CODECS),
         TorchSave(),
         Safetensors(),
         Parquet(dtype, shapes),

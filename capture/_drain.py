@@ -88,7 +88,8 @@ class Drain:
     def __init__(self, ring, writer, ctx: KeyContext, *, publish=None, record_losses=None,
                  tick=None, tick_seconds: float = 5.0, decode_chunk_steps: int = 32,
                  decode_chunk_bytes: int = 16 << 20, start=None, fallback_codec: str | None = None,
-                 fallback_fill: float = 0.5, name: str = "dmi-drain", texts=None):
+                 fallback_fill: float = 0.5, name: str = "dmi-drain", texts=None,
+                 hook_codecs: dict[str, str] | None = None):
         self.ring = ring
         self.texts = texts  # TokenStrings: token_ids records also become token_text / prompt_text records
         self.writer = writer
@@ -106,6 +107,7 @@ class Drain:
         self._fallback = fallback_codec if fallback_codec and _switchable(writer, fallback_codec) else None
         self._fallback_fill = fallback_fill
         self._codec: str | None = None  # the fallback while behind, else None (the writer's codec)
+        self._hook_codecs = dict(hook_codecs or {})  # attach(codec={hook: codec}): these hooks' codec
         self.error: BaseException | None = None
         self.published: list = []
         self.lost_keys: list[RecordKey] = []
@@ -263,7 +265,10 @@ class Drain:
             key = replace(key, n_tokens=n_tokens)
         spec = HOOKS[hook]
         shard = self._shard(hook, tuple(rec.shape))
-        if self._codec is None:
+        if self._codec is None and hook in self._hook_codecs:
+            self.writer.append(key, rec, shard=shard, token_axis=spec.token_axis, key_axis=spec.key_axis,
+                               codec=self._hook_codecs[hook])
+        elif self._codec is None:
             self.writer.append(key, rec, shard=shard, token_axis=spec.token_axis, key_axis=spec.key_axis)
         else:
             self.writer.append(key, rec, shard=shard, token_axis=spec.token_axis, key_axis=spec.key_axis,

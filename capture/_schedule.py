@@ -25,12 +25,18 @@ class Schedule:
     * ``request_stride``: capture the ``n``-th request of the session (0-based, counted over
       every call) when ``n % request_stride == 0``.
     * ``warmup``: ignore the first ``warmup`` model forwards after attaching.
+    * ``last_tokens``: keep only the last ``N`` real tokens of each request's prompt (its
+      prefill or scoring forward; padding never counts); decode tokens, each the newest token
+      of its request, are kept as the other fields say. ``None`` (default): every token.
+      Records start at the first kept position (``start_token``), so a request's tokens stay
+      contiguous; with ``phases=("prefill", "forward")`` only the prompt's last ``N`` remain.
     """
 
     phases: tuple[str, ...] = PHASES
     step_stride: int = 1
     request_stride: int = 1
     warmup: int = 0
+    last_tokens: int | None = None
 
     def __post_init__(self):
         phases = (self.phases,) if isinstance(self.phases, str) else tuple(self.phases)
@@ -44,6 +50,9 @@ class Schedule:
                 raise InvalidArgumentError(f"schedule {name} must be an int >= 1, got {v!r}")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise InvalidArgumentError(f"schedule warmup must be an int >= 0, got {self.warmup!r}")
+        n = self.last_tokens
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise InvalidArgumentError(f"schedule last_tokens must be None or an int >= 1, got {n!r}")
 
     @classmethod
     def coerce(cls, value) -> "Schedule":
@@ -65,3 +74,13 @@ class Schedule:
 
     def admits_request(self, sequence: int) -> bool:
         return sequence % self.request_stride == 0
+
+    def trim_prompt(self, phase: str, first_cols: list[int], starts: list[int],
+                    tokens: int) -> tuple[list[int], list[int]]:
+        """``(first_cols, starts)`` of a step's rows after ``last_tokens``: a prompt step's rows
+        skip their leading real tokens (column and real position move together); a decode step,
+        or no ``last_tokens``, is unchanged."""
+        if self.last_tokens is None or phase == "decode":
+            return first_cols, starts
+        skips = [max(0, tokens - col - self.last_tokens) for col in first_cols]
+        return [c + k for c, k in zip(first_cols, skips)], [s + k for s, k in zip(starts, skips)]

@@ -37,6 +37,7 @@ from dmi.storage.errors import (
 from dmi.storage.records import GLOBAL_LAYER
 
 from ._arch import Architecture, resolve_architecture
+from ._codec_choice import resolve_codecs
 from ._compiled import (Staging, check_compiled_selection, compiled_form, guard_hooks, inner_model,
                         install_compiled_taps, outside_graph, unguard_hooks)
 from ._drain import Drain, KeyContext, cuda_event_for_submission
@@ -376,6 +377,7 @@ class CaptureSession:
         if not rows:
             return None
         self.drain.check()  # the open slot may have room: a failed drain must stop the copies here
+        first_cols, starts = self.schedule.trim_prompt(phase, first_cols, starts, t)
         plan = StepPlan.build(batch=b, tokens=t, phase=phase, step=call.step, first_cols=first_cols,
                               starts=starts, kv_pads=call.pads, rows=rows, request_ids=call.request_ids,
                               geometry=self.geometry, hooks=self._emitted, call_id=call.call_id)
@@ -589,6 +591,7 @@ def attach(
     drop_policy: str = "wait",
     adaptive_codec: float | None = 0.5,
     writer_options: dict | None = None,
+    codec=None,
     publish_scope: str | None = None,
     lease_seconds: float = 30.0,
     decode_chunk_steps: int = 32,
@@ -620,6 +623,9 @@ def attach(
     * ``adaptive_codec``: the ring fill (bytes waiting for the drain / ring bytes) at or above
       which the drain stores records ``raw`` instead of the writer's codec, to catch up
       without stalling the model (lossless; counted in ``stats``); ``None``: never switch.
+    * ``codec``: the codec of every record (``"fp8"``, ``"int8"``: lossy, opt-in; see
+      ``docs/pack-format.md``), or ``{hook: codec}`` for some hooks; lossy codecs are refused
+      for integer hooks with :class:`LossyCodecError` (see ``dmi.capture._codec_choice``).
     * ``decode_chunk_steps``: consecutive decode steps of a call are stored as one record per
       (request, hook, layer) covering up to this many tokens (``1``: one record per step).
     * ``tp_rank`` / ``tp_size``: this process's tensor-parallel shard; by default read from the
@@ -668,6 +674,8 @@ def attach(
         selection = with_token_ids(selection)
     layout = TPLayout(geometry, tp_rank, tp_size, tp_layout)
     emitted = emitted_hooks(selection.hooks, layout, tp_replicas)
+    writer_options, hook_codecs = resolve_codecs(codec, writer_options, tuple(selection.hooks), geometry,
+                                                 texts is not None)
     owner_key = arch.layers  # shared by a *ForCausalLM and its inner base model
     with _OWNERS_LOCK:
         if owner_key in _OWNERS:
@@ -696,7 +704,7 @@ def attach(
                       tick_seconds=lease_seconds / 4, decode_chunk_steps=decode_chunk_steps,
                       fallback_codec=None if adaptive_codec is None else "raw",
                       fallback_fill=1.0 if adaptive_codec is None else adaptive_codec,
-                      texts=texts)
+                      texts=texts, hook_codecs=hook_codecs)
         session = CaptureSession(model, arch, selection, geometry, model_id=model_id, run_id=run_id,
                                  schedule=schedule, ring=ring, drain=drain, publisher=publisher,
                                  tp_rank=tp_rank, tp_size=tp_size, capture_enabled=enabled,

@@ -18,7 +18,7 @@ from dmi.catalog._audits import AUDITS_DDL
 from dmi.storage.record_schema import PAYLOAD_FIELDS, RECORD_FIELDS, entries_from_columns, field_columns
 from dmi.storage.records import PackDescriptor, RecordEntry
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Bump when a table changes shape; a catalog with a higher version row is refused, one with
 a lower version is upgraded in place when opened: missing record columns are added
 (:func:`record_column_upgrades`), then :data:`UPGRADES` run, then the idempotent CREATEs.
@@ -26,7 +26,8 @@ a lower version is upgraded in place when opened: missing record columns are add
 Version 2: records gain the token layout (``token_axis``, ``key_axis``); ``deletions``
 (tombstones) is added and ``records_published`` honours them; ``audits`` (what
 ``dmi audit`` checked and found) is added. Version 3: records gain the writer's data- and
-pipeline-parallel ranks (``dp_rank``, ``pp_rank``)."""
+pipeline-parallel ranks (``dp_rank``, ``pp_rank``). Version 4: records gain what a lossy
+codec lost (``codec_max_abs_error``, ``codec_rel_l2_error``)."""
 
 _LOCATION_FIELDS = (("pack_id", pa.string(), "String"), ("record_index", pa.uint32(), "UInt32"), *PAYLOAD_FIELDS)
 """Index-only columns of a record row: which pack, which record in it, which bytes."""
@@ -118,12 +119,14 @@ PUBLISHED_RECORDS_VIEW = """
 UPGRADES = {
     2: ["DROP TABLE IF EXISTS {records_published}"],
     3: ["DROP TABLE IF EXISTS {records_published}"],
+    4: ["DROP TABLE IF EXISTS {records_published}"],
 }
 """Statements that bring a catalog of an older version up to a newer one, by the version
 they lead to; run after the record columns are added and before the (idempotent) CREATE
 statements re-create what they drop. Version 2 re-creates ``records_published`` so that
 it has the new record columns and honours tombstones; version 3 re-creates it with the
-parallel-rank columns (its ``SELECT *`` was expanded when it was made)."""
+parallel-rank columns (its ``SELECT *`` was expanded when it was made), version 4 with the
+codec-error columns."""
 
 
 def ddl_statements(names: dict[str, str]) -> list[str]:

@@ -15,6 +15,7 @@ from dmi.storage.records import *  # noqa: F403
 _LAZY = {
     "CODECS": "_codecs",
     "DEFAULT_CODEC": "_codecs",
+    "LOSSY_CODECS": "_codecs",
     "CodecError": "_codecs",
     "checksum": "_codecs",
     "decode": "_codecs",

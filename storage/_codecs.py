@@ -16,6 +16,22 @@ chose the default):
     exponent) compresses ~2.7x and the low byte (mantissa) is close to random, so this
     spends zstd's time only where it pays.
 
+Two lossy codecs are opt-in, for floating-point records only (integer values are refused
+with :class:`~dmi.storage.errors.LossyCodecError`). A *row* is the record's last axis (for a
+``[tokens, hidden]`` record: one token's features); each row gets its own float32 scale:
+
+``fp8``
+    ``float8_e4m3fn`` of ``x / scale`` with ``scale = row absmax / 448``: each element within
+    ``2^-4`` of its row's absmax (3 mantissa bits), half the bytes of bf16.
+``int8``
+    ``round(x / scale)`` with ``scale = row absmax / 127`` (symmetric): each element within
+    ``scale / 2``.
+
+A lossy payload is self-describing (original dtype, rows, row length, scales, then the
+quantised bytes, zstd-compressed where a sample shows it pays), so decoding returns the
+original dtype. :func:`encode_lossy` also returns the decoded tensor, from which the writer
+measures what was lost (``codec_max_abs_error``, ``codec_rel_l2_error`` in every record).
+
 All heavy work (numpy shifts, zstd, xxh3) runs in C without the GIL.
 """
 
@@ -28,9 +44,12 @@ import numpy as np
 import xxhash
 import zstandard
 
-__all__ = ["CODECS", "DEFAULT_CODEC", "CodecError", "checksum", "encode", "decode"]
+__all__ = ["CODECS", "LOSSY_CODECS", "DEFAULT_CODEC", "CodecError", "checksum", "encode", "encode_lossy", "decode"]
 
 CODECS = ("raw", "zstd", "split-zstd")
+"""The lossless codecs: decoding gives back the exact bytes."""
+LOSSY_CODECS = ("fp8", "int8")
+"""The opt-in lossy codecs: decoding gives back the dtype and shape, within each codec's bound."""
 DEFAULT_CODEC = "split-zstd"
 
 _PLANE_RAW = 0
@@ -93,6 +112,8 @@ def encode(codec: str, raw: np.ndarray, itemsize: int):
         return _compressor("plain").compress(raw)
     if codec == "split-zstd":
         return _encode_split(raw, itemsize)
+    if codec in LOSSY_CODECS:
+        raise ValueError(f"{codec} is lossy and needs the tensor: use encode_lossy")
     raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
 
 
@@ -108,6 +129,8 @@ def decode(codec: str, stored, out: np.ndarray, itemsize: int) -> None:
             _zstd_into(stored, out)
         elif codec == "split-zstd":
             _decode_split(stored, out, itemsize)
+        elif codec in LOSSY_CODECS:
+            _decode_lossy(codec, stored, out, itemsize)
         else:
             raise CodecError(f"unknown codec {codec!r}")
     except zstandard.ZstdError as exc:
@@ -222,3 +245,90 @@ def _zstd_into(stored, out: np.ndarray) -> None:
         filled += n
     if reader.read(1):
         raise CodecError("zstd frame longer than expected")
+
+
+# --- lossy codecs -------------------------------------------------------------------------
+
+_LOSSY_TAGS = {"fp8": 2, "int8": 3}
+_LOSSY_HEADER = struct.Struct("<BBQQ")  # codec tag, original dtype code, rows, row length
+_LOSSY_DTYPES = ("float16", "bfloat16", "float32", "float64")  # code = index + 1
+_QMAX = {"fp8": 448.0, "int8": 127.0}  # largest finite float8_e4m3fn; symmetric int8
+
+
+def encode_lossy(codec: str, tensor):
+    """Quantise the floating tensor ``tensor`` with ``codec`` (``fp8`` or ``int8``).
+
+    Returns ``(stored bytes, decoded tensor)``: the payload, and exactly what :func:`decode`
+    will give back (same dtype and shape as ``tensor``), for measuring the error. Raises
+    ``ValueError`` for a dtype the codec cannot hold (the writer refuses those first).
+    """
+    import torch
+
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name not in _LOSSY_DTYPES:
+        raise ValueError(f"{codec} stores {', '.join(_LOSSY_DTYPES)} only, not {name}")
+    rows2d = tensor.reshape(-1, tensor.shape[-1] if tensor.dim() else 1)
+    work = rows2d.to(torch.float64 if tensor.dtype == torch.float64 else torch.float32)
+    absmax = work.abs().amax(dim=1, keepdim=True) if work.numel() else work.new_zeros((work.shape[0], 1))
+    scale = torch.where(absmax > 0, absmax / _QMAX[codec], torch.ones_like(absmax)).to(torch.float32)
+    scaled = work / scale.to(work.dtype)
+    if codec == "fp8":
+        quantised = scaled.to(torch.float8_e4m3fn)
+    else:
+        quantised = scaled.round_().clamp_(-_QMAX[codec], _QMAX[codec]).to(torch.int8)
+    decoded = _dequantise(quantised, scale, tensor.dtype).reshape(tensor.shape)
+    plane = quantised.view(torch.uint8).reshape(-1).numpy()
+    header = _LOSSY_HEADER.pack(_LOSSY_TAGS[codec], _LOSSY_DTYPES.index(name) + 1, *rows2d.shape)
+    return header + scale.reshape(-1).numpy().tobytes() + _plane_bytes(plane), decoded
+
+
+def _dequantise(quantised, scale, dtype):
+    import torch
+
+    return (quantised.to(torch.float32) * scale).to(dtype)
+
+
+def _plane_bytes(plane: np.ndarray) -> bytes:
+    """One byte plane, zstd-compressed when that pays (plane entry + body)."""
+    compressor = _compressor("plane")
+    if _worth_compressing(compressor, plane):
+        packed = compressor.compress(plane)
+        if len(packed) < plane.nbytes:
+            return _PLANE_ENTRY.pack(_PLANE_ZSTD, len(packed)) + packed
+    return _PLANE_ENTRY.pack(_PLANE_RAW, plane.nbytes) + plane.tobytes()
+
+
+def _decode_lossy(codec: str, stored, out: np.ndarray, itemsize: int) -> None:
+    import torch
+
+    view = memoryview(stored).cast("B")
+    if len(view) < _LOSSY_HEADER.size + _PLANE_ENTRY.size:
+        raise CodecError(f"{codec} payload shorter than its header")
+    tag, dtype_code, rows, row_len = _LOSSY_HEADER.unpack_from(view, 0)
+    if tag != _LOSSY_TAGS[codec] or not 1 <= dtype_code <= len(_LOSSY_DTYPES):
+        raise CodecError(f"{codec} header tag={tag} dtype code={dtype_code} is not a {codec} payload")
+    dtype = getattr(torch, _LOSSY_DTYPES[dtype_code - 1])
+    if dtype.itemsize != itemsize:
+        raise CodecError(f"{codec} payload holds {dtype}, not elements of {itemsize} bytes")
+    if rows * row_len * dtype.itemsize != out.nbytes:
+        raise CodecError(f"{codec} payload holds {rows}x{row_len} {dtype}, not {out.nbytes} raw bytes")
+    pos = _LOSSY_HEADER.size
+    if len(view) < pos + 4 * rows + _PLANE_ENTRY.size:
+        raise CodecError(f"{codec} payload shorter than its {rows} scales")
+    scales = np.frombuffer(view[pos : pos + 4 * rows], dtype=np.float32)
+    pos += 4 * rows
+    kind, length = _PLANE_ENTRY.unpack_from(view, pos)
+    body = view[pos + _PLANE_ENTRY.size :]
+    if len(body) != length:
+        raise CodecError(f"{codec} plane holds {len(body)} bytes, its entry says {length}")
+    plane = np.empty(rows * row_len, np.uint8)
+    if kind == _PLANE_ZSTD:
+        _zstd_into(body, plane)
+    elif kind == _PLANE_RAW:
+        _copy_exact(body, plane)
+    else:
+        raise CodecError(f"{codec} plane has unknown codec {kind}")
+    qtype = torch.float8_e4m3fn if codec == "fp8" else torch.int8
+    quantised = torch.from_numpy(plane).view(qtype).reshape(rows, row_len)
+    decoded = _dequantise(quantised, torch.from_numpy(scales.copy()).reshape(rows, 1), dtype)
+    out[...] = decoded.reshape(-1).view(torch.uint8).numpy()

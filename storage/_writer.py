@@ -23,11 +23,11 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from dmi.storage._codecs import CODECS, DEFAULT_CODEC, checksum, encode
+from dmi.storage._codecs import CODECS, DEFAULT_CODEC, LOSSY_CODECS, checksum, encode, encode_lossy
 from dmi.storage.record_schema import field_columns
 from dmi.storage._pack_format import PACK_ROW_SCHEMA, FORMAT_VERSION, dtype_name, encode_index, schema_with_metadata, torch_dtype
 from dmi.storage._store import PackSink, PackStore
-from dmi.storage.errors import InvalidArgumentError, PackError, PackSealError, UnsupportedDtypeError
+from dmi.storage.errors import InvalidArgumentError, LossyCodecError, PackError, PackSealError, UnsupportedDtypeError
 from dmi.storage.records import ByteRange, PackDescriptor, RecordEntry, RecordKey, RecordMeta, RecordStats, ShardGeometry
 
 __all__ = ["PackWriter", "DEFAULT_MAX_RECORDS", "DEFAULT_MAX_BYTES", "DEFAULT_BATCH_BYTES"]
@@ -68,8 +68,7 @@ class PackWriter:
         stats: bool = True,
         batch_bytes: int = DEFAULT_BATCH_BYTES,
     ):
-        if codec not in CODECS:
-            raise InvalidArgumentError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+        _check_codec(codec)
         for name, value in (("max_records", max_records), ("max_bytes", max_bytes), ("batch_bytes", batch_bytes)):
             if not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
@@ -103,14 +102,16 @@ class PackWriter:
         as the hook catalogue declares it; they must be distinct axes of the stored shape.
         ``codec``: this record's codec instead of the writer's (the capture drain stores
         ``raw`` while it is behind the model); recorded in the record's row like any other.
+        A lossy codec (``fp8``, ``int8``) takes floating-point records only
+        (:class:`LossyCodecError` otherwise) and records what it lost in the record's row.
         """
         self._check_open()
         if not isinstance(key, RecordKey):
             raise InvalidArgumentError(f"key must be a RecordKey, got {type(key).__name__}")
         if shard is not None and not isinstance(shard, ShardGeometry):
             raise InvalidArgumentError(f"shard must be a ShardGeometry, got {type(shard).__name__}")
-        if codec is not None and codec not in CODECS:
-            raise InvalidArgumentError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+        if codec is not None:
+            _check_codec(codec)
         encoded = self._encode(key, data, shard, dtype, shape, codec or self.codec)
         encoded = _with_layout(encoded, token_axis, key_axis)
         with self._lock:
@@ -172,7 +173,11 @@ class PackWriter:
 
     def _encode(self, key, data, shard, dtype, shape, codec: str) -> _Encoded:
         flat, tensor, dtype_str, shape_t = _as_bytes(data, dtype, shape)
-        stored = encode(codec, flat, torch_dtype(dtype_str).itemsize)
+        errors = (0.0, 0.0)
+        if codec in LOSSY_CODECS:
+            stored, errors = _encode_lossy(codec, key, tensor, dtype_str)
+        else:
+            stored = encode(codec, flat, torch_dtype(dtype_str).itemsize)
         view = memoryview(stored).cast("B") if not isinstance(stored, np.ndarray) else stored
         length = view.nbytes
         meta = RecordMeta(
@@ -184,8 +189,41 @@ class PackWriter:
             checksum=checksum(view),
             shard=shard,
             stats=_stats(tensor) if self.stats and tensor is not None else None,
+            codec_max_abs_error=errors[0],
+            codec_rel_l2_error=errors[1],
         )
         return _Encoded(meta, view, length)
+
+
+def _encode_lossy(codec: str, key: RecordKey, tensor: torch.Tensor | None, dtype_str: str):
+    """(stored payload, (max abs error, relative L2 error)) of a floating record under ``codec``.
+
+    Refuses anything but float16/bfloat16/float32/float64 values: quantising token ids or
+    expert indices would silently change what they mean."""
+    if tensor is None or not tensor.is_floating_point() or tensor.element_size() < 2:
+        raise LossyCodecError(
+            f"record {key.describe()}: {codec} is lossy and stores floating-point values only, not {dtype_str}; "
+            "store it with a lossless codec (raw, zstd, split-zstd)"
+        )
+    stored, decoded = encode_lossy(codec, tensor)
+    return stored, lossy_errors(tensor, decoded)
+
+
+def lossy_errors(original: torch.Tensor, decoded: torch.Tensor) -> tuple[float, float]:
+    """Largest absolute difference and ``||decoded - original|| / ||original||`` (0 when the
+    original is all zeros or empty), in float64 over whole tensors: no per-element Python."""
+    if original.numel() == 0:
+        return 0.0, 0.0
+    reference = original.to(torch.float64)
+    diff = decoded.to(torch.float64) - reference
+    norm = float(torch.linalg.vector_norm(reference))
+    rel = float(torch.linalg.vector_norm(diff)) / norm if norm else 0.0
+    return float(diff.abs().max()), rel
+
+
+def _check_codec(codec: str) -> None:
+    if codec not in CODECS and codec not in LOSSY_CODECS:
+        raise InvalidArgumentError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS + LOSSY_CODECS)}")
 
 
 def _as_bytes(data, dtype, shape):

@@ -11,7 +11,8 @@ exception types. Builtin mix-ins are added where callers naturally expect them.
     DMIError
     ├── InvalidArgumentError (ValueError)        bad input rejected where it enters
     │   ├── InvalidIdentifierError               model/request id, scope, db/table name
-    │   └── PlanError                            a capture plan file refused, at a field path
+    │   ├── PlanError                            a capture plan file refused, at a field path
+    │   └── LossyCodecError                      a lossy codec (fp8, int8) asked for integer values
     ├── PackError                                the pack files (format, storage)
     │   ├── PackNotFoundError (FileNotFoundError)
     │   ├── PackCorruptError                     checksum mismatch, undecodable payload
@@ -57,6 +58,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidIdentifierError",
     "PlanError",
+    "LossyCodecError",
     "PackError",
     "PackNotFoundError",
     "PackCorruptError",
@@ -117,6 +119,11 @@ class PlanError(InvalidArgumentError):
         self.source = source
         self.field = field
         self.reason = reason
+
+
+class LossyCodecError(InvalidArgumentError):
+    """A lossy codec (``fp8``, ``int8``) was asked to store integer or boolean values (token
+    ids, router choices, token text): those are stored losslessly or not at all."""
 
 
 class PackError(DMIError):

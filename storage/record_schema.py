@@ -38,9 +38,10 @@ __all__ = [
     "entries_from_columns",
 ]
 
-RECORD_SCHEMA_VERSION = 3
+RECORD_SCHEMA_VERSION = 4
 """Version 1: keys, tensor description, shard geometry, statistics. Version 2: token layout.
-Version 3: the writer's data- and pipeline-parallel ranks (``dp_rank``, ``pp_rank``)."""
+Version 3: the writer's data- and pipeline-parallel ranks (``dp_rank``, ``pp_rank``).
+Version 4: what a lossy codec lost (``codec_max_abs_error``, ``codec_rel_l2_error``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +113,10 @@ RECORD_FIELDS: tuple[RecordField, ...] = (
                 legacy_of=lambda row: 2 if row["hook"] == _V1_PATTERN_HOOK else -1),
     RecordField("dp_rank", "key.dp_rank", pa.int32(), "Int32", since=3, legacy="0", legacy_of=lambda row: 0),
     RecordField("pp_rank", "key.pp_rank", pa.int32(), "Int32", since=3, legacy="0", legacy_of=lambda row: 0),
+    RecordField("codec_max_abs_error", "codec_max_abs_error", pa.float64(), "Float64", since=4, legacy="0",
+                legacy_of=lambda row: 0.0),
+    RecordField("codec_rel_l2_error", "codec_rel_l2_error", pa.float64(), "Float64", since=4, legacy="0",
+                legacy_of=lambda row: 0.0),
 )
 """Every field of a record's description, in column order (new fields go last)."""
 

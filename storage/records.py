@@ -105,6 +105,11 @@ class RecordMeta:
     runs over the keys each token attended to (attention patterns: it grows from chunk to
     chunk, and the reader zero-fills it to the longest). Both come from the hook catalogue
     at capture time, so readers need no hook names.
+
+    ``codec_max_abs_error`` / ``codec_rel_l2_error``: what a lossy codec (``fp8``, ``int8``)
+    lost, measured at write time against the original values — the largest absolute
+    difference and ``||decoded - original|| / ||original||`` (schema version 4; ``0`` for
+    lossless codecs and for records written before).
     """
 
     key: RecordKey
@@ -117,6 +122,8 @@ class RecordMeta:
     stats: RecordStats | None = None
     token_axis: int = 0
     key_axis: int | None = None
+    codec_max_abs_error: float = 0.0
+    codec_rel_l2_error: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
