@@ -29,6 +29,7 @@ import torch
 from dmi.catalog import open_catalog
 from dmi.catalog._cluster import created_if_missing, on_cluster, zookeeper_component, zookeeper_path
 from dmi.catalog._schema import SCHEMA_VERSION, TABLES
+from dmi.storage.record_schema import RECORD_FIELDS
 from dmi.storage import (
     CatalogError,
     InvalidArgumentError,
@@ -158,8 +159,9 @@ def test_an_upgrade_through_one_replica_reaches_the_other(local_cluster, cluster
     first, second = local_cluster.nodes
     with open_catalog(first.uri(cluster_database)) as catalog:
         records = catalog.tables["records"]
-        for column in ("token_axis", "key_axis", "dp_rank", "pp_rank"):  # added by versions 2 and 3
-            catalog._backend.command(f"ALTER TABLE {records} DROP COLUMN {column}")
+        for field in RECORD_FIELDS:
+            if field.since > 1:  # the columns versions 2 and later added
+                catalog._backend.command(f"ALTER TABLE {records} DROP COLUMN {field.name}")
         catalog._backend.command(f"DROP TABLE {catalog.tables['schema']}")
         catalog._backend.command(
             f"CREATE TABLE {catalog.tables['schema']} (version UInt32, written_at Float64, written_by String) "
@@ -172,7 +174,7 @@ def test_an_upgrade_through_one_replica_reaches_the_other(local_cluster, cluster
         assert before.schema_version() == SCHEMA_VERSION  # opening through replica 2 upgrades it, on both
     with open_catalog(first.uri(cluster_database)) as after:
         columns = after._backend.query(f"DESCRIBE TABLE {records}").column("name").to_pylist()
-        assert {"token_axis", "key_axis", "dp_rank", "pp_rank"} <= set(columns)
+        assert {f.name for f in RECORD_FIELDS} <= set(columns)
         versions = after.sql(f"SELECT version FROM {after.tables['schema']} ORDER BY version").column("version")
         assert versions.to_pylist() == [1, SCHEMA_VERSION]
 

@@ -216,12 +216,13 @@ def test_two_dp_replicas_are_duplicates_not_shards():
 
 
 def test_a_schema_2_catalog_gains_the_parallel_rank_columns(tmp_path):
-    """Tables as version 2 left them (no dp_rank/pp_rank, version row 2) open as version 3,
-    and their rows read with rank 0."""
+    """Tables as version 2 left them (no dp_rank/pp_rank nor later columns, version row 2) open
+    as the current version, and their rows read with rank 0."""
     import pyarrow as pa
 
     from dmi.catalog import open_catalog
     from dmi.catalog import _schema
+    from dmi.storage.record_schema import RECORD_FIELDS
     from tests.catalog_conformance import pack
 
     uri = f"chdb://{tmp_path / 'cat'}"
@@ -229,16 +230,15 @@ def test_a_schema_2_catalog_gains_the_parallel_rank_columns(tmp_path):
         with catalog.publisher("s", holder="A") as pub:
             pub.publish([pack(run="r1")])
         t = catalog.tables
-        for statement in (f"DROP TABLE {t['records_published']}", f"DROP TABLE {t['schema']}",
-                          f"ALTER TABLE {t['records']} DROP COLUMN dp_rank",
-                          f"ALTER TABLE {t['records']} DROP COLUMN pp_rank"):
+        later = [f"ALTER TABLE {t['records']} DROP COLUMN {f.name}" for f in RECORD_FIELDS if f.since > 2]
+        for statement in (f"DROP TABLE {t['records_published']}", f"DROP TABLE {t['schema']}", *later):
             catalog._backend.command(statement)
         catalog._backend.command(_schema.ddl_statements(t)[0])
         catalog._backend.insert(t["schema"], pa.table({"version": pa.array([2], pa.uint32()), "written_at": [0.0],
                                                        "written_by": ["dmi 2"]}))
         assert catalog.schema_version() == 2
     with open_catalog(uri) as upgraded:
-        assert upgraded.schema_version() == _schema.SCHEMA_VERSION == 3
+        assert upgraded.schema_version() == _schema.SCHEMA_VERSION
         found = upgraded.find_records("gpt2", run_id="r1")
         assert len(found) == 3 and {(e.meta.key.dp_rank, e.meta.key.pp_rank) for e in found} == {(0, 0)}
         columns = upgraded.sql(f"SELECT dp_rank, pp_rank FROM {upgraded.tables['records_published']}")
