@@ -11,6 +11,8 @@ into one embedded store, generating from a left-padded batch (prefill + decode):
   rank's offset — what a capture bug that concatenates shards in the wrong order records
   (the fault is made on the real path: the records carry the wrong geometry, the data is
   each rank's real block);
+* ``overlap``: the hand-made model with both ranks' ``attn_q`` declared at offset 0 (shards
+  that overlap and leave a gap: they cannot be merged);
 * ``missing``: transformers' TP with ``tp_ranks=(0,)``: rank 1 runs the model but captures
   nothing, so every sharded record lacks rank 1's shard, as after a rank that died unpublished.
 
@@ -36,18 +38,20 @@ HOOKS = ["token_ids", "resid_pre", "attn_q", "attn_k", "attn_v", "attn_z", "attn
          "logits"]
 SHARDED = {"attn_q", "attn_k", "attn_v", "attn_z", "mlp_post"}
 N_LAYERS = 3
-# name: (how the model is sharded, attach options besides the hand layout, attn_q offset swapped)
+# name: (how the model is sharded, attach options besides the hand layout, the rank whose
+# attn_q offset the hand layout declares: None for its own)
 CASES = {
-    "honest": ("transformers", {}, False),
-    "hand": ("hand", {"tp_replicas": "all"}, False),
-    "swapped": ("hand", {}, True),
-    "missing": ("transformers", {"tp_ranks": (0,)}, False),
+    "honest": ("transformers", {}, None),
+    "hand": ("hand", {"tp_replicas": "all"}, None),
+    "swapped": ("hand", {}, lambda rank: WORLD - 1 - rank),
+    "overlap": ("hand", {}, lambda rank: 0),
+    "missing": ("transformers", {"tp_ranks": (0,)}, None),
 }
 
 
-def _rank_model(path: str, how: str, rank: int, swapped: bool):
-    """This rank's model and the attach options describing its cut (``swapped``: the attn_q
-    shard declared at the other rank's offset)."""
+def _rank_model(path: str, how: str, rank: int, declared):
+    """This rank's model and the attach options describing its cut (``declared``: which
+    rank's attn_q offset this rank records, when not its own)."""
     import transformers
 
     from dmi.capture import TPShard, load_tensor_parallel
@@ -56,9 +60,9 @@ def _rank_model(path: str, how: str, rank: int, swapped: bool):
         return load_tensor_parallel(path, WORLD, dtype=torch.float32).eval(), {}
     model = shard_llama_by_hand(transformers.AutoModelForCausalLM.from_pretrained(path), rank, WORLD).eval()
     layout = hand_layout(model.config, rank, WORLD)
-    if swapped:
+    if declared is not None:
         heads = model.config.num_attention_heads
-        layout["attn_q"] = TPShard(axis=1, offset=(WORLD - 1 - rank) * heads // WORLD, full=heads)
+        layout["attn_q"] = TPShard(axis=1, offset=declared(rank) * heads // WORLD, full=heads)
     return model, dict(tp_rank=rank, tp_size=WORLD, tp_layout=layout)
 
 
@@ -67,8 +71,8 @@ def _capture_cases(rank: int, world: int, home: str, path: str) -> dict:
     ids, mask = left_padded_batch()
     out = {}
     with dmi.open(home=home) as store:
-        for name, (how, options, swapped) in CASES.items():
-            model, cut = _rank_model(path, how, rank, swapped)
+        for name, (how, options, declared) in CASES.items():
+            model, cut = _rank_model(path, how, rank, declared)
             with torch.no_grad(), store.capture(model, hooks=HOOKS, model_id=name, run_id=RUN, **cut,
                                                 **options) as cap:
                 rids, _ = cap.generate(ids, attention_mask=mask, **GEN)
@@ -135,6 +139,17 @@ def test_a_missing_rank_is_a_failure_naming_request_hook_and_ranks(tp_store):
     assert f"request {rids[1]} attn_k layer 2: fail" in failure.describe()
     replicated = [c for c in report.checks if c.hook not in SHARDED]
     assert replicated and not any(c.failed for c in replicated)  # rank 0 wrote these whole
+
+
+def test_shards_that_cannot_be_merged_are_a_failure_with_the_readers_reason(tp_store):
+    report = _audit(tp_store, "overlap")
+    rids = tp_store["rids"]["overlap"]
+    assert {(c.request_id, c.hook, c.layer) for c in report.failures} == \
+        {(rid, "attn_q", layer) for rid in rids for layer in range(N_LAYERS)}
+    failure = report.failures[0]
+    assert failure.first_fail == 0
+    assert failure.detail.startswith("TP shards at position 0 cannot be merged: ")
+    assert "several ranks hold the same slice (offsets [0, 0])" in failure.detail
 
 
 def test_exact_is_refused_for_a_tp_capture(tp_store):
