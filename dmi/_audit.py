@@ -6,6 +6,12 @@ with the re-run (:mod:`dmi._audit_compare`): token ids first (the request's ``to
 records must cover its positions once each, and every other record must sit at the step
 and phase its positions were fed in), then values. Only the sampled requests' records are
 read. The verdicts are written to the catalog's audits table (``Catalog.audits``).
+
+A tensor-parallel capture is audited as the reader returns it: the records of one
+(hook, layer, position) — one per rank for a sharded hook — are merged by their recorded
+geometry (:func:`dmi.reader.assemble`) and the model's full tensor is compared with an
+unsharded re-run under the ``tp`` tolerance. A shard that cannot be merged (a rank
+missing, slices that overlap) is a failure at its position, not an exception.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 
 from dmi._audit_compare import Difference, compare, tolerance
 from dmi._audit_rerun import Reference, rerun_alone
-from dmi.storage.errors import AuditError, InvalidArgumentError, RecordNotFoundError
+from dmi.storage.errors import AuditError, InvalidArgumentError, MissingShardError, ReaderError, RecordNotFoundError
 from dmi.storage.records import RecordEntry
 
 __all__ = ["AuditCheck", "AuditReport", "run_audit", "sample_requests", "audit_rows"]
@@ -77,7 +83,9 @@ class AuditCheck:
 @dataclass(frozen=True, slots=True)
 class AuditReport:
     """One audit: which requests of ``model_id`` were re-run (``requests``: ``(run, request)``
-    pairs) against ``model``, and a check per (request, hook, layer)."""
+    pairs) against ``model``, and a check per (request, hook, layer). ``tolerance``: the
+    kinds the checks were held to, in order of first use (``"batched"``; ``"batched, tp"``
+    when the sample reached a tensor-parallel run too)."""
 
     audit_id: str
     model_id: str
@@ -190,10 +198,9 @@ def audit_request(model: Any, run: str, rid: str, entries: list[RecordEntry], re
     from dmi.capture import TEXT_HOOKS
 
     entries = [e for e in entries if e.meta.key.hook not in TEXT_HOOKS]
-    if any(e.meta.key.tp_size > 1 for e in entries):
-        raise AuditError(f"request {rid} (run {run}) was captured with tensor parallelism; auditing TP captures "
-                         "is not built yet (docs/audit.md, 'Tensor parallelism')")
-    tokens = sorted((e for e in entries if e.meta.key.hook == "token_ids"), key=lambda e: e.meta.key.start_token)
+    kind = _request_kind(run, rid, entries, kind)
+    tokens = _one_copy(sorted((e for e in entries if e.meta.key.hook == "token_ids"),
+                              key=lambda e: e.meta.key.start_token))
     if not tokens:
         raise AuditError(f"request {rid} (run {run}) has no token_ids records; an audit re-runs the captured "
                          "tokens: capture with the token_ids hook (e.g. hooks='resid_post token_ids')")
@@ -212,11 +219,33 @@ def audit_request(model: Any, run: str, rid: str, entries: list[RecordEntry], re
     for hook, layer in groups:
         wanted[hook].add(layer)
     ref = rerun_alone(model, ids, prompt_len, generate=generate, wanted={h: tuple(sorted(l)) for h, l in wanted.items()})
-    checks = [AuditCheck(run, rid, "token_ids", -1, "exact", "exact", 0.0, len(tokens), len(ids))]
+    checks = [AuditCheck(run, rid, "token_ids", -1, "exact", kind, 0.0, len(tokens), len(ids))]
     for (hook, layer), group in sorted(groups.items(), key=lambda kv: (_hook_rank(kv[0][0]), kv[0][1])):
         group.sort(key=lambda e: e.meta.key.start_token)
         checks.append(_check_group(run, rid, hook, layer, group, tokens, len(ids), ref, read, kind))
     return checks
+
+
+def _request_kind(run: str, rid: str, entries: list[RecordEntry], kind: str) -> str:
+    """The tolerance kind of one request: ``tp`` when it was captured with tensor
+    parallelism (an unsharded re-run can never be bit-identical to it), else ``kind``."""
+    sizes = {e.meta.key.tp_size for e in entries}
+    if max(sizes, default=1) == 1:
+        return kind
+    if kind == "exact":
+        raise AuditError(f"request {rid} (run {run}) was captured with tensor parallelism ({max(sizes)} ranks): "
+                         "an unsharded re-run sums the row-parallel products in another order, so it cannot be "
+                         "bit-identical; audit it without exact=True (--exact), under the tp tolerance")
+    return "tp"
+
+
+def _one_copy(tokens: list[RecordEntry]) -> list[RecordEntry]:
+    """A TP request's token_ids as one rank wrote them (the lowest rank present: with
+    ``tp_replicas="all"`` every rank writes a copy); other requests' records as they are."""
+    if not tokens or tokens[0].meta.key.tp_size == 1:
+        return tokens
+    first = min(e.meta.key.shard_rank for e in tokens)
+    return [e for e in tokens if e.meta.key.shard_rank == first]
 
 
 def _check_model(model: Any, groups: dict, entries: list[RecordEntry]) -> None:
@@ -247,24 +276,26 @@ def _hook_rank(hook: str) -> int:
 
 def _check_group(run: str, rid: str, hook: str, layer: int, group: list[RecordEntry], tokens: list[RecordEntry],
                  total: int, ref: Reference, read: ReadRecords, kind: str) -> AuditCheck:
-    """One (hook, layer) of one request: where each record sits, then the values of those
-    that sit where their tokens were fed. The first problem of either kind is named."""
+    """One (hook, layer) of one request: where each chunk (the records of one position)
+    sits, then the values of those that sit where their tokens were fed — for a TP capture
+    the shards merged as the reader merges them. The first problem of any kind is named."""
     problems: list[tuple[int, str]] = []
-    placed: list[RecordEntry] = []
-    seen: set[int] = set()
-    for e in group:
-        k = e.meta.key
-        problem = f"two records start at position {k.start_token}" if k.start_token in seen else \
-            _placement_problem(e, tokens, total)
-        seen.add(k.start_token)
+    placed: list[list[RecordEntry]] = []
+    for chunk in _chunks(group):
+        k = chunk[0].meta.key
+        problem = _chunk_problem(chunk) or next(
+            (p for p in (_placement_problem(e, tokens, total) for e in chunk) if p), "")
         if problem:
             problems.append((k.start_token, problem))
         else:
-            placed.append(e)
+            placed.append(chunk)
     diffs: list[Difference] = []
     bound = tolerance(kind, _dtype_of(group[0]))
-    for e, data in zip(placed, read(placed) if placed else []):
-        k = e.meta.key
+    for chunk, data in zip(placed, _read_chunks(placed, read)):
+        k = chunk[0].meta.key
+        if isinstance(data, str):
+            problems.append((k.start_token, data))
+            continue
         want = ref.span(hook, layer, k.start_token, k.n_tokens)
         if want.numel() != data.numel():
             problems.append((k.start_token, f"record at position {k.start_token} has shape {tuple(data.shape)}, "
@@ -273,6 +304,51 @@ def _check_group(run: str, rid: str, hook: str, layer: int, group: list[RecordEn
         diffs.append(compare(data, want.reshape(data.shape).to(data.dtype),
                              token_axis=1 if hook == "attn_pattern" else 0, start=k.start_token, bound=bound))
     return _merge(run, rid, hook, layer, kind, bound, group, diffs, sorted(problems))
+
+
+def _chunks(group: list[RecordEntry]) -> list[list[RecordEntry]]:
+    """``group``'s records by start position (sorted), each position's by shard rank."""
+    by_start: dict[int, list[RecordEntry]] = defaultdict(list)
+    for e in group:
+        by_start[e.meta.key.start_token].append(e)
+    return [sorted(by_start[s], key=lambda e: e.meta.key.shard_rank) for s in sorted(by_start)]
+
+
+def _chunk_problem(chunk: list[RecordEntry]) -> str:
+    """Why the records of one position are not one record (TP: one per rank, which the
+    merge checks) — '' when they are."""
+    k = chunk[0].meta.key
+    if len(chunk) > 1 and k.tp_size == 1:
+        return f"two records start at position {k.start_token}"
+    return ""
+
+
+def _read_chunks(chunks: list[list[RecordEntry]], read: ReadRecords) -> list[torch.Tensor | str]:
+    """Each chunk's tensor (records of all chunks read in one go), or why its TP shards do
+    not form the model's tensor."""
+    flat = [e for chunk in chunks for e in chunk]
+    tensors = iter(read(flat) if flat else [])
+    out: list[torch.Tensor | str] = []
+    for chunk in chunks:
+        mine = [next(tensors) for _ in chunk]
+        out.append(mine[0] if chunk[0].meta.key.tp_size == 1 else _merged(chunk, mine))
+    return out
+
+
+def _merged(chunk: list[RecordEntry], tensors: list[torch.Tensor]) -> torch.Tensor | str:
+    """One position's TP records as the reader returns them: shards merged by their recorded
+    geometry, replicated copies de-duplicated (:func:`dmi.reader.assemble`)."""
+    from dmi.reader import assemble
+
+    k = chunk[0].meta.key
+    try:
+        merged = assemble(chunk, tensors)
+    except MissingShardError as exc:
+        return (f"TP rank(s) {list(exc.missing)} of {k.tp_size} missing at position {k.start_token} "
+                f"(present: {list(exc.present)}): the full tensor cannot be formed")
+    except ReaderError as exc:
+        return f"TP shards at position {k.start_token} cannot be merged: {exc}"
+    return merged if k.layer < 0 else merged[0]
 
 
 def _dtype_of(entry: RecordEntry) -> torch.dtype:
@@ -316,8 +392,9 @@ def run_audit(catalog: Any, read: ReadRecords, model_id: str, model: Any, *, mod
     for run, rid in chosen:
         entries = catalog.find_records(model_id, request_id=rid, run_id=run)
         checks.extend(audit_request(model, run, rid, entries, read, kind))
+    kinds = ", ".join(dict.fromkeys(c.tolerance for c in checks)) or kind
     report = AuditReport(f"audit-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}",
-                         model_id, model_name, seed, kind, time.time(), tuple(chosen), tuple(checks))
+                         model_id, model_name, seed, kinds, time.time(), tuple(chosen), tuple(checks))
     if record:
         catalog.record_audit(audit_rows(report))
     return report

@@ -25,8 +25,9 @@ def report_lines(report: Any) -> list[str]:
     for run, rid in report.requests:
         mine = [c for c in report.checks if (c.run_id, c.request_id) == (run, rid)]
         count = {v: sum(c.verdict == v for c in mine) for v in ("exact", "noise", "fail")}
+        kinds = ", ".join(dict.fromkeys(c.tolerance for c in mine)) or report.tolerance
         lines.append(f"request {rid} (run {run}): {len(mine)} hook/layer checks, {count['exact']} exact, "
-                     f"{count['noise']} within {report.tolerance} noise, {count['fail']} failed")
+                     f"{count['noise']} within {kinds} noise, {count['fail']} failed")
     lines += ["FAIL " + c.describe() for c in report.failures]
     outcome = "passed" if report.passed else f"FAILED ({len(report.failures)} checks)"
     lines.append(f"audit {report.audit_id} of {report.model_id} against {report.model}: {outcome}")

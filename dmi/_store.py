@@ -421,7 +421,8 @@ class Store:
         ``model_name``: what the audit records as the model (default: the name or class).
 
         Returns a :class:`dmi.AuditReport` (``passed``, ``failures``, ``checks``). Raises
-        ``AuditError`` (no token_ids, tensor-parallel capture, a model that does not fit),
+        ``AuditError`` (no token_ids, ``exact=True`` on a tensor-parallel capture — TP requests are
+        held to the ``tp`` tolerance against the full model —, a model that does not fit),
         ``RecordNotFoundError``, ``InvalidArgumentError``.
         """
         from dmi._audit import run_audit
