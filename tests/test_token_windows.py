@@ -8,25 +8,13 @@ import pytest
 import torch
 
 from dmi.capture import Schedule, attach
-from dmi.catalog import open_catalog
 from dmi.reader import assemble, read_records
-from dmi.storage import PackStore
 from dmi.storage.errors import InvalidArgumentError, ReaderError
 
 from ._models import left_padded_batch, tiny
 
 N_NEW = 4
 LAST = 3
-
-
-@pytest.fixture
-def store_and_catalog(tmp_path):
-    store = PackStore.local(tmp_path / "packs")
-    catalog = open_catalog(f"chdb://{tmp_path / 'catalog'}")
-    try:
-        yield store, catalog
-    finally:
-        catalog.close()
 
 
 def read_back(store, catalog, request_id, hook="resid_post", layers=None):
