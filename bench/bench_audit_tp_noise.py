@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from bench_audit_noise import batch as left_padded_random_batch  # bench/ is the script's folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
@@ -56,14 +57,8 @@ def build(name: str, dtype: torch.dtype, path: str) -> None:
 
 
 def batch(vocab: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    t = max(LENGTHS)
-    ids = torch.zeros(len(LENGTHS), t, dtype=torch.long)
-    mask = torch.zeros(len(LENGTHS), t, dtype=torch.long)
-    for i, n in enumerate(LENGTHS):
-        ids[i, t - n:] = torch.randint(3, vocab, (n,), generator=g)
-        mask[i, t - n:] = 1
-    return ids, mask
+    """The left-padded batch of ``LENGTHS``, built as the batching-noise benchmark builds its own."""
+    return left_padded_random_batch(LENGTHS, vocab, seed)
 
 
 def rank_main(rank: int, init: str, home: str, path: str, dtype_name: str, model_id: str) -> None:
