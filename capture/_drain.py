@@ -144,6 +144,12 @@ class Drain:
         out, self.published = self.published, []
         return out
 
+    def seal_soon(self) -> None:
+        """Ask the thread to seal the open pack and publish it once it has processed what was
+        submitted before — without waiting (a served request finished: its records should be
+        readable soon, but the model must not stall for it). Errors surface as for ``flush``."""
+        self._q.put(_Marker("seal"))
+
     def close(self, timeout: float | None = None) -> list:
         if self._closed:
             return []

@@ -676,39 +676,79 @@ def attach(
     emitted = emitted_hooks(selection.hooks, layout, tp_replicas)
     writer_options, hook_codecs = resolve_codecs(codec, writer_options, tuple(selection.hooks), geometry,
                                                  texts is not None)
-    owner_key = arch.layers  # shared by a *ForCausalLM and its inner base model
+    ctx = KeyContext(model_id, run_id, tp_rank, tp_size, geometry, layout=layout,
+                     dp_rank=ranks.dp_rank, pp_rank=pp_rank)
+    pipeline = _PipelineOptions(
+        ring_slots=ring_slots, slot_bytes=slot_bytes, ring_timeout=ring_timeout, drop_policy=drop_policy,
+        catalog=catalog, publish_scope=publish_scope or default_publish_scope(model_id, run_id, tp_rank, tp_size),
+        lease_seconds=lease_seconds, store=store, writer=writer, writer_options=writer_options,
+        decode_chunk_steps=decode_chunk_steps, adaptive_codec=adaptive_codec, texts=texts,
+        hook_codecs=hook_codecs)
+
+    def make_session(ring, drain, publisher):
+        return CaptureSession(model, arch, selection, geometry, model_id=model_id, run_id=run_id,
+                              schedule=schedule, ring=ring, drain=drain, publisher=publisher,
+                              tp_rank=tp_rank, tp_size=tp_size, capture_enabled=enabled,
+                              emitted_hooks=emitted, compiled=compiled)
+
+    # shared by a *ForCausalLM and its inner base model
+    with owned_session(arch.layers, type(model).__name__, ctx, pipeline, make_session) as session:
+        yield session
+
+
+@dataclass(frozen=True, slots=True)
+class _PipelineOptions:
+    """Everything between a session's hooks and the catalog, resolved: ring, drain, writer, lease."""
+
+    ring_slots: int
+    slot_bytes: int
+    ring_timeout: float
+    drop_policy: str
+    catalog: object
+    publish_scope: str
+    lease_seconds: float
+    store: object
+    writer: object
+    writer_options: dict | None
+    decode_chunk_steps: int
+    adaptive_codec: float | None
+    texts: object
+    hook_codecs: dict | None
+
+
+@contextlib.contextmanager
+def owned_session(owner_key, model_name: str, ctx: KeyContext, options: _PipelineOptions, make_session):
+    """Own ``owner_key`` (a module) for the ``with`` block: build the ring, the drain thread, the
+    writer and the publisher lease, ``make_session(ring, drain, publisher)``, install its hooks,
+    yield it; on exit (error included) remove the hooks, drain, seal, publish, release. A second
+    session on an owned module raises :class:`AttachError` and changes nothing."""
+    o = options
     with _OWNERS_LOCK:
         if owner_key in _OWNERS:
             holder = _OWNERS[owner_key]
             raise AttachError(
-                f"{type(model).__name__} is already attached (run {getattr(holder, 'run_id', '?')!r}); "
+                f"{model_name} is already attached (run {getattr(holder, 'run_id', '?')!r}); "
                 "detach (leave its `with` block) before attaching again"
             )
-        ring = Ring(ring_slots, slot_bytes, timeout=ring_timeout, drop_policy=drop_policy)
+        ring = Ring(o.ring_slots, o.slot_bytes, timeout=o.ring_timeout, drop_policy=o.drop_policy)
         _OWNERS[owner_key] = None  # type: ignore[assignment]  # reserved while we build
     session = None
     try:
-        ctx = KeyContext(model_id, run_id, tp_rank, tp_size, geometry, layout=layout,
-                         dp_rank=ranks.dp_rank, pp_rank=pp_rank)
         publisher = None
-        if catalog is not None:
-            publisher = _Publishing(catalog, publish_scope or default_publish_scope(model_id, run_id, tp_rank, tp_size),
-                                    model_id=model_id, run_id=run_id, lease_seconds=lease_seconds)
-        if writer is None:
-            writer = _make_writer(store, ctx, run_id, writer_options)
+        if o.catalog is not None:
+            publisher = _Publishing(o.catalog, o.publish_scope, model_id=ctx.model_id, run_id=ctx.run_id,
+                                    lease_seconds=o.lease_seconds)
+        writer = o.writer if o.writer is not None else _make_writer(o.store, ctx, ctx.run_id, o.writer_options)
         drain = Drain(ring, writer, ctx,
                       publish=None if publisher is None else publisher.publish,
                       record_losses=None if publisher is None else publisher.record_losses,
                       tick=None if publisher is None else publisher.keep_alive,
                       start=None if publisher is None else publisher.start,
-                      tick_seconds=lease_seconds / 4, decode_chunk_steps=decode_chunk_steps,
-                      fallback_codec=None if adaptive_codec is None else "raw",
-                      fallback_fill=1.0 if adaptive_codec is None else adaptive_codec,
-                      texts=texts, hook_codecs=hook_codecs)
-        session = CaptureSession(model, arch, selection, geometry, model_id=model_id, run_id=run_id,
-                                 schedule=schedule, ring=ring, drain=drain, publisher=publisher,
-                                 tp_rank=tp_rank, tp_size=tp_size, capture_enabled=enabled,
-                                 emitted_hooks=emitted, compiled=compiled)
+                      tick_seconds=o.lease_seconds / 4, decode_chunk_steps=o.decode_chunk_steps,
+                      fallback_codec=None if o.adaptive_codec is None else "raw",
+                      fallback_fill=1.0 if o.adaptive_codec is None else o.adaptive_codec,
+                      texts=o.texts, hook_codecs=o.hook_codecs)
+        session = make_session(ring, drain, publisher)
         ring.connect(drain.submit, stamp=session._copies_done)
         with _OWNERS_LOCK:
             _OWNERS[owner_key] = session
@@ -740,7 +780,6 @@ def attach(
         finally:
             with _OWNERS_LOCK:
                 _OWNERS.pop(owner_key, None)
-
 
 
 def _check_fill(name: str, value) -> None:

@@ -32,6 +32,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "open": "dmi._store",
+    "capture_vllm": "dmi._store",
     "Store": "dmi._store",
     "default_home": "dmi._store",
     "load_model": "dmi._models",
@@ -61,6 +62,7 @@ __all__ = [
     "__version__",
     "open",
     "capture",
+    "capture_vllm",
     "Store",
     "LazyInternal",
     "ModelSummary",

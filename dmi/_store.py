@@ -135,6 +135,29 @@ def capture(model: Any, *, hooks: Any = "resid_post", layers: Any = None, store:
             target.close()
 
 
+@contextmanager
+def capture_vllm(llm: Any, *, hooks: Any = "resid_post", layers: Any = None, store: Store | None = None,
+                 **options: Any) -> Iterator[Any]:
+    """Capture the internals of a ``vllm.LLM`` into ``store`` (default: ``dmi.open()``) while the
+    block runs. Yields a ``dmi.capture.VLLMCaptureSession``: ``session.generate(prompts,
+    sampling_params)`` is ``llm.generate`` with every returned request published, readable by
+    the ``request_id`` vLLM returned. ``hooks``/``layers``/``options`` as for
+    :func:`capture` (``dmi.capture.attach_vllm``'s keywords). The engine must run in this
+    process, eagerly, without prefix caching: ``VLLMConfigError`` says what to change.
+    See ``docs/vllm.md``."""
+    from dmi.capture import attach_vllm
+
+    own = store is None
+    target = open() if own else store
+    try:
+        with attach_vllm(llm, hooks=hooks, layers=layers, store=target.packs, catalog=target.catalog,
+                         **options) as session:
+            yield session
+    finally:
+        if own:
+            target.close()
+
+
 def _plan_options(model: Any, plan: Any, hooks: Any, layers: Any,
                   options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The plan (loaded if a path) and the keyword arguments it stands for; an argument given
@@ -216,6 +239,10 @@ class Store:
     def capture(self, model: Any, **options: Any) -> AbstractContextManager[Any]:
         """Same as ``dmi.capture(model, store=self, **options)``."""
         return capture(model, store=self, **options)
+
+    def capture_vllm(self, llm: Any, **options: Any) -> AbstractContextManager[Any]:
+        """Same as ``dmi.capture_vllm(llm, store=self, **options)``."""
+        return capture_vllm(llm, store=self, **options)
 
     # -------------------------------------------------------------------------------- the index
     def sql(self, query: str) -> pa.Table:

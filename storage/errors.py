@@ -41,6 +41,7 @@ exception types. Builtin mix-ins are added where callers naturally expect them.
     ├── CaptureError                             hooks, ring, drain
     │   ├── HookSelectionError (InvalidArgumentError)   unknown hook/group, bad layer range
     │   ├── AttachError                          model already owned, unsupported model
+    │   │   └── VLLMConfigError (InvalidArgumentError)   a vLLM engine hooks would miss steps in (CUDA graphs, prefix cache)
     │   ├── AttentionImplementationError         attn_pattern needs eager attention
     │   ├── UnsupportedGenerationError (InvalidArgumentError)   beam search: refused before the model runs
     │   ├── RingFullError (TimeoutError)         producer waited its bound for a free slot
@@ -87,6 +88,7 @@ __all__ = [
     "CaptureError",
     "HookSelectionError",
     "AttachError",
+    "VLLMConfigError",
     "AttentionImplementationError",
     "UnsupportedGenerationError",
     "RingFullError",
@@ -252,6 +254,12 @@ class HookSelectionError(CaptureError, InvalidArgumentError):
 
 class AttachError(CaptureError):
     """The model is already attached, or cannot be attached to."""
+
+
+class VLLMConfigError(AttachError, InvalidArgumentError):
+    """A vLLM engine configured so that hooks would miss steps or tokens silently (CUDA graphs,
+    ``torch.compile``, prefix caching, speculative decoding), or running where its model cannot
+    be reached; the message names the ``LLM(...)`` argument or variable that fixes it."""
 
 
 class AttentionImplementationError(CaptureError):

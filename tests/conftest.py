@@ -9,7 +9,7 @@ says which step the chain will take, the summary which server was used.
 forced step not being available, or any ``live`` test skipping, is a failure (CI runs the live
 suite once per path this way). Tests marked ``cluster`` (a local ZooKeeper and two
 ``clickhouse-server`` replicas, ``tests/_cluster.py``) and ``s3`` (a moto S3 endpoint,
-``tests/_s3.py``) are held to the same rule: under a forced mode they never skip. Tests marked
+``tests/_s3.py``) and ``vllm`` (vLLM installed, run with ``-m vllm`` in its own environment) are held to the same rule: under a forced mode they never skip. Tests marked
 ``container`` need a Docker API themselves; they may skip unless the forced step is ``container``.
 """
 
@@ -54,7 +54,7 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     # cluster and s3 tests need the local binaries and packages that the forced chain promises
-    kind = next((m for m in ("live", "cluster", "s3") if item.get_closest_marker(m) is not None), None)
+    kind = next((m for m in ("live", "cluster", "s3", "vllm") if item.get_closest_marker(m) is not None), None)
     if not report.skipped or hasattr(report, "wasxfail") or kind is None:
         return
     mode = chain_mode()

@@ -28,7 +28,7 @@ def test_facade_reexports_errors():
 # --- the public surface of each package, pinned: a change here must be deliberate ------------
 
 DMI_ALL = [
-    "__version__", "open", "capture", "Store", "LazyInternal", "ModelSummary", "RequestSummary", "HookSummary",
+    "__version__", "open", "capture", "capture_vllm", "Store", "LazyInternal", "ModelSummary", "RequestSummary", "HookSummary",
     "RequestContents", "Loss", "VerifyReport", "Problem", "RecoveredPack", "TokenLoader", "ShuffleQuality",
     "RunSummary", "DeleteReport", "AuditReport", "AuditCheck", "default_home", "load_model", "LoadedModel",
     "CapturePlan", "load_plan", "dump_plan", "RequestTokens",
@@ -39,7 +39,8 @@ CAPTURE_ALL = [
     "resolve_hooks", "resolve_layers", "layer_numbers", "Selection", "StepPlan", "RowSpan", "Ring", "prepare_batch",
     "derive_model_id", "resolve_architecture", "SUPPORTED_MODEL_TYPES", "ALIASES", "HookAlias", "resolve_alias",
     "TPShard", "TPReplicated", "ParallelRanks", "resolve_parallel_ranks", "load_tensor_parallel",
-    "TOKEN_TEXT", "PROMPT_TEXT", "TEXT_HOOKS", "decode_strings",
+    "TOKEN_TEXT", "PROMPT_TEXT", "TEXT_HOOKS", "decode_strings", "attach_vllm", "VLLMCaptureSession",
+    "check_engine_config",
 ]
 
 STORAGE_ALL = [

@@ -1,0 +1,317 @@
+"""Capture inside a vLLM engine: ``attach_vllm(llm, ...)`` — the same selection, schedule, ring,
+drain, packs and catalog as ``attach`` on a Hugging Face model.
+
+The session lives in the worker that runs the model (reached through vLLM's own
+``collective_rpc``, with the engine in this process), hooks the modules
+:mod:`dmi.capture._vllm_arch` names, and before each forward reads the model runner's
+host-side batch (request ids, ``query_start_loc``, computed and prompt token counts — no
+device synchronisation) to plan which rows belong to which request
+(:mod:`dmi.capture._vllm_plan`). Records carry the request id vLLM returned to the caller.
+
+**Refused before anything is installed** (:class:`VLLMConfigError`, saying what to pass):
+an engine that could skip hooks silently — CUDA graphs or ``torch.compile`` (pass
+``enforce_eager=True``), prefix caching (cached prompt tokens never run: pass
+``enable_prefix_caching=False``), speculative decoding — and an engine in another process
+(set ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+
+**Publishing.** When requests leave the runner (finished or aborted), the open slot is handed
+to the drain and the open pack sealed and published without the model waiting; the session's
+``generate`` also flushes before it returns, so every request it returns can be read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from time import perf_counter
+
+import torch
+
+from dmi.storage.errors import AttachError, CaptureError, InvalidArgumentError, VLLMConfigError
+from dmi.storage.records import GLOBAL_LAYER
+
+from ._codec_choice import resolve_codecs
+from ._drain import KeyContext
+from ._hooks import ModelGeometry
+from ._schedule import Schedule
+from ._selection import select
+from ._session import CaptureSession, _PipelineOptions, _new_run_id, _validate_id, default_publish_scope, owned_session
+from ._tp_layout import TPLayout, emitted_hooks
+from ._vllm_arch import MUTATED_IN_PLACE, resolve_vllm_architecture
+from ._vllm_plan import BatchView, VLLMPlanner
+
+__all__ = ["attach_vllm", "VLLMCaptureSession", "check_engine_config"]
+
+
+def check_engine_config(vllm_config) -> None:
+    """Refuse an engine configuration under which hooks would miss steps or tokens silently."""
+    model_config = vllm_config.model_config
+    compilation = vllm_config.compilation_config
+    mode = getattr(compilation, "mode", None)
+    compiled = mode is not None and int(getattr(mode, "value", mode)) != 0
+    graphs = str(getattr(compilation, "cudagraph_mode", "NONE")).rsplit(".", 1)[-1] not in ("NONE", "None")
+    if not model_config.enforce_eager or compiled or graphs:
+        raise VLLMConfigError(
+            "this vLLM engine runs the model through CUDA graphs or torch.compile, where PyTorch hooks do "
+            f"not run on every step (enforce_eager={model_config.enforce_eager}, compilation mode {mode}, "
+            f"cudagraph mode {getattr(compilation, 'cudagraph_mode', None)}); DMI will not capture a run that "
+            "silently misses steps. Build the engine with LLM(..., enforce_eager=True)"
+        )
+    if vllm_config.cache_config.enable_prefix_caching:
+        raise VLLMConfigError(
+            "this vLLM engine has prefix caching on: prompt tokens found in the cache are never run, so their "
+            "internals would be missing from the records. Build the engine with "
+            "LLM(..., enable_prefix_caching=False) for captured requests"
+        )
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise VLLMConfigError(
+            f"this vLLM engine is sharded (tensor_parallel_size={parallel.tensor_parallel_size}, "
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size}); DMI's vLLM capture attaches to one "
+            "worker in this process so far. Capture from tensor_parallel_size=1, or shard with transformers "
+            "and dmi.capture (docs/capture.md, tensor parallel)"
+        )
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise VLLMConfigError(
+            "this vLLM engine uses speculative decoding; DMI's vLLM capture does not follow draft tokens. "
+            "Build the engine without speculative_config"
+        )
+
+
+def _engine_parts(engine):
+    """``(vllm_config, model runner, llm or None)`` of a ``vllm.LLM`` or a vLLM executor whose
+    worker runs in this process (reached through ``collective_rpc``)."""
+    llm = engine if hasattr(engine, "llm_engine") else None
+    config = llm.llm_engine.vllm_config if llm is not None else getattr(engine, "vllm_config", None)
+    if config is None or not callable(getattr(engine, "collective_rpc", None)):
+        raise InvalidArgumentError(f"attach_vllm needs a vllm.LLM or a vLLM executor, got {type(engine).__name__}")
+    check_engine_config(config)
+    if llm is not None and getattr(llm.llm_engine, "model_executor", None) is None:
+        # vLLM keeps the executor on the LLM only when the engine runs in this process
+        raise VLLMConfigError(
+            "this vLLM engine runs its model in another process, where DMI's hooks cannot reach it; set "
+            "VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating the LLM (or serve with "
+            "--distributed-executor-backend dmi.vllm.CaptureExecutor, docs/vllm.md)"
+        )
+    runners = engine.collective_rpc(_worker_runner)
+    if len(runners) != 1 or getattr(runners[0], "input_batch", None) is None:
+        raise VLLMConfigError(
+            f"this vLLM engine has {len(runners)} workers; DMI's vLLM capture attaches to an engine with one "
+            "worker in this process (tensor_parallel_size=1)"
+        )
+    return config, runners[0], llm
+
+
+def _worker_runner(worker):
+    return worker.model_runner
+
+
+class VLLMCaptureSession(CaptureSession):
+    """A vLLM engine under capture. Made by :func:`attach_vllm`; use it inside the ``with``."""
+
+    def __init__(self, llm, runner, planner: VLLMPlanner, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.llm = llm
+        self.runner = runner
+        self.planner = planner
+        self._step = None
+        self._live: set[str] = set()
+        self._logits_calls_ignored = 0
+        self._buffered = False  # a step was captured since the last seal
+
+    def generate(self, *args, **kwargs):
+        """``llm.generate`` with capture; flushes before returning, so every request in its
+        output is published (read it back by ``output.request_id``). Returns vLLM's output."""
+        self._check_open()
+        if self.llm is None:
+            raise CaptureError("this session captures a served engine; send it requests (docs/vllm.md)")
+        out = self.llm.generate(*args, **kwargs)
+        self.flush()
+        return out
+
+    @contextlib.contextmanager
+    def stepping(self):
+        """Held by a serving executor around each engine step, so that
+        :meth:`publish_buffered` (from another thread) never runs inside one."""
+        with self._lock:
+            yield
+
+    def publish_buffered(self) -> bool:
+        """Between steps (an idle engine): hand what the ring holds to the drain and have the
+        open pack sealed and published, without waiting — the last requests a server finished
+        become readable although no further step will notice they left. Returns whether
+        anything was buffered."""
+        with self._lock:
+            if self._closed or not self._buffered:
+                return False
+            self._buffered = False
+            self.ring.submit()
+            self.drain.seal_soon()
+            return True
+
+    def forward(self, *args, **kwargs):
+        raise CaptureError("a vLLM capture runs the engine: use session.generate(prompts, sampling_params)")
+
+    @property
+    def stats(self) -> dict:
+        return {**super().stats, "requests": len(self.planner.sequence),
+                "recomputed_tokens_skipped": self.planner.recomputed_tokens,
+                "logits_calls_ignored": self._logits_calls_ignored}
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def _install(self) -> None:
+        m = self.arch.model
+        self._handles.append(m.register_forward_pre_hook(self._on_model_pre, with_kwargs=True))
+        self._handles.append(m.register_forward_hook(self._on_model_post, always_call=True))
+        if "logits" in self._emitted:
+            self._handles.append(m.logits_processor.register_forward_hook(self._on_logits))
+        self._install_taps(self.arch.taps(self._emitted))
+
+    def _emitter(self, tap):
+        emissions = tap.emissions
+        emit = self._emit
+
+        def run(args, kwargs, output):
+            step = self._step
+            if step is None:
+                return
+            t0 = perf_counter()
+            for em in emissions:
+                x = em.extract(args, kwargs, output)
+                if x is not None and x.device.type == "cuda" and em.hook in MUTATED_IN_PLACE:
+                    x = x.clone()  # vLLM adds into this buffer in place before a side-stream copy could read it
+                for plan in step.token_plans:
+                    emit(em.hook, em.layer, x, "flat", plan)
+            self._hook_seconds += perf_counter() - t0
+
+        return run
+
+    def _on_model_pre(self, module, args, kwargs):
+        t0 = perf_counter()
+        try:
+            self._step = None
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            batch = self.runner.input_batch
+            n = batch.num_reqs
+            if n == 0 or ids is None:
+                return None  # a dummy or profiling run: no request
+            self._note_finished()
+            if not self._capture_enabled:
+                return None
+            qsl = self.runner.query_start_loc.np
+            view = BatchView(tuple(batch.req_ids[:n]), tuple(qsl[: n + 1].tolist()),
+                             tuple(batch.num_computed_tokens_cpu[:n].tolist()),
+                             tuple(batch.num_prompt_tokens[:n].tolist()), int(ids.shape[0]))
+            step = self.planner.plan(view)
+            self._forwards += 1
+            if step is None:
+                return None
+            self.drain.check()
+            self._step = step
+            self._buffered = True
+            if "token_ids" in self._emitted:
+                for plan in step.token_plans:
+                    self._emit("token_ids", GLOBAL_LAYER, ids, "flat", plan)
+            return None
+        finally:
+            self._hook_seconds += perf_counter() - t0
+
+    def _on_model_post(self, module, args, output):
+        self.ring.end_step()
+        return None
+
+    def _on_logits(self, module, args, output):
+        """One row per scheduled request; another call in the same step (prompt logprobs) is not
+        the step's logits and is counted, not captured."""
+        step = self._step
+        if step is None or not step.logits_plans:
+            return None
+        t0 = perf_counter()
+        if output is None or output.dim() != 2 or output.shape[0] != step.logits_plans[0].tokens:
+            self._logits_calls_ignored += 1
+        else:
+            for plan in step.logits_plans:
+                self._emit("logits", GLOBAL_LAYER, output, "flat", plan)
+            self._step = type(step)(step.token_plans, (), step.request_ids)
+        self._hook_seconds += perf_counter() - t0
+        return None
+
+    def _note_finished(self) -> None:
+        """Requests that left the runner since the last step (finished or aborted; a preempted
+        request stays known to it): publish what is buffered, without waiting."""
+        known = self.runner.requests
+        gone = [rid for rid in self._live if rid not in known]
+        self._live = set(known)
+        if gone:
+            self.planner.forget(gone)
+            self._buffered = False
+            self.ring.submit()
+            self.drain.seal_soon()
+
+
+@contextlib.contextmanager
+def attach_vllm(
+    engine,
+    *,
+    hooks="resid_post",
+    layers=None,
+    store=None,
+    catalog=None,
+    model_id: str | None = None,
+    run_id: str | None = None,
+    schedule=None,
+    ring_slots: int = 8,
+    slot_bytes: int = 32 << 20,
+    ring_timeout: float = 60.0,
+    drop_policy: str = "wait",
+    adaptive_codec: float | None = 0.5,
+    writer_options: dict | None = None,
+    codec=None,
+    publish_scope: str | None = None,
+    lease_seconds: float = 30.0,
+    decode_chunk_steps: int = 32,
+    writer=None,
+    tp_replicas: str = "rank0",
+):
+    """Attach capture to ``engine`` — a ``vllm.LLM`` whose engine runs in this process, or the
+    in-process executor of a served engine (``dmi.vllm.CaptureExecutor``); yields a
+    :class:`VLLMCaptureSession`. The options are ``attach``'s; ``model_id`` defaults to the
+    model vLLM was given (its name or absolute directory). See ``docs/vllm.md``."""
+    vllm_config, runner, llm = _engine_parts(engine)
+    model = runner.model
+    arch = resolve_vllm_architecture(model)
+    selection = select(arch, hooks, layers, attn_implementation=None)
+    schedule = Schedule.coerce(schedule)
+    config = vllm_config.model_config
+    model_id = _validate_id("model id", model_id if model_id is not None else _vllm_model_id(config.model))
+    run_id = _validate_id("run id", run_id if run_id is not None else _new_run_id())
+    if writer is None and store is None:
+        raise InvalidArgumentError("attach_vllm needs a pack store (store=PackStore.local(path))")
+    if isinstance(decode_chunk_steps, bool) or not isinstance(decode_chunk_steps, int) or decode_chunk_steps < 1:
+        raise InvalidArgumentError(f"decode_chunk_steps must be an int >= 1, got {decode_chunk_steps!r}")
+    tp_rank, tp_size = 0, 1  # check_engine_config refused a sharded engine
+    geometry = ModelGeometry.from_config(model.config, config.dtype)
+    layout = TPLayout(geometry, tp_rank, tp_size, None)
+    emitted = emitted_hooks(selection.hooks, layout, tp_replicas)
+    writer_options, hook_codecs = resolve_codecs(codec, writer_options, tuple(selection.hooks), geometry, False)
+    ctx = KeyContext(model_id, run_id, tp_rank, tp_size, geometry, layout=layout)
+    options = _PipelineOptions(
+        ring_slots=ring_slots, slot_bytes=slot_bytes, ring_timeout=ring_timeout, drop_policy=drop_policy,
+        catalog=catalog, publish_scope=publish_scope or default_publish_scope(model_id, run_id, tp_rank, tp_size),
+        lease_seconds=lease_seconds, store=store, writer=writer, writer_options=writer_options,
+        decode_chunk_steps=decode_chunk_steps, adaptive_codec=adaptive_codec, texts=None, hook_codecs=hook_codecs)
+    planner = VLLMPlanner(geometry, dict(emitted), schedule)
+
+    def make_session(ring, drain, publisher):
+        return VLLMCaptureSession(llm, runner, planner, model, arch, selection, geometry, model_id=model_id,
+                                  run_id=run_id, schedule=schedule, ring=ring, drain=drain, publisher=publisher,
+                                  tp_rank=tp_rank, tp_size=tp_size, emitted_hooks=emitted)
+
+    with owned_session(model, type(model).__name__, ctx, options, make_session) as session:
+        yield session
+
+
+def _vllm_model_id(name: str) -> str:
+    """The model vLLM was given: a directory that exists here by its resolved absolute path
+    (as ``derive_model_id`` names a Hugging Face model), else the hub name."""
+    return os.path.realpath(name) if os.path.isdir(name) else name.rstrip("/")

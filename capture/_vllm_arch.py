@@ -1,0 +1,185 @@
+"""Where each hook lives in a model vLLM built (the Llama family's module layout).
+
+vLLM runs its own model classes, not ``transformers``': tokens of every scheduled request are
+flattened into one ``[num_tokens, ...]`` axis, q/k/v come out of one fused projection, and a
+decoder layer returns ``(hidden_states, residual)`` with the residual added inside the *next*
+layer's input norm (a fused, in-place add + RMSNorm). The catalogue's hooks map onto it so that
+every value is one vLLM computes anyway — nothing is added or recomputed on the model's thread:
+
+==============  ===========================================================================
+hook            taken from (layer ``L`` of ``n``)
+==============  ===========================================================================
+``embed``       ``embed_tokens`` output
+``resid_pre``   ``L = 0``: the layer's ``hidden_states`` input (the embeddings);
+                ``L > 0``: the residual ``input_layernorm`` returns (``h + residual``)
+``attn_q/k/v``  ``qkv_proj`` output, split by the layer's own q/kv sizes (before RoPE and any
+                q/k norm, as in the catalogue)
+``attn_z``      ``o_proj`` input
+``attn_out``    ``o_proj`` output
+``resid_mid``   the residual ``post_attention_layernorm`` returns
+``mlp_post``    ``down_proj`` input
+``mlp_out``     the MLP block's output
+``resid_post``  the residual the next layer's ``input_layernorm`` returns (the final ``norm``'s
+                for the last layer): exactly ``hidden_states + residual`` as vLLM sums it
+``final_norm``  the final ``norm`` output
+``logits``      ``logits_processor`` output: one row per scheduled request, at its step's last
+                token (the only positions vLLM materialises)
+==============  ===========================================================================
+
+``attn_pattern`` does not exist here (vLLM's attention kernels never materialise weights).
+Residual-stream values are buffers vLLM later overwrites in place; :data:`MUTATED_IN_PLACE`
+names them so the session can copy them before that happens on an asynchronous device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from dmi.storage.errors import AttachError
+from dmi.storage.records import GLOBAL_LAYER
+
+from ._arch import Emission, Tap
+
+__all__ = ["VLLMArchitecture", "resolve_vllm_architecture", "MUTATED_IN_PLACE", "STEP_HOOKS"]
+
+MUTATED_IN_PLACE = frozenset({"resid_pre", "resid_mid", "resid_post"})
+"""Hooks whose tensor is a residual buffer a later fused add overwrites in place."""
+
+STEP_HOOKS = frozenset({"token_ids", "logits"})
+"""Hooks the session emits itself (from the step's ``input_ids`` and the logits processor)."""
+
+_LAYER_MODULES = {
+    "attn_q": "self_attn.qkv_proj",
+    "attn_k": "self_attn.qkv_proj",
+    "attn_v": "self_attn.qkv_proj",
+    "attn_z": "self_attn.o_proj",
+    "attn_out": "self_attn.o_proj",
+    "resid_mid": "post_attention_layernorm",
+    "mlp_post": "mlp.down_proj",
+    "mlp_out": "mlp",
+    "resid_pre": "input_layernorm",
+    "resid_post": "input_layernorm",
+}
+
+
+def _hidden_arg(args, kwargs, output):
+    return args[1] if len(args) > 1 else kwargs["hidden_states"]
+
+
+def _residual_out(args, kwargs, output):
+    return output[1] if isinstance(output, tuple) else None
+
+
+def _first_out(args, kwargs, output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _arg0(args, kwargs, output):
+    return args[0] if args else next(iter(kwargs.values()))
+
+
+def _qkv_part(attn, part: int):
+    q, kv = attn.q_size, attn.kv_size
+    lo, hi = ((0, q), (q, q + kv), (q + kv, q + 2 * kv))[part]
+
+    def extract(args, kwargs, output):
+        out = output[0] if isinstance(output, tuple) else output
+        return out[:, lo:hi]
+
+    return extract
+
+
+def _get(root: nn.Module, path: str) -> nn.Module | None:
+    mod = root
+    for part in path.split("."):
+        mod = getattr(mod, part, None)
+        if not isinstance(mod, nn.Module):
+            return None
+    return mod
+
+
+@dataclass(slots=True)
+class VLLMArchitecture:
+    """A vLLM model's decoder stack and where each hook is tapped (see the module docstring)."""
+
+    model_type: str
+    model: nn.Module  # the *ForCausalLM vLLM runs
+    base: nn.Module  # its decoder stack (embed_tokens, layers, norm)
+    layers: nn.ModuleList
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def available(self, hook: str) -> bool:
+        if hook in STEP_HOOKS:
+            return hook != "logits" or isinstance(getattr(self.model, "logits_processor", None), nn.Module)
+        if hook in ("embed", "final_norm"):
+            return _get(self.base, "embed_tokens" if hook == "embed" else "norm") is not None
+        path = _LAYER_MODULES.get(hook)
+        return path is not None and _get(self.layers[0], path) is not None
+
+    def taps(self, selected: dict[str, tuple[int, ...]]) -> list[Tap]:
+        """One :class:`Tap` per (module, pre/post) that serves the selected hooks."""
+        taps: dict[tuple[int, str], Tap] = {}
+
+        def add(module: nn.Module | None, kind: str, hook: str, layer: int, extract) -> None:
+            if module is None:
+                raise AttachError(f"vLLM model {type(self.model).__name__} has no module for {hook} (layer {layer})")
+            tap = taps.setdefault((id(module), kind), Tap(module, kind))
+            tap.emissions.append(Emission(hook, layer, extract, "flat"))
+
+        n = self.n_layers
+        for hook, layers in selected.items():
+            if hook in STEP_HOOKS:
+                continue
+            if hook == "embed":
+                add(_get(self.base, "embed_tokens"), "post", hook, GLOBAL_LAYER, _first_out)
+            elif hook == "final_norm":
+                add(_get(self.base, "norm"), "post", hook, GLOBAL_LAYER, _first_out)
+            elif hook in _LAYER_MODULES:
+                for layer in layers:
+                    self._add_layer_hook(add, hook, layer, n)
+        return list(taps.values())
+
+    def _add_layer_hook(self, add, hook: str, layer: int, n: int) -> None:
+        block = self.layers[layer]
+        if hook == "resid_pre" and layer == 0:
+            add(block, "pre", hook, layer, _hidden_arg)
+        elif hook == "resid_pre":
+            add(_get(block, "input_layernorm"), "post", hook, layer, _residual_out)
+        elif hook == "resid_post":
+            module = _get(self.base, "norm") if layer == n - 1 else _get(self.layers[layer + 1], "input_layernorm")
+            add(module, "post", hook, layer, _residual_out)
+        elif hook in ("attn_q", "attn_k", "attn_v"):
+            attn = _get(block, "self_attn")
+            add(_get(block, "self_attn.qkv_proj"), "post", hook, layer, _qkv_part(attn, "qkv".index(hook[-1])))
+        elif hook in ("attn_z", "mlp_post"):
+            add(_get(block, _LAYER_MODULES[hook]), "pre", hook, layer, _arg0)
+        elif hook == "resid_mid":
+            add(_get(block, "post_attention_layernorm"), "post", hook, layer, _residual_out)
+        else:  # attn_out, mlp_out
+            add(_get(block, _LAYER_MODULES[hook]), "post", hook, layer, _first_out)
+
+
+def resolve_vllm_architecture(model: nn.Module) -> VLLMArchitecture:
+    """The layout of a vLLM ``*ForCausalLM``; :class:`AttachError` for one DMI cannot map."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    config = getattr(model, "config", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0 or config is None:
+        raise AttachError(
+            f"vLLM model {type(model).__name__} has no decoder layer list at .model.layers; DMI's vLLM "
+            "capture supports the Llama family's layout (Llama, Mistral, Qwen2, Qwen3 and the like)"
+        )
+    first = layers[0]
+    missing = [p for p in ("input_layernorm", "post_attention_layernorm", "self_attn.qkv_proj", "self_attn.o_proj")
+               if _get(first, p) is None]
+    if missing:
+        raise AttachError(
+            f"vLLM model {type(model).__name__}: decoder layer {type(first).__name__} lacks {', '.join(missing)}; "
+            "DMI's vLLM capture supports the Llama family's layout (Llama, Mistral, Qwen2, Qwen3 and the like)"
+        )
+    return VLLMArchitecture(str(getattr(config, "model_type", "unknown")), model, base, layers)

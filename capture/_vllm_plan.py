@@ -1,0 +1,153 @@
+"""One vLLM forward step as step plans: which rows of the flattened token axis belong to which
+request, at which real positions, in which phase.
+
+vLLM schedules many requests into one forward: their tokens are concatenated
+(``[num_tokens, ...]``), request ``i`` owning rows ``query_start_loc[i]:query_start_loc[i+1]``
+at positions ``num_computed_tokens[i]`` onwards; a forward mixes prompt chunks (chunked
+prefill) and decode tokens. The planner turns that into at most two :class:`StepPlan` (one for
+prompt tokens, phase ``"prefill"``, one for generated tokens, phase ``"decode"``) over a single
+row of ``num_tokens`` columns, plus, per phase, one for ``logits`` (one row per request: its
+step's last token, from the prompt's last token on — the logits vLLM computes at the end of a
+partial prompt chunk are never sampled, and are not captured, so a request's logits are
+contiguous as in a Hugging Face ``generate``). Records of one request therefore always carry its real positions, whatever else shared
+the forward.
+
+**Recomputation.** A preempted request is later recomputed from its first token; the planner
+remembers, per request, the next position not yet captured and trims every span to start there,
+so a recomputed token is never recorded twice and a record never mixes two computations.
+
+All work here is per request and per step (a few integers each), never per element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ._hooks import ModelGeometry
+from ._plan import RowSpan, StepPlan
+from ._schedule import Schedule
+
+__all__ = ["BatchView", "VLLMPlanner", "StepPlans", "external_request_id"]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchView:
+    """What the model runner holds for the forward about to run (host-side, no device sync)."""
+
+    request_ids: tuple[str, ...]  # engine request ids, in batch order
+    query_start_loc: tuple[int, ...]  # num_requests + 1 row offsets into the token axis
+    num_computed: tuple[int, ...]  # position of each request's first token this step
+    num_prompt: tuple[int, ...]  # each request's prompt length
+    num_tokens: int  # rows of the token axis the model runs (>= query_start_loc[-1])
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlans:
+    """The plans of one forward: per phase for the token axis, and for the logits rows."""
+
+    token_plans: tuple[StepPlan, ...]
+    logits_plans: tuple[StepPlan, ...]
+    request_ids: tuple[str, ...]  # DMI request ids of the requests with a captured span
+
+
+def external_request_id(engine_id: str) -> str:
+    """The id the user gave (or vLLM returned): the engine appends ``-`` and 8 characters."""
+    head, sep, tail = engine_id.rpartition("-")
+    return head if sep and head and len(tail) == 8 else engine_id
+
+
+@dataclass(slots=True)
+class VLLMPlanner:
+    """Plans each forward's capture; keeps, per request, what was already captured."""
+
+    geometry: ModelGeometry
+    hooks: dict[str, tuple[int, ...]]
+    schedule: Schedule
+    to_request_id: object = external_request_id  # engine id -> DMI request id
+    forwards: int = 0
+    recomputed_tokens: int = 0  # tokens run again after a preemption, not captured twice
+    next_position: dict[str, int] = field(default_factory=dict)  # engine id -> first uncaptured position
+    sequence: dict[str, int] = field(default_factory=dict)  # engine id -> order first seen
+    request_ids: dict[str, str] = field(default_factory=dict)  # engine id -> DMI request id
+
+    def plan(self, batch: BatchView) -> StepPlans | None:
+        """The plans for one forward (``None``: nothing of it is captured)."""
+        forward_index = self.forwards
+        self.forwards += 1
+        spans: dict[str, list[tuple[str, int, int, int]]] = {"prefill": [], "decode": []}
+        logits: dict[str, list[tuple[str, int, int]]] = {"prefill": [], "decode": []}  # (request id, row, position)
+        step_ids = []
+        for i, engine_id in enumerate(batch.request_ids):
+            kept = self._kept(engine_id, batch, i, forward_index)
+            if kept is None:
+                continue
+            phase, lo, hi, position = kept
+            rid = self.request_ids[engine_id]
+            spans[phase].append((rid, lo, hi - lo, position))
+            last = position + (hi - lo) - 1
+            if last >= batch.num_prompt[i] - 1:  # a partial prompt chunk's logits are never sampled
+                logits[phase].append((rid, i, last))
+            step_ids.append(rid)
+        if not step_ids:
+            return None
+        token_plans = tuple(self._token_plan(phase, forward_index, s, batch.num_tokens)
+                            for phase, s in spans.items() if s)
+        logits_plans = ()
+        if "logits" in self.hooks:
+            logits_plans = tuple(self._logits_plan(phase, forward_index, rows, len(batch.request_ids))
+                                 for phase, rows in logits.items() if rows)
+        return StepPlans(token_plans, logits_plans, tuple(step_ids))
+
+    def forget(self, engine_ids) -> None:
+        """Requests that finished: their state is no longer needed."""
+        for engine_id in engine_ids:
+            self.next_position.pop(engine_id, None)
+            self.request_ids.pop(engine_id, None)
+
+    def _kept(self, engine_id: str, batch: BatchView, i: int, forward_index: int):
+        """``(phase, first row, end row, first position)`` of request ``i``'s captured span, or None."""
+        lo, hi = batch.query_start_loc[i], batch.query_start_loc[i + 1]
+        position = batch.num_computed[i]
+        if engine_id not in self.sequence:
+            self.sequence[engine_id] = len(self.sequence)
+            self.request_ids[engine_id] = self.to_request_id(engine_id)
+        seen = self.next_position.get(engine_id, 0)
+        if position < seen:  # recomputed after preemption: those positions were captured already
+            skip = min(seen - position, hi - lo)
+            lo, position = lo + skip, position + skip
+            self.recomputed_tokens += skip
+        if hi <= lo:
+            return None
+        self.next_position[engine_id] = position + (hi - lo)
+        prompt = batch.num_prompt[i]
+        phase = "prefill" if position < prompt else "decode"
+        step = position - prompt + 1  # the decode step that feeds this token (1 = the first)
+        if not self.schedule.admits_request(self.sequence[engine_id]):
+            return None
+        if not self.schedule.admits_step(forward_index, phase, step):
+            return None
+        if phase == "prefill" and self.schedule.last_tokens is not None:
+            skip = max(0, prompt - self.schedule.last_tokens - position)
+            lo, position = lo + min(skip, hi - lo), position + min(skip, hi - lo)
+            if hi <= lo:
+                return None
+        return phase, lo, hi, position
+
+    def _token_plan(self, phase: str, step: int, spans, num_tokens: int) -> StepPlan:
+        rows, offset, parts = [], 0, []
+        contiguous = True
+        for rid, lo, n, position in spans:
+            rows.append(RowSpan(0, rid, lo, position, n, offset, 0))
+            contiguous = contiguous and lo == offset
+            parts.append(torch.arange(lo, lo + n))
+            offset += n
+        index = None if contiguous and offset == num_tokens else torch.cat(parts)
+        return StepPlan(1, num_tokens, phase, step, tuple(rows), index, self.geometry, self.hooks)
+
+    def _logits_plan(self, phase: str, step: int, logits, n_requests: int) -> StepPlan:
+        """The logits processor returns one row per scheduled request, in batch order."""
+        rows = tuple(RowSpan(0, rid, row, position, 1, k, 0) for k, (rid, row, position) in enumerate(logits))
+        index = None if len(rows) == n_requests else torch.tensor([row for _, row, _ in logits], dtype=torch.long)
+        return StepPlan(1, n_requests, phase, step, rows, index, self.geometry, {"logits": self.hooks["logits"]})
