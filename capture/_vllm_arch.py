@@ -18,7 +18,12 @@ hook            taken from (layer ``L`` of ``n``)
 ``attn_out``    ``o_proj`` output
 ``resid_mid``   the residual ``post_attention_layernorm`` returns
 ``mlp_post``    ``down_proj`` input
-``mlp_out``     the MLP block's output
+``mlp_out``     the MLP block's output (the MoE block's, on a mixture-of-experts model)
+``router_logits``  the MoE gate's output
+``router_topk``    the ``top_k`` experts with the largest router logits (one ``topk`` on the
+                model's thread: vLLM's fused kernel keeps its choice to itself; offered only
+                where that choice is the plain top-k — softmax or sigmoid scoring, no grouped
+                routing, no score-correction bias, no custom routing function)
 ``resid_post``  the residual the next layer's ``input_layernorm`` returns (the final ``norm``'s
                 for the last layer): exactly ``hidden_states + residual`` as vLLM sums it
 ``final_norm``  the final ``norm`` output
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from dmi.storage.errors import AttachError
@@ -59,6 +65,8 @@ _LAYER_MODULES = {
     "resid_mid": "post_attention_layernorm",
     "mlp_post": "mlp.down_proj",
     "mlp_out": "mlp",
+    "router_logits": "mlp.gate",
+    "router_topk": "mlp.gate",
     "resid_pre": "input_layernorm",
     "resid_post": "input_layernorm",
 }
@@ -91,6 +99,43 @@ def _qkv_part(attn, part: int):
     return extract
 
 
+def _router_topk(k: int):
+    def extract(args, kwargs, output):
+        logits = output[0] if isinstance(output, tuple) else output
+        return torch.topk(logits, k, dim=-1).indices
+
+    return extract
+
+
+def _moe_block(layer: nn.Module) -> str | None:
+    """Where a decoder layer keeps its mixture of experts (Mixtral: ``block_sparse_moe``)."""
+    for name in ("block_sparse_moe", "mlp"):
+        block = getattr(layer, name, None)
+        if isinstance(getattr(block, "gate", None), nn.Module) and isinstance(getattr(block, "experts", None), nn.Module):
+            return name
+    return None
+
+
+def _plain_topk(layer: nn.Module) -> int | None:
+    """``top_k`` when the layer's experts are chosen as the ``top_k`` largest router logits."""
+    name = _moe_block(layer)
+    router = getattr(getattr(getattr(layer, name, None), "experts", None), "router", None) if name else None
+    if router is None or getattr(router, "use_grouped_topk", True) or router.custom_routing_function is not None:
+        return None
+    if router.e_score_correction_bias is not None or router.scoring_func not in ("softmax", "sigmoid"):
+        return None
+    return int(router.top_k)
+
+
+def _path(layer: nn.Module, hook: str) -> str | None:
+    """The module path of a per-layer hook on ``layer``, with the MoE block's name resolved."""
+    path = _LAYER_MODULES.get(hook)
+    moe = _moe_block(layer)
+    if path is None or (moe is None and hook.startswith("router_")):
+        return None
+    return path.replace("mlp", moe, 1) if moe is not None and path.split(".")[0] == "mlp" else path
+
+
 def _get(root: nn.Module, path: str) -> nn.Module | None:
     mod = root
     for part in path.split("."):
@@ -118,8 +163,11 @@ class VLLMArchitecture:
             return hook != "logits" or isinstance(getattr(self.model, "logits_processor", None), nn.Module)
         if hook in ("embed", "final_norm"):
             return _get(self.base, "embed_tokens" if hook == "embed" else "norm") is not None
-        path = _LAYER_MODULES.get(hook)
-        return path is not None and _get(self.layers[0], path) is not None
+        first = self.layers[0]
+        path = _path(first, hook)
+        if hook == "router_topk" and _plain_topk(first) is None:
+            return False
+        return path is not None and _get(first, path) is not None
 
     def taps(self, selected: dict[str, tuple[int, ...]]) -> list[Tap]:
         """One :class:`Tap` per (module, pre/post) that serves the selected hooks."""
@@ -157,11 +205,13 @@ class VLLMArchitecture:
             attn = _get(block, "self_attn")
             add(_get(block, "self_attn.qkv_proj"), "post", hook, layer, _qkv_part(attn, "qkv".index(hook[-1])))
         elif hook in ("attn_z", "mlp_post"):
-            add(_get(block, _LAYER_MODULES[hook]), "pre", hook, layer, _arg0)
+            add(_get(block, _path(block, hook)), "pre", hook, layer, _arg0)
         elif hook == "resid_mid":
             add(_get(block, "post_attention_layernorm"), "post", hook, layer, _residual_out)
-        else:  # attn_out, mlp_out
-            add(_get(block, _LAYER_MODULES[hook]), "post", hook, layer, _first_out)
+        elif hook == "router_topk":
+            add(_get(block, _path(block, hook)), "post", hook, layer, _router_topk(_plain_topk(block)))
+        else:  # attn_out, mlp_out, router_logits
+            add(_get(block, _path(block, hook)), "post", hook, layer, _first_out)
 
 
 def resolve_vllm_architecture(model: nn.Module) -> VLLMArchitecture:

@@ -10,7 +10,10 @@ hooks, and vLLM's own output for the tokens.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -31,7 +34,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install vl
 
 import dmi  # noqa: E402
 from dmi.storage.errors import CaptureError, VLLMConfigError  # noqa: E402
-from tests._vllm import ENGINE, PROMPTS, build_llm, hf_model, tiny_llama_dir  # noqa: E402
+from tests._vllm import ENGINE, PROMPTS, build_llm, hf_model, tiny_llama_dir, tiny_mixtral_dir  # noqa: E402
 
 # vLLM's CPU kernels (fused add + RMSNorm, its SDPA path) round differently from transformers';
 # in float32 on this 3-layer model the largest difference measured is below 1e-4.
@@ -127,6 +130,32 @@ def _logits_positions(store, model_id, request_id) -> list[int]:
     return [r["start_token"] + i for r in rows for i in range(r["n_tokens"])]
 
 
+def test_a_mixture_of_experts_routes_as_the_hugging_face_model(tmp_path):
+    """Mixtral: router_logits, router_topk (the experts chosen) and the MoE block's output equal
+    DMI's capture of the same weights in transformers; mlp_post (no down projection outside the
+    fused experts) is refused by name. The engine runs in a fresh process: vLLM creates its
+    expert-parallel group only when the first engine of a process is a mixture of experts."""
+    model_dir = tiny_mixtral_dir(tmp_path)
+    hooks = "router_logits,router_topk,mlp_out,resid_post"
+    child = subprocess.run([sys.executable, "-m", "tests._vllm", "capture", model_dir, str(tmp_path / "home"), hooks],
+                           capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-4000:]
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    assert result["refused"].startswith("HookSelectionError") and "mlp_post" in result["refused"]
+    with dmi.open(home=tmp_path / "home") as store, dmi.open(home=tmp_path / "hf") as ref_store:
+        with ref_store.capture(hf_model(model_dir), hooks=hooks, model_id="hf") as ref_cap:
+            for request_id, fed in result["fed"].items():
+                ref_cap.forward(torch.tensor([fed]), request_ids=[f"hf-{request_id}"])
+        for request_id in result["fed"]:
+            for hook in hooks.split(","):
+                got = store.get_internal(os.path.realpath(model_dir), request_id, hook)
+                want = ref_store.get_internal("hf", f"hf-{request_id}", hook)
+                if hook == "router_topk":
+                    assert torch.equal(got, want)
+                else:
+                    torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m, h=hook: f"{h}: {m}")
+
+
 def test_generated_tokens_are_the_same_with_and_without_capture(llm, store):
     plain = llm.generate(PROMPTS, _sampling(8))
     with store.capture_vllm(llm, hooks="all_but_patterns") as cap:
@@ -145,12 +174,12 @@ def test_preempted_requests_are_recorded_once(model_dir, tmp_path):
         with store.capture_vllm(llm, hooks="token_ids,resid_post", layers=[0]) as cap:
             outs = cap.generate(prompts, _sampling(40))
             stats = cap.stats
-        assert stats["recomputed_tokens_skipped"] > 0  # preemption happened, so the guard was exercised
         model_id = os.path.realpath(model_dir)
         for out in outs:
             fed = _fed_tokens(out)
             assert store.get_internal(model_id, out.request_id, "token_ids").flatten().tolist() == fed
             assert store.get_internal(model_id, out.request_id, "resid_post", layers=[0]).shape == (1, len(fed), 128)
+    assert stats["recomputed_tokens_skipped"] > 0  # preemption happened, so the guard was exercised
 
 
 def test_a_finished_request_is_published_while_others_run(llm, model_dir, store):
