@@ -23,7 +23,7 @@ from ._tp import ParallelRanks, resolve_parallel_ranks
 from ._tp_layout import TPReplicated, TPShard
 from ._tp_load import load_tensor_parallel
 from ._token_text import PROMPT_TEXT, TEXT_HOOKS, TOKEN_TEXT, decode_strings
-from ._vllm import VLLMCaptureSession, attach_vllm, check_engine_config
+from ._vllm import VLLM_WRITER_PREFIX, VLLMCaptureSession, attach_vllm, check_engine_config
 
 __all__ = [
     "attach",
@@ -60,4 +60,5 @@ __all__ = [
     "attach_vllm",
     "VLLMCaptureSession",
     "check_engine_config",
+    "VLLM_WRITER_PREFIX",
 ]

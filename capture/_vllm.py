@@ -40,7 +40,10 @@ from ._tp_layout import TPLayout, emitted_hooks
 from ._vllm_arch import MUTATED_IN_PLACE, resolve_vllm_architecture
 from ._vllm_plan import BatchView, VLLMPlanner
 
-__all__ = ["attach_vllm", "VLLMCaptureSession", "check_engine_config"]
+__all__ = ["attach_vllm", "VLLMCaptureSession", "check_engine_config", "VLLM_WRITER_PREFIX"]
+
+VLLM_WRITER_PREFIX = "vllm-"
+"""How the writer id of every pack a vLLM capture seals begins (``vllm-<run id>``)."""
 
 
 def check_engine_config(vllm_config) -> None:
@@ -293,6 +296,9 @@ def attach_vllm(
     geometry = ModelGeometry.from_config(model.config, config.dtype)
     layout = TPLayout(geometry, tp_rank, tp_size, None)
     emitted = emitted_hooks(selection.hooks, layout, tp_replicas)
+    # the producer, in every pack's writer id (and the catalog's packs table): an audit re-runs a
+    # vLLM capture through Hugging Face under the vllm tolerance
+    writer_options = {"writer_id": f"{VLLM_WRITER_PREFIX}{run_id}", **(writer_options or {})}
     writer_options, hook_codecs = resolve_codecs(codec, writer_options, tuple(selection.hooks), geometry, False)
     ctx = KeyContext(model_id, run_id, tp_rank, tp_size, geometry, layout=layout)
     options = _PipelineOptions(
