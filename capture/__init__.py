@@ -18,12 +18,12 @@ from ._plan import RowSpan, StepPlan
 from ._ring import Ring
 from ._schedule import Schedule
 from ._selection import Selection, layer_numbers, resolve_hooks, resolve_layers
-from ._session import CaptureSession, attach, derive_model_id
+from ._session import CaptureSession, attach, derive_model_id, new_run_id
 from ._tp import ParallelRanks, resolve_parallel_ranks
 from ._tp_layout import TPReplicated, TPShard
 from ._tp_load import load_tensor_parallel
 from ._token_text import PROMPT_TEXT, TEXT_HOOKS, TOKEN_TEXT, decode_strings
-from ._vllm import VLLM_WRITER_PREFIX, VLLMCaptureSession, attach_vllm, check_engine_config
+from ._vllm import VLLM_WRITER_PREFIX, VLLMCaptureSession, attach_vllm, check_engine_config, engine_in_this_process
 
 __all__ = [
     "attach",
@@ -61,4 +61,6 @@ __all__ = [
     "VLLMCaptureSession",
     "check_engine_config",
     "VLLM_WRITER_PREFIX",
+    "engine_in_this_process",
+    "new_run_id",
 ]

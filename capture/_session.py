@@ -51,7 +51,7 @@ from ._tp import resolve_parallel_ranks
 from ._tp_layout import TPLayout, emitted_hooks
 from ._token_text import TokenStrings, with_token_ids
 
-__all__ = ["attach", "CaptureSession", "derive_model_id"]
+__all__ = ["attach", "CaptureSession", "derive_model_id", "new_run_id"]
 
 _OWNERS: "weakref.WeakKeyDictionary[nn.Module, CaptureSession]" = weakref.WeakKeyDictionary()
 _OWNERS_LOCK = threading.Lock()
@@ -86,7 +86,8 @@ def derive_model_id(model: nn.Module) -> str:
     return f"{config.model_type}-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
 
 
-def _new_run_id() -> str:
+def new_run_id() -> str:
+    """A fresh run id: the UTC time and 6 random hex digits (``20261201T101500Z-a1b2c3``)."""
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
 
 
@@ -657,7 +658,7 @@ def attach(
     selection = select(arch, hooks, layers, attn_implementation=impl)
     schedule = Schedule.coerce(schedule)
     model_id = _validate_id("model id", model_id if model_id is not None else derive_model_id(model))
-    run_id = _validate_id("run id", run_id if run_id is not None else _new_run_id())
+    run_id = _validate_id("run id", run_id if run_id is not None else new_run_id())
     ranks = resolve_parallel_ranks(model, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, pp_rank=pp_rank)
     tp_rank, tp_size, pp_rank = ranks.tp_rank, ranks.tp_size, ranks.pp_rank
     if compiled:

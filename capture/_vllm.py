@@ -35,19 +35,20 @@ from ._drain import KeyContext
 from ._hooks import ModelGeometry
 from ._schedule import Schedule
 from ._selection import select
-from ._session import CaptureSession, _PipelineOptions, _new_run_id, _validate_id, default_publish_scope, owned_session
+from ._session import CaptureSession, _PipelineOptions, new_run_id, _validate_id, default_publish_scope, owned_session
 from ._tp_layout import TPLayout, emitted_hooks
 from ._vllm_arch import MUTATED_IN_PLACE, resolve_vllm_architecture
 from ._vllm_plan import BatchView, VLLMPlanner
 
-__all__ = ["attach_vllm", "VLLMCaptureSession", "check_engine_config", "VLLM_WRITER_PREFIX"]
+__all__ = ["attach_vllm", "VLLMCaptureSession", "check_engine_config", "engine_in_this_process", "VLLM_WRITER_PREFIX"]
 
 VLLM_WRITER_PREFIX = "vllm-"
 """How the writer id of every pack a vLLM capture seals begins (``vllm-<run id>``)."""
 
 
-def check_engine_config(vllm_config) -> None:
-    """Refuse an engine configuration under which hooks would miss steps or tokens silently."""
+def check_engine_config(vllm_config, *, sharded_ok: bool = False) -> None:
+    """Refuse an engine configuration under which hooks would miss steps or tokens silently.
+    ``sharded_ok``: the session attaches inside one tensor-parallel worker (its own shard)."""
     model_config = vllm_config.model_config
     compilation = vllm_config.compilation_config
     mode = getattr(compilation, "mode", None)
@@ -67,12 +68,17 @@ def check_engine_config(vllm_config) -> None:
             "LLM(..., enable_prefix_caching=False) for captured requests"
         )
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    if parallel.pipeline_parallel_size != 1:
         raise VLLMConfigError(
-            f"this vLLM engine is sharded (tensor_parallel_size={parallel.tensor_parallel_size}, "
-            f"pipeline_parallel_size={parallel.pipeline_parallel_size}); DMI's vLLM capture attaches to one "
-            "worker in this process so far. Capture from tensor_parallel_size=1, or shard with transformers "
-            "and dmi.capture (docs/capture.md, tensor parallel)"
+            f"this vLLM engine is split into pipeline stages (pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size}); DMI's vLLM capture follows whole models and tensor-parallel "
+            "shards, not pipeline stages. Capture with pipeline_parallel_size=1"
+        )
+    if parallel.tensor_parallel_size != 1 and not sharded_ok:
+        raise VLLMConfigError(
+            f"this vLLM engine is sharded (tensor_parallel_size={parallel.tensor_parallel_size}): its workers run "
+            "in processes of their own. Build the LLM with worker_extension_cls=\"dmi.vllm.CaptureWorkerExtension\" "
+            "and capture with dmi.capture_vllm (each worker captures its shard; docs/vllm.md)"
         )
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise VLLMConfigError(
@@ -82,27 +88,45 @@ def check_engine_config(vllm_config) -> None:
 
 
 def _engine_parts(engine):
-    """``(vllm_config, model runner, llm or None)`` of a ``vllm.LLM`` or a vLLM executor whose
-    worker runs in this process (reached through ``collective_rpc``)."""
+    """``(vllm_config, model runner, llm or None, tp rank, tp size)`` of what ``attach_vllm``
+    was given: a ``vllm.LLM`` or an executor whose one worker runs in this process (reached
+    through ``collective_rpc``), or a vLLM worker itself (inside its own process, one
+    tensor-parallel shard: ``CaptureWorkerExtension``)."""
+    if hasattr(engine, "model_runner") and hasattr(engine, "vllm_config"):  # a worker, in its process
+        check_engine_config(engine.vllm_config, sharded_ok=True)
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        return engine.vllm_config, engine.model_runner, None, rank, size
     llm = engine if hasattr(engine, "llm_engine") else None
     config = llm.llm_engine.vllm_config if llm is not None else getattr(engine, "vllm_config", None)
     if config is None or not callable(getattr(engine, "collective_rpc", None)):
-        raise InvalidArgumentError(f"attach_vllm needs a vllm.LLM or a vLLM executor, got {type(engine).__name__}")
+        raise InvalidArgumentError(f"attach_vllm needs a vllm.LLM, a vLLM executor or worker, got {type(engine).__name__}")
     check_engine_config(config)
-    if llm is not None and getattr(llm.llm_engine, "model_executor", None) is None:
-        # vLLM keeps the executor on the LLM only when the engine runs in this process
+    if not engine_in_this_process(engine):
         raise VLLMConfigError(
-            "this vLLM engine runs its model in another process, where DMI's hooks cannot reach it; set "
-            "VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating the LLM (or serve with "
-            "--distributed-executor-backend dmi.vllm.CaptureExecutor, docs/vllm.md)"
+            "this vLLM engine runs its model in another process, where DMI's hooks cannot reach it; build the "
+            "LLM with worker_extension_cls=\"dmi.vllm.CaptureWorkerExtension\" and capture with "
+            "dmi.capture_vllm, or set VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating it (docs/vllm.md)"
         )
     runners = engine.collective_rpc(_worker_runner)
     if len(runners) != 1 or getattr(runners[0], "input_batch", None) is None:
         raise VLLMConfigError(
-            f"this vLLM engine has {len(runners)} workers; DMI's vLLM capture attaches to an engine with one "
-            "worker in this process (tensor_parallel_size=1)"
+            f"this vLLM engine has {len(runners)} workers; attach_vllm attaches to an engine with one worker in "
+            "this process; dmi.capture_vllm with CaptureWorkerExtension captures every worker (docs/vllm.md)"
         )
-    return config, runners[0], llm
+    return config, runners[0], llm, 0, 1
+
+
+def engine_in_this_process(engine) -> bool:
+    """Whether ``engine`` (a ``vllm.LLM`` or an executor) runs its one worker in this process."""
+    llm_engine = getattr(engine, "llm_engine", None)
+    config = llm_engine.vllm_config if llm_engine is not None else getattr(engine, "vllm_config", None)
+    parallel = config.parallel_config
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
+        return False
+    # vLLM keeps the executor on the LLM's engine only when the engine core runs in this process
+    return llm_engine is None or getattr(llm_engine, "model_executor", None) is not None
 
 
 def _worker_runner(worker):
@@ -280,19 +304,18 @@ def attach_vllm(
     in-process executor of a served engine (``dmi.vllm.CaptureExecutor``); yields a
     :class:`VLLMCaptureSession`. The options are ``attach``'s; ``model_id`` defaults to the
     model vLLM was given (its name or absolute directory). See ``docs/vllm.md``."""
-    vllm_config, runner, llm = _engine_parts(engine)
+    vllm_config, runner, llm, tp_rank, tp_size = _engine_parts(engine)
     model = runner.model
     arch = resolve_vllm_architecture(model)
     selection = select(arch, hooks, layers, attn_implementation=None)
     schedule = Schedule.coerce(schedule)
     config = vllm_config.model_config
     model_id = _validate_id("model id", model_id if model_id is not None else _vllm_model_id(config.model))
-    run_id = _validate_id("run id", run_id if run_id is not None else _new_run_id())
+    run_id = _validate_id("run id", run_id if run_id is not None else new_run_id())
     if writer is None and store is None:
         raise InvalidArgumentError("attach_vllm needs a pack store (store=PackStore.local(path))")
     if isinstance(decode_chunk_steps, bool) or not isinstance(decode_chunk_steps, int) or decode_chunk_steps < 1:
         raise InvalidArgumentError(f"decode_chunk_steps must be an int >= 1, got {decode_chunk_steps!r}")
-    tp_rank, tp_size = 0, 1  # check_engine_config refused a sharded engine
     geometry = ModelGeometry.from_config(model.config, config.dtype)
     layout = TPLayout(geometry, tp_rank, tp_size, None)
     emitted = emitted_hooks(selection.hooks, layout, tp_replicas)

@@ -142,16 +142,25 @@ def capture_vllm(llm: Any, *, hooks: Any = "resid_post", layers: Any = None, sto
     block runs. Yields a ``dmi.capture.VLLMCaptureSession``: ``session.generate(prompts,
     sampling_params)`` is ``llm.generate`` with every returned request published, readable by
     the ``request_id`` vLLM returned. ``hooks``/``layers``/``options`` as for
-    :func:`capture` (``dmi.capture.attach_vllm``'s keywords). The engine must run in this
-    process, eagerly, without prefix caching: ``VLLMConfigError`` says what to change.
-    See ``docs/vllm.md``."""
-    from dmi.capture import attach_vllm
+    :func:`capture` (``dmi.capture.attach_vllm``'s keywords). The engine must run eagerly,
+    without prefix caching, and in this process unless built with
+    ``worker_extension_cls="dmi.vllm.CaptureWorkerExtension"`` (then every worker — each
+    tensor-parallel rank — captures in its own process): ``VLLMConfigError`` says what to
+    change. See ``docs/vllm.md``."""
+    from dmi.capture import attach_vllm, engine_in_this_process
 
     own = store is None
     target = open() if own else store
     try:
-        with attach_vllm(llm, hooks=hooks, layers=layers, store=target.packs, catalog=target.catalog,
-                         **options) as session:
+        if hasattr(llm, "llm_engine") and not engine_in_this_process(llm):
+            from dmi.vllm import capture_in_workers
+
+            attached = capture_in_workers(llm, catalog=target.catalog_uri, packs=target.packs_uri,
+                                          options={"hooks": hooks, "layers": layers, **options})
+        else:
+            attached = attach_vllm(llm, hooks=hooks, layers=layers, store=target.packs, catalog=target.catalog,
+                                   **options)
+        with attached as session:
             yield session
     finally:
         if own:

@@ -1,5 +1,8 @@
-"""Capture from a served vLLM engine: ``vllm serve MODEL --distributed-executor-backend
-dmi.vllm.CaptureExecutor``.
+"""Capture from vLLM engines whose model runs in other processes: a served engine (``vllm
+serve MODEL --distributed-executor-backend dmi.vllm.CaptureExecutor``), and an ``LLM`` whose
+workers run apart — the default engine process, or one process per tensor-parallel rank
+(``LLM(..., worker_extension_cls="dmi.vllm.CaptureWorkerExtension")``, then
+``dmi.capture_vllm(llm)`` as usual).
 
 vLLM builds its executor from a class named on its command line (a supported extension
 point: no vLLM source is patched). :class:`CaptureExecutor` is vLLM's single-process executor
@@ -32,7 +35,7 @@ from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
 from dmi.storage.errors import InvalidArgumentError
 
-__all__ = ["CaptureExecutor", "CAPTURE_ENV", "IDLE_PUBLISH_SECONDS"]
+__all__ = ["CaptureExecutor", "CaptureWorkerExtension", "WorkerCapture", "CAPTURE_ENV", "IDLE_PUBLISH_SECONDS"]
 
 CAPTURE_ENV = "DMI_VLLM_CAPTURE"
 """The environment variable holding the served capture's ``attach_vllm`` keywords (JSON)."""
@@ -99,6 +102,118 @@ class CaptureExecutor(UniProcExecutor):
                 self._dmi_stack.close()  # detach: drain, seal, publish, release the lease
         finally:
             super().shutdown()
+
+
+class CaptureWorkerExtension:
+    """Methods vLLM adds to every worker (``worker_extension_cls``, a supported extension point),
+    called by name through ``collective_rpc`` with plain data — no function is pickled. Each
+    worker attaches ``attach_vllm`` to itself in its own process, writing its tensor-parallel
+    shard to the same store and run as the others (each rank under its own publisher lease)."""
+
+    def dmi_attach(self, catalog: str, packs: str, options: dict) -> dict:
+        import dmi
+
+        stack = contextlib.ExitStack()
+        try:
+            store = stack.enter_context(dmi.open(catalog, packs))
+            session = stack.enter_context(store.capture_vllm(self, **options))
+        except BaseException:
+            stack.close()
+            raise
+        self._dmi_capture = (stack, session)
+        return {"model_id": session.model_id, "run_id": session.run_id, "tp_rank": session.tp_rank,
+                "tp_size": session.tp_size}
+
+    def dmi_flush(self) -> int:
+        """Seal and publish what this worker captured; the number of packs published."""
+        return len(self._dmi_capture[1].flush())
+
+    def dmi_detach(self) -> dict | None:
+        """Detach (drain, seal, publish, release the lease); this worker's statistics (None:
+        it was not attached — its attach failed)."""
+        attached = self.__dict__.pop("_dmi_capture", None)
+        if attached is None:
+            return None
+        stack, session = attached
+        stack.close()
+        return session.stats
+
+
+class WorkerCapture:
+    """The session ``dmi.capture_vllm`` yields for an engine whose workers run in other
+    processes: the same ``generate``, ``flush``, ``stats``, ``model_id``, ``run_id``."""
+
+    def __init__(self, llm, attached: list[dict]):
+        self.llm = llm
+        self.model_id = attached[0]["model_id"]
+        self.run_id = attached[0]["run_id"]
+        self.tp_size = attached[0]["tp_size"]
+        self.final_stats: list[dict] | None = None
+
+    def generate(self, *args, **kwargs):
+        """``llm.generate``; every request of its output is published when it returns."""
+        out = self.llm.generate(*args, **kwargs)
+        self.flush()
+        return out
+
+    def flush(self) -> int:
+        return sum(self.llm.collective_rpc("dmi_flush"))
+
+    @property
+    def stats(self) -> dict:
+        """The workers' statistics, available after the ``with`` block: counts of records,
+        bytes and packs summed over the workers; ``forwards``, ``requests`` and
+        ``recomputed_tokens_skipped`` (every rank sees every step) as one worker counted them."""
+        if self.final_stats is None:
+            raise InvalidArgumentError("a capture in other processes reports its statistics when it detaches")
+        per_engine = {"forwards", "requests", "recomputed_tokens_skipped"}
+        return {k: (max if k in per_engine else sum)(s[k] for s in self.final_stats) for k in self.final_stats[0]}
+
+    def _detached(self, stats: list) -> None:
+        self.final_stats = [s for s in stats if s is not None]
+
+
+@contextlib.contextmanager
+def capture_in_workers(llm, *, catalog: str, packs: str, options: dict):
+    """Attach in every worker of ``llm`` (built with :class:`CaptureWorkerExtension`) for the
+    ``with`` block; a worker that fails to attach detaches the others before the error is raised."""
+    from dmi.capture import check_engine_config, new_run_id
+    from dmi.storage.errors import VLLMConfigError
+
+    config = llm.llm_engine.vllm_config
+    check_engine_config(config, sharded_ok=True)  # refused here, with its own error, before any worker
+    wanted = f"{CaptureWorkerExtension.__module__}.{CaptureWorkerExtension.__qualname__}"
+    if config.parallel_config.worker_extension_cls != wanted:
+        raise VLLMConfigError(
+            "this vLLM engine runs its model in other processes; build the LLM with "
+            f"worker_extension_cls={wanted!r} so that DMI can attach in each worker (or, with one worker, set "
+            "VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating it; docs/vllm.md)"
+        )
+    options = {"run_id": new_run_id(), **_plain(options)}  # one run across every rank
+    try:
+        attached = llm.collective_rpc("dmi_attach", args=(catalog, packs, options))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            llm.collective_rpc("dmi_detach")
+        raise
+    session = WorkerCapture(llm, attached)
+    try:
+        yield session
+    finally:
+        session._detached(llm.collective_rpc("dmi_detach"))
+
+
+def _plain(options: dict) -> dict:
+    """``attach_vllm`` keywords as the plain data vLLM sends to its workers (a ``range`` of
+    layers as a list, a ``Schedule`` as its fields)."""
+    import dataclasses
+
+    out = dict(options)
+    if isinstance(out.get("layers"), (range, tuple)):
+        out["layers"] = list(out["layers"])
+    if dataclasses.is_dataclass(out.get("schedule")):
+        out["schedule"] = dataclasses.asdict(out["schedule"])
+    return out
 
 
 class _IdlePublisher:

@@ -4,9 +4,9 @@ saved as a Hugging Face directory that both vLLM and transformers load.
 vLLM's CPU attention needs a head size it has kernels for (64 here; 16 is refused), and a KV
 block size that is a multiple of 32.
 
-``python -m tests._vllm capture MODEL_DIR HOME HOOKS`` captures ``PROMPTS`` in a fresh process
-(an engine that must be the first of its process) and prints, as the last line, a JSON object:
-the tokens each request ran and the error a ``mlp_post`` attach raised.
+``python -m tests._vllm SPEC_JSON RESULT_PATH`` runs :func:`capture_in_this_process` and writes its
+result (JSON) to ``RESULT_PATH`` (vLLM logs to stdout): :func:`capture_in_a_fresh_process` is how
+tests use it.
 """
 
 from __future__ import annotations
@@ -27,23 +27,25 @@ PROMPTS = [
 ]
 
 
-def tiny_llama_dir(root) -> str:
-    """A 3-layer Llama (hidden 128, 2 heads of 64, 1 KV head), random weights from seed 0."""
+def tiny_llama_dir(root, *, hidden: int = 128, heads: int = 2, kv_heads: int = 1, layers: int = 3,
+                   name: str = "tiny-llama-vllm") -> str:
+    """A Llama with heads of 64 (default: 3 layers, hidden 128, 2 heads, 1 KV head), random
+    weights from seed 0."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from dmi._models import byte_tokenizer
 
     tok = byte_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         tie_word_embeddings=False,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = LlamaForCausalLM(config).eval()
-    path = str(root / "tiny-llama-vllm")
+    path = str(root / name)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -83,28 +85,54 @@ def hf_model(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def _capture_in_this_process(model_dir: str, home: str, hooks: str) -> dict:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+def capture_in_this_process(spec: dict) -> dict:
+    """Build an engine (``spec["engine"]`` over :data:`ENGINE`, ``spec["env"]`` set first),
+    capture ``PROMPTS`` with ``spec["hooks"]`` into the store at ``spec["home"]``; then try
+    ``spec["refuse_hooks"]`` if given. Returns the tokens each request ran, the session's
+    statistics and the errors (``"Type: message"``) raised."""
+    os.environ.update(spec.get("env", {}))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import vllm
 
     import dmi
 
-    llm = build_llm(model_dir)
+    llm = build_llm(spec["model"], **spec.get("engine", {}))
     params = vllm.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    with dmi.open(home=home) as store:
-        with store.capture_vllm(llm, hooks=hooks) as cap:
-            outs = cap.generate(PROMPTS, params)
+    result: dict = {"fed": {}, "stats": None, "error": "", "refused": ""}
+    with dmi.open(home=spec["home"]) as store:
         try:
-            with store.capture_vllm(llm, hooks="mlp_post"):
-                refused = ""
+            with store.capture_vllm(llm, hooks=spec["hooks"]) as cap:
+                outs = cap.generate(PROMPTS, params)
+            result["stats"] = cap.stats
+            result["fed"] = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids[:-1]) for o in outs}
         except dmi.DMIError as exc:
-            refused = f"{type(exc).__name__}: {exc}"
-    fed = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids[:-1]) for o in outs}
-    return {"fed": fed, "refused": refused}
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        if spec.get("refuse_hooks"):
+            try:
+                with store.capture_vllm(llm, hooks=spec["refuse_hooks"]):
+                    pass
+            except dmi.DMIError as exc:
+                result["refused"] = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def capture_in_a_fresh_process(spec: dict, timeout: float = 600) -> dict:
+    """:func:`capture_in_this_process` in a new Python process (an engine that must be the first
+    of its process, or one that runs its own worker processes), its result read back."""
+    import subprocess
+
+    out = os.path.join(spec["home"] + "-result.json")
+    child = subprocess.run([sys.executable, "-m", "tests._vllm", json.dumps(spec), out], capture_output=True,
+                           text=True, timeout=timeout)
+    if child.returncode != 0:
+        raise AssertionError(f"the capture process failed ({child.returncode}):\n{child.stderr[-4000:]}")
+    with open(out) as f:
+        return json.load(f)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["capture"] or len(sys.argv) != 5:
-        sys.exit("usage: python -m tests._vllm capture MODEL_DIR HOME HOOKS")
-    print(json.dumps(_capture_in_this_process(*sys.argv[2:])))
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m tests._vllm SPEC_JSON RESULT_PATH")
+    result = capture_in_this_process(json.loads(sys.argv[1]))
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f)

@@ -40,7 +40,8 @@ CAPTURE_ALL = [
     "derive_model_id", "resolve_architecture", "SUPPORTED_MODEL_TYPES", "ALIASES", "HookAlias", "resolve_alias",
     "TPShard", "TPReplicated", "ParallelRanks", "resolve_parallel_ranks", "load_tensor_parallel",
     "TOKEN_TEXT", "PROMPT_TEXT", "TEXT_HOOKS", "decode_strings", "attach_vllm", "VLLMCaptureSession",
-    "check_engine_config", "VLLM_WRITER_PREFIX",
+    "check_engine_config", "VLLM_WRITER_PREFIX", "engine_in_this_process",
+    "new_run_id",
 ]
 
 STORAGE_ALL = [

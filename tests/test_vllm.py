@@ -10,10 +10,7 @@ hooks, and vLLM's own output for the tokens.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -34,7 +31,8 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install vl
 
 import dmi  # noqa: E402
 from dmi.storage.errors import CaptureError, VLLMConfigError  # noqa: E402
-from tests._vllm import ENGINE, PROMPTS, build_llm, hf_model, tiny_llama_dir, tiny_mixtral_dir  # noqa: E402
+from tests._vllm import (ENGINE, PROMPTS, build_llm, capture_in_a_fresh_process, hf_model,  # noqa: E402
+                         tiny_llama_dir, tiny_mixtral_dir)
 
 # vLLM's CPU kernels (fused add + RMSNorm, its SDPA path) round differently from transformers';
 # in float32 on this 3-layer model the largest difference measured is below 1e-4.
@@ -137,10 +135,8 @@ def test_a_mixture_of_experts_routes_as_the_hugging_face_model(tmp_path):
     expert-parallel group only when the first engine of a process is a mixture of experts."""
     model_dir = tiny_mixtral_dir(tmp_path)
     hooks = "router_logits,router_topk,mlp_out,resid_post"
-    child = subprocess.run([sys.executable, "-m", "tests._vllm", "capture", model_dir, str(tmp_path / "home"), hooks],
-                           capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stderr[-4000:]
-    result = json.loads(child.stdout.strip().splitlines()[-1])
+    result = capture_in_a_fresh_process({"model": model_dir, "home": str(tmp_path / "home"), "hooks": hooks,
+                                         "refuse_hooks": "mlp_post"})
     assert result["refused"].startswith("HookSelectionError") and "mlp_post" in result["refused"]
     with dmi.open(home=tmp_path / "home") as store, dmi.open(home=tmp_path / "hf") as ref_store:
         with ref_store.capture(hf_model(model_dir), hooks=hooks, model_id="hf") as ref_cap:
