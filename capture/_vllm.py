@@ -1,18 +1,21 @@
-"""Capture inside a vLLM engine: ``attach_vllm(llm, ...)`` — the same selection, schedule, ring,
-drain, packs and catalog as ``attach`` on a Hugging Face model.
+"""Capture inside a vLLM engine: ``attach_vllm(engine, ...)`` — the same selection, schedule,
+ring, drain, packs and catalog as ``attach`` on a Hugging Face model.
 
-The session lives in the worker that runs the model (reached through vLLM's own
-``collective_rpc``, with the engine in this process), hooks the modules
-:mod:`dmi.capture._vllm_arch` names, and before each forward reads the model runner's
-host-side batch (request ids, ``query_start_loc``, computed and prompt token counts — no
-device synchronisation) to plan which rows belong to which request
+The session lives in the process of the worker that runs the model: ``engine`` is a
+``vllm.LLM`` or an executor whose one worker runs in this process (reached through vLLM's own
+``collective_rpc``), or a worker itself, inside its own process (``dmi.vllm``'s worker
+extension attaches there; under tensor parallelism each rank records its shard with its
+geometry). It hooks the modules :mod:`dmi.capture._vllm_arch` names, and before each forward
+reads the model runner's host-side batch (request ids, ``query_start_loc``, computed and prompt
+token counts — no device synchronisation) to plan which rows belong to which request
 (:mod:`dmi.capture._vllm_plan`). Records carry the request id vLLM returned to the caller.
 
 **Refused before anything is installed** (:class:`VLLMConfigError`, saying what to pass):
 an engine that could skip hooks silently — CUDA graphs or ``torch.compile`` (pass
 ``enforce_eager=True``), prefix caching (cached prompt tokens never run: pass
-``enable_prefix_caching=False``), speculative decoding — and an engine in another process
-(set ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+``enable_prefix_caching=False``), speculative decoding, pipeline stages — and an ``LLM``
+whose workers run in other processes given here directly (``dmi.capture_vllm`` reaches them
+through the worker extension).
 
 **Publishing.** When requests leave the runner (finished or aborted), the open slot is handed
 to the drain and the open pack sealed and published without the model waiting; the session's
