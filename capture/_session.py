@@ -664,11 +664,8 @@ def attach(
     if compiled:
         check_compiled_selection(selection.hooks, tp_size)
     enabled = (tp_ranks is None or tp_rank in set(tp_ranks)) and (pp_ranks is None or pp_rank in set(pp_ranks))
-    if isinstance(decode_chunk_steps, bool) or not isinstance(decode_chunk_steps, int) or decode_chunk_steps < 1:
-        raise InvalidArgumentError(f"decode_chunk_steps must be an int >= 1, got {decode_chunk_steps!r}")
-    _check_fill("adaptive_codec", adaptive_codec)
-    if writer is None and store is None:
-        raise InvalidArgumentError("attach needs a pack store (store=PackStore.local(path))")
+    check_pipeline_arguments("attach", store=store, writer=writer, decode_chunk_steps=decode_chunk_steps,
+                             adaptive_codec=adaptive_codec)
     geometry = ModelGeometry.from_config(model.config, _model_dtype(model))
     texts = None if tokenizer is None else TokenStrings(tokenizer)
     if texts is not None:
@@ -781,6 +778,16 @@ def owned_session(owner_key, model_name: str, ctx: KeyContext, options: _Pipelin
         finally:
             with _OWNERS_LOCK:
                 _OWNERS.pop(owner_key, None)
+
+
+def check_pipeline_arguments(who: str, *, store, writer, decode_chunk_steps, adaptive_codec) -> None:
+    """The arguments every attach shares about the drain and the writer, checked before the
+    model is touched (:class:`InvalidArgumentError`)."""
+    if isinstance(decode_chunk_steps, bool) or not isinstance(decode_chunk_steps, int) or decode_chunk_steps < 1:
+        raise InvalidArgumentError(f"decode_chunk_steps must be an int >= 1, got {decode_chunk_steps!r}")
+    _check_fill("adaptive_codec", adaptive_codec)
+    if writer is None and store is None:
+        raise InvalidArgumentError(f"{who} needs a pack store (store=PackStore.local(path))")
 
 
 def _check_fill(name: str, value) -> None:

@@ -38,7 +38,8 @@ from ._drain import KeyContext
 from ._hooks import ModelGeometry
 from ._schedule import Schedule
 from ._selection import select
-from ._session import CaptureSession, _PipelineOptions, new_run_id, _validate_id, default_publish_scope, owned_session
+from ._session import (CaptureSession, _PipelineOptions, _validate_id, check_pipeline_arguments,
+                       default_publish_scope, new_run_id, owned_session)
 from ._tp_layout import TPLayout, emitted_hooks
 from ._vllm_arch import MUTATED_IN_PLACE, resolve_vllm_architecture
 from ._vllm_plan import BatchView, VLLMPlanner
@@ -303,9 +304,9 @@ def attach_vllm(
     writer=None,
     tp_replicas: str = "rank0",
 ):
-    """Attach capture to ``engine`` — a ``vllm.LLM`` whose engine runs in this process, or the
-    in-process executor of a served engine (``dmi.vllm.CaptureExecutor``); yields a
-    :class:`VLLMCaptureSession`. The options are ``attach``'s; ``model_id`` defaults to the
+    """Attach capture to ``engine`` — a ``vllm.LLM`` whose one worker runs in this process, the
+    in-process executor of a served engine (``dmi.vllm.CaptureExecutor``), or a worker inside
+    its own process (``dmi.vllm.CaptureWorkerExtension``); yields a :class:`VLLMCaptureSession`. The options are ``attach``'s; ``model_id`` defaults to the
     model vLLM was given (its name or absolute directory). See ``docs/vllm.md``."""
     vllm_config, runner, llm, tp_rank, tp_size = _engine_parts(engine)
     model = runner.model
@@ -315,10 +316,8 @@ def attach_vllm(
     config = vllm_config.model_config
     model_id = _validate_id("model id", model_id if model_id is not None else _vllm_model_id(config.model))
     run_id = _validate_id("run id", run_id if run_id is not None else new_run_id())
-    if writer is None and store is None:
-        raise InvalidArgumentError("attach_vllm needs a pack store (store=PackStore.local(path))")
-    if isinstance(decode_chunk_steps, bool) or not isinstance(decode_chunk_steps, int) or decode_chunk_steps < 1:
-        raise InvalidArgumentError(f"decode_chunk_steps must be an int >= 1, got {decode_chunk_steps!r}")
+    check_pipeline_arguments("attach_vllm", store=store, writer=writer, decode_chunk_steps=decode_chunk_steps,
+                             adaptive_codec=adaptive_codec)
     geometry = ModelGeometry.from_config(model.config, config.dtype)
     layout = TPLayout(geometry, tp_rank, tp_size, None)
     emitted = emitted_hooks(selection.hooks, layout, tp_replicas)

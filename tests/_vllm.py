@@ -15,7 +15,17 @@ import json
 import os
 import sys
 
+import pytest
 import torch
+
+MARKS = [
+    pytest.mark.vllm,
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # vLLM's own, at import and at start
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::ResourceWarning"),
+]
+"""Every vLLM test module's ``pytestmark``: marked ``vllm``, vLLM's warnings not turned into errors."""
 
 ENGINE = dict(enforce_eager=True, dtype="float32", max_num_seqs=8, enable_prefix_caching=False)
 """The engine every capture test runs: eager (hooks run every step), no prefix cache."""

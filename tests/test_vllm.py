@@ -16,13 +16,9 @@ import time
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-    pytest.mark.filterwarnings("ignore::ResourceWarning"),
-]
+from tests._vllm import MARKS
+
+pytestmark = MARKS
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: hooks reach it
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

