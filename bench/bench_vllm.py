@@ -138,8 +138,9 @@ def engine_kwargs(args, native_layers: list[int] | None, native_dir: str | None)
                      "kv_connector_extra_config": {"shared_storage_path": native_dir}}
         if args.native_connector_module:
             connector["kv_connector_module_path"] = args.native_connector_module
+        draft = {"hf_config": {"eagle_aux_hidden_state_layer_ids": native_layers}}
         kw["speculative_config"] = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": native_layers}}}
+                                    "draft_model_config": draft}
         kw["kv_transfer_config"] = connector
     return kw
 
@@ -213,7 +214,7 @@ class _Engine:
         outs = self.llm.generate(self.prompts[:2], short, use_tqdm=False)
         if self.spec["native"]:
             self._wait_native(outs)
-            self._native_files(outs, remove=True)
+            self._native_files(outs)
         else:
             with self.store.capture_vllm(self.llm, hooks="resid_post", model_id="bench-warm-up") as cap:
                 cap.generate(self.prompts[:2], short, use_tqdm=False)
@@ -253,9 +254,11 @@ class _Engine:
         published = {r.request_id for r in self.store.requests(_model_id(name), run_id=cap.run_id)}
         missing = {o.request_id for o in outs} - published
         if missing:
-            raise BenchError(f"{name}: {len(missing)} request(s) not published when generate returned: {sorted(missing)[:5]}")
+            raise BenchError(f"{name}: {len(missing)} request(s) not published when generate returned: "
+                             f"{sorted(missing)[:5]}")
         if s["records_lost"] or s["tensors_dropped"]:
-            raise BenchError(f"{name}: capture lost records ({s['records_lost']}) or dropped tensors ({s['tensors_dropped']})")
+            raise BenchError(f"{name}: capture lost records ({s['records_lost']}) or dropped tensors "
+                             f"({s['tensors_dropped']})")
         return {"seconds": t2 - t1, "tokens": _tokens(outs), "attach_s": t1 - t0, "detach_s": t3 - t2,
                 "hook_s": s["hook_seconds"], "drain_busy_s": s["drain_busy_seconds"], "ring_waits": s["ring_waits"],
                 "records": s["records"], "packs": s["packs_published"], "captured_bytes": s["reserved_bytes"]}
@@ -266,7 +269,7 @@ class _Engine:
         outs = self.llm.generate(self.prompts, self.sampling, use_tqdm=False)
         extra_steps = self._wait_native(outs)
         t1 = time.perf_counter()
-        files, size = self._native_files(outs, remove=True)
+        files, size = self._native_files(outs)
         return {"seconds": t1 - t0, "tokens": _tokens(outs), "extra_steps": extra_steps, "files": files,
                 "captured_bytes": size}
 
@@ -290,7 +293,7 @@ class _Engine:
                     fcntl.flock(f, fcntl.LOCK_SH)  # released once the write is done
         return steps
 
-    def _native_files(self, outs, remove: bool) -> tuple[int, int]:
+    def _native_files(self, outs) -> tuple[int, int]:
         """Check every request's file holds (tokens, layers, hidden) rows; return (files, bytes); remove them."""
         from safetensors import safe_open
 
@@ -304,12 +307,12 @@ class _Engine:
                 shape = tuple(f.get_slice("hidden_states").get_shape())
             fed = len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
             if shape[:2] != (fed, layers):
-                raise BenchError(f"native: request {out.request_id} file holds {shape}, expected ({fed}, {layers}, hidden)")
+                raise BenchError(f"native: request {out.request_id} file holds {shape}, "
+                                 f"expected ({fed}, {layers}, hidden)")
             size += os.path.getsize(path)
-            if remove:
-                for p in (path, path + ".lock"):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(p)
+            for p in (path, path + ".lock"):  # the disk holds one round's files at most
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
         return len(outs), size
 
 
@@ -434,7 +437,8 @@ def parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--intermediate", type=int, default=1376)
-    p.add_argument("--heads", type=int, default=8, help="attention heads (head size hidden/heads; vLLM's CPU attention needs 64-ish)")
+    p.add_argument("--heads", type=int, default=8,
+                   help="attention heads (head size hidden/heads; vLLM's CPU attention needs 64-ish)")
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=0, help="vocabulary size (0: the byte tokenizer's)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
@@ -455,7 +459,8 @@ def parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     p.add_argument("--serial-start", action="store_true",
                    help="build the engines one after the other (on a GPU: each profiles free memory)")
     p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of the engines (0: vLLM's default)")
-    p.add_argument("--time-limit", type=float, default=3600, help="seconds for the whole run; rows not done by then are not run")
+    p.add_argument("--time-limit", type=float, default=3600,
+                   help="seconds for the whole run; rows not done by then are not run")
     p.add_argument("--out", default=os.path.join(BENCH_DIR, "out"), help="where the JSON and markdown go")
     if defaults:
         p.set_defaults(**defaults)
@@ -480,7 +485,8 @@ def main(argv=None, defaults: dict | None = None) -> int:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     start = time.monotonic()
     deadline = start + args.time_limit
-    conditions = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_average_start": os.getloadavg(),
+    conditions = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "load_average_start": os.getloadavg(),
                   "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
                   "python": platform.python_version(), "args": vars(args)}
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
@@ -496,7 +502,8 @@ def main(argv=None, defaults: dict | None = None) -> int:
                           geometry=geo, dtype=args.dtype, prompt_lengths=[len(p) for p in batch],
                           prompt_tokens=sum(len(p) for p in batch), generated_tokens=args.requests * args.max_tokens,
                           fed_tokens=fed, resid_post_bytes_per_round=fed * layers * hidden * elsize)
-        common = {"model_dir": model_dir, "prompts": batch, "max_tokens": args.max_tokens, "kv_cache_gib": args.kv_cache_gib}
+        common = {"model_dir": model_dir, "prompts": batch, "max_tokens": args.max_tokens,
+                  "kv_cache_gib": args.kv_cache_gib}
         results, not_run, engines = run_rounds(args, names, common, layers, tmp, deadline, conditions)
     conditions["load_average_end"] = os.getloadavg()
     conditions["wall_seconds"] = time.monotonic() - start
@@ -644,14 +651,16 @@ def markdown(report) -> str:
         f"intermediate {g['intermediate_size']}, {g['num_attention_heads']} heads ({g['num_key_value_heads']} KV), "
         f"vocab {g['vocab_size']}, {c['dtype']}. {len(c['prompt_lengths'])} requests, prompts "
         f"{min(c['prompt_lengths'])}–{max(c['prompt_lengths'])} tokens ({c['prompt_tokens']} in all), "
-        f"{c['args']['max_tokens']} new tokens each, greedy; max_num_batched_tokens {c['args']['max_num_batched_tokens']}; "
+        f"{c['args']['max_tokens']} new tokens each, greedy; "
+        f"max_num_batched_tokens {c['args']['max_num_batched_tokens']}; "
         f"{c['args']['rounds']} round(s), interleaved; device {c['args']['device']}.",
         f"Machine: {c['machine']}, {c['cpus']} CPUs, torch {eng.get('torch')} ({eng.get('torch_threads')} engine "
         f"thread(s)), vLLM {eng.get('vllm')}, python {c['python']}; load average (1 min) "
         f"{c['load_average_start'][0]:.2f} at the start, {c['load_average_end'][0]:.2f} at the end; "
         f"{c['wall_seconds']:.0f} s in all.",
         f"Limits in this run: memcpy {lim['memcpy_GBps']:.2f} GB/s ({lim['memcpy_bytes']:,} B, one step's resid_post), "
-        f"zstd-1 compress {lim['zstd1_compress_GBps']:.2f} GB/s (ratio {lim['zstd1_ratio']:.3f}, {c['dtype']} normal data), "
+        f"zstd-1 compress {lim['zstd1_compress_GBps']:.2f} GB/s (ratio {lim['zstd1_ratio']:.3f}, "
+        f"{c['dtype']} normal data), "
         f"write+fsync {lim['write_fsync_GBps']:.2f} GB/s ({lim['write_bytes']:,} B).",
         "",
         "| configuration | generated tok/s (median; min–max) | total tok/s | × none (median) | target | "
@@ -674,7 +683,8 @@ def markdown(report) -> str:
         lines.append(f"\n{r['configuration']}: stopped after {r['rounds']} round(s): {r['stopped']}")
     if "native_connector" in c:
         nc = c["native_connector"]
-        lines += ["", f"Native extractor: connector {nc['name']} (module {nc['module'] or 'vLLM'}); changes: {nc['changes']}"]
+        lines += ["", f"Native extractor: connector {nc['name']} (module {nc['module'] or 'vLLM'}); "
+                      f"changes: {nc['changes']}"]
     return "\n".join(lines) + "\n"
 
 
