@@ -4,7 +4,9 @@ Workload (issue 12): a Llama built from a config with random weights — 8 layer
 8 heads of 64, intermediate 1376, the vocabulary of DMI's byte tokenizer, float32 — saved as
 a Hugging Face directory (``--model DIR`` takes a real one instead); ``--requests`` prompts of
 token ids drawn from a seeded generator, lengths spread evenly from half ``--prompt`` to
-``--prompt``; greedy, ``--max-tokens`` new tokens each (``ignore_eos``, no detokenization).
+``--prompt``; ``--max-tokens`` new tokens each (``ignore_eos``, no detokenization), sampled at
+temperature 1 (``--sampling greedy`` for greedy: on a random-weight model greedy output repeats
+itself, and the native extractor's speculative step then skips forwards — see below).
 Every engine is eager (``enforce_eager=True``, which DMI requires) without prefix caching,
 in this process's own child (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` inside it). Configurations,
 interleaved round by round so that drift on a shared machine hits all of them alike:
@@ -26,12 +28,19 @@ interleaved round by round so that drift on a shared machine hits all of them al
                               lock is released, inside the clock. On CPU the connector is
                               ``_vllm_native.CPUHiddenStatesConnector`` (the stock one needs
                               CUDA; what it changes is printed and stored with the results);
-                              its files are not fsync'd.
+                              its files are not fsync'd. Checked once by hand on the tests'
+                              3-layer model (float32): its rows equal DMI's ``resid_post``
+                              records of the same requests (largest difference 4.5e-8).
+                              Its "draft" token is the token just sampled, accepted whenever
+                              the next token repeats it: such a step yields two tokens.
 
 ``none`` and the DMI rows share one engine (DMI attaches before, detaches after its timed
 ``cap.generate``; both reported, untimed); the native row has its own engine (speculative
 decoding changes the engine), in its own process: vLLM's process-wide state allows one engine
-a process. Only one engine runs at a time. Generated tokens are compared with ``none``'s.
+a process. Only one engine runs at a time. Every engine's model carries a forward pre-hook
+that counts forwards and the tokens they ran (the same on every row), reported so that rows
+whose engines did different work for the same output show it. Under ``--sampling greedy``
+generated tokens are compared with ``none``'s.
 
 Reported per configuration: generated tokens/s and total (prompt + generated) tokens/s, the
 median over rounds and the spread (min–max), and the ratio to ``none`` of the same round
@@ -57,6 +66,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -184,9 +194,9 @@ class _Engine:
         self.spec = spec
         self.llm = vllm.LLM(model=spec["model_dir"], **spec["engine"])
         self.prompts = [vllm.TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
-        extra = {"kv_transfer_params": {"include_output_tokens": True}} if spec["native"] else None
-        self.sampling = vllm.SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True,
-                                            detokenize=False, extra_args=extra)
+        self.sampling = self._sampling(spec["max_tokens"])
+        self.counter = _ForwardCounter()
+        self.llm.collective_rpc(self.counter.install)
         self.stack = contextlib.ExitStack()
         self.store = None if spec["native"] else self.stack.enter_context(dmi.open(home=spec["dmi_home"]))
         self.torch_threads = torch.get_num_threads()
@@ -209,8 +219,7 @@ class _Engine:
         """One short untimed generate (and, on the capture engine, one captured one)."""
         import vllm
 
-        short = vllm.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False,
-                                    extra_args=self.sampling.extra_args)
+        short = self._sampling(2)
         outs = self.llm.generate(self.prompts[:2], short, use_tqdm=False)
         if self.spec["native"]:
             self._wait_native(outs)
@@ -219,14 +228,26 @@ class _Engine:
             with self.store.capture_vllm(self.llm, hooks="resid_post", model_id="bench-warm-up") as cap:
                 cap.generate(self.prompts[:2], short, use_tqdm=False)
 
+    def _sampling(self, max_tokens: int):
+        """Sampling at temperature 1 or greedy; ``ignore_eos``, no detokenizing; on the native engine
+        the generated tokens' rows asked for too (``include_output_tokens``). Not seeded per request:
+        vLLM's CPU sampler refuses it ("CPU Generator does not use offset")."""
+        import vllm
+
+        extra = {"kv_transfer_params": {"include_output_tokens": True}} if self.spec["native"] else None
+        temperature = 0.0 if self.spec["sampling"] == "greedy" else 1.0
+        return vllm.SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, detokenize=False,
+                                   extra_args=extra)
+
     def run(self, name: str) -> dict:
-        if name == NONE:
-            return self._run_none()
-        if name in DMI_HOOKS:
-            return self._run_dmi(name)
-        if name == NATIVE:
-            return self._run_native()
-        raise BenchError(f"unknown configuration {name!r}")
+        """One round of configuration ``name``, with the model forwards and tokens it took."""
+        runs = {NONE: self._run_none, RESID: self._run_dmi, ABP: self._run_dmi, NATIVE: self._run_native}
+        if name not in runs:
+            raise BenchError(f"unknown configuration {name!r}")
+        forwards, tokens = self.counter.forwards, self.counter.tokens
+        result = runs[name](name) if name in DMI_HOOKS else runs[name]()
+        result.update(forwards=self.counter.forwards - forwards, model_tokens=self.counter.tokens - tokens)
+        return result
 
     def _sync(self) -> None:
         import torch
@@ -314,6 +335,26 @@ class _Engine:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(p)
         return len(outs), size
+
+
+class _ForwardCounter:
+    """A forward pre-hook on the engine's model counting forwards and the tokens they ran: the same
+    on every engine and every row (a few microseconds a forward), so rows whose engines run
+    different numbers of forwards for the same output (the native extractor's speculative decoding
+    accepts its "draft" — the token just sampled — whenever the next token repeats it) show it."""
+
+    def __init__(self):
+        self.forwards = 0
+        self.tokens = 0
+
+    def install(self, worker):
+        worker.model_runner.model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            self.forwards += 1
+            self.tokens += int(ids.shape[0])
 
 
 def _native_path(out) -> str:
@@ -445,6 +486,9 @@ def parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--prompt", type=int, default=256, help="longest prompt in tokens (shortest: half)")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    p.add_argument("--sampling", default="random", choices=("random", "greedy"),
+                   help="random: temperature 1 (default); greedy: temperature 0 — on a random-weight model the "
+                        "output repeats, and the native extractor's speculative step then skips forwards")
     p.add_argument("--max-model-len", type=int, default=0, help="0: longest prompt + new tokens, to a multiple of 32")
     p.add_argument("--max-num-seqs", type=int, default=0, help="0: --requests")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -483,6 +527,7 @@ def main(argv=None, defaults: dict | None = None) -> int:
         raise SystemExit(f"bench_vllm: unknown configuration(s) {sorted(unknown)}; known: {', '.join(CONFIGS)}")
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that the engines are stopped on the way out
     start = time.monotonic()
     deadline = start + args.time_limit
     conditions = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -502,7 +547,7 @@ def main(argv=None, defaults: dict | None = None) -> int:
                           geometry=geo, dtype=args.dtype, prompt_lengths=[len(p) for p in batch],
                           prompt_tokens=sum(len(p) for p in batch), generated_tokens=args.requests * args.max_tokens,
                           fed_tokens=fed, resid_post_bytes_per_round=fed * layers * hidden * elsize)
-        common = {"model_dir": model_dir, "prompts": batch, "max_tokens": args.max_tokens,
+        common = {"model_dir": model_dir, "prompts": batch, "max_tokens": args.max_tokens, "sampling": args.sampling,
                   "kv_cache_gib": args.kv_cache_gib}
         results, not_run, engines = run_rounds(args, names, common, layers, tmp, deadline, conditions)
     conditions["load_average_end"] = os.getloadavg()
@@ -510,6 +555,10 @@ def main(argv=None, defaults: dict | None = None) -> int:
     report = build_report(args, names, results, not_run, limits, conditions, engines)
     write_report(args, report)
     return 0
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def prompt_vocab(model_dir: str, geo: dict) -> int:
@@ -555,8 +604,12 @@ def run_rounds(args, names, common, layers, tmp, deadline, conditions):
                     continue
                 try:
                     res = engines[engine_of[n]].call(n)
-                except BenchError as e:
-                    not_run[n] = f"round {r}: {e}"
+                except BenchError as e:  # the engine may be wedged: nothing else runs on it
+                    engines[engine_of[n]].kill()
+                    for m, k in engine_of.items():
+                        if k == engine_of[n]:
+                            reason = f"round {r}: {e}" if m == n else f"round {r}: {n} failed on its engine"
+                            not_run.setdefault(m, reason)
                     print(f"bench_vllm: {n} stopped: {e}", file=sys.stderr)
                     continue
                 except TimeoutError as e:
@@ -609,10 +662,12 @@ def build_report(args, names, results, not_run, limits, conditions, engines) -> 
                "generated_tok_s": gen / statistics.median(secs), "total_tok_s": total / statistics.median(secs),
                "generated_tok_s_min": gen / max(secs), "generated_tok_s_max": gen / min(secs),
                "ratio_to_none": (statistics.median(b / s for b, s in zip(base, secs)) if base else None),
-               "same_tokens_as_none": (all(r["tokens"] == ref_tokens for r in runs) if ref_tokens else None)}
+               "same_tokens_as_none": (all(r["tokens"] == ref_tokens for r in runs)
+                                       if ref_tokens and args.sampling == "greedy" else None)}
         if n in not_run:
             row["stopped"] = not_run[n]
-        for key in ("attach_s", "detach_s", "hook_s", "drain_busy_s", "ring_waits", "records", "packs",
+        for key in ("forwards", "model_tokens", "attach_s", "detach_s", "hook_s", "drain_busy_s", "ring_waits",
+                    "records", "packs",
                     "captured_bytes", "extra_steps", "files"):
             vals = [r[key] for r in runs if key in r]
             if vals:
@@ -651,7 +706,7 @@ def markdown(report) -> str:
         f"intermediate {g['intermediate_size']}, {g['num_attention_heads']} heads ({g['num_key_value_heads']} KV), "
         f"vocab {g['vocab_size']}, {c['dtype']}. {len(c['prompt_lengths'])} requests, prompts "
         f"{min(c['prompt_lengths'])}–{max(c['prompt_lengths'])} tokens ({c['prompt_tokens']} in all), "
-        f"{c['args']['max_tokens']} new tokens each, greedy; "
+        f"{c['args']['max_tokens']} new tokens each, {_sampling_words(c['args']['sampling'])}; "
         f"max_num_batched_tokens {c['args']['max_num_batched_tokens']}; "
         f"{c['args']['rounds']} round(s), interleaved; device {c['args']['device']}.",
         f"Machine: {c['machine']}, {c['cpus']} CPUs, torch {eng.get('torch')} ({eng.get('torch_threads')} engine "
@@ -664,17 +719,19 @@ def markdown(report) -> str:
         f"write+fsync {lim['write_fsync_GBps']:.2f} GB/s ({lim['write_bytes']:,} B).",
         "",
         "| configuration | generated tok/s (median; min–max) | total tok/s | × none (median) | target | "
-        "same tokens | attach / detach s | hook s | drain busy s | ring waits | captured bytes |",
-        "|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|",
+        "same tokens | forwards / model tokens | attach / detach s | hook s | drain busy s | ring waits | "
+        "captured bytes |",
+        "|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["rows"]:
         if "not_run" in r:
-            lines.append(f"| {r['configuration']} | not run: {r['not_run']} |  |  |  |  |  |  |  |  |  |")
+            lines.append(f"| {r['configuration']} | not run: {r['not_run']} |" + "  |" * 11)
             continue
         lines.append(
             f"| {r['configuration']} | {r['generated_tok_s']:.1f} ({r['generated_tok_s_min']:.1f}–"
             f"{r['generated_tok_s_max']:.1f}) | {r['total_tok_s']:.1f} | {_fmt(r['ratio_to_none'], '{:.3f}')} | "
-            f"{_target(r)} | {_fmt(r['same_tokens_as_none'])} | {_fmt(r.get('attach_s'), '{:.2f}')} / "
+            f"{_target(r)} | {_fmt(r['same_tokens_as_none'])} | {r['forwards']:.0f} / {r['model_tokens']:.0f} | "
+            f"{_fmt(r.get('attach_s'), '{:.2f}')} / "
             f"{_fmt(r.get('detach_s'), '{:.2f}')} | {_fmt(r.get('hook_s'), '{:.2f}')} | "
             f"{_fmt(r.get('drain_busy_s'), '{:.2f}')} | {_fmt(r.get('ring_waits'), '{:.0f}')} | "
             f"{_fmt(r.get('captured_bytes'), '{:,.0f}')} |")
@@ -686,6 +743,10 @@ def markdown(report) -> str:
         lines += ["", f"Native extractor: connector {nc['name']} (module {nc['module'] or 'vLLM'}); "
                       f"changes: {nc['changes']}"]
     return "\n".join(lines) + "\n"
+
+
+def _sampling_words(sampling: str) -> str:
+    return "greedy" if sampling == "greedy" else "sampled at temperature 1"
 
 
 def _target(r) -> str:
