@@ -37,7 +37,8 @@ interleaved round by round so that drift on a shared machine hits all of them al
 ``none`` and the DMI rows share one engine (DMI attaches before, detaches after its timed
 ``cap.generate``; both reported, untimed); the native row has its own engine (speculative
 decoding changes the engine), in its own process: vLLM's process-wide state allows one engine
-a process. Only one engine runs at a time. Every engine's model carries a forward pre-hook
+a process. Only one engine runs at a time, each after an untimed warm-up (the whole batch with
+4 new tokens). Every engine's model carries a forward pre-hook
 that counts forwards and the tokens they ran (the same on every row), reported so that rows
 whose engines did different work for the same output show it. Under ``--sampling greedy``
 generated tokens are compared with ``none``'s.
@@ -216,17 +217,16 @@ class _Engine:
         return {"torch": torch.__version__, "vllm": vllm.__version__, "torch_threads": self.torch_threads}
 
     def _warm_up(self) -> None:
-        """One short untimed generate (and, on the capture engine, one captured one)."""
-        import vllm
-
-        short = self._sampling(2)
-        outs = self.llm.generate(self.prompts[:2], short, use_tqdm=False)
+        """Untimed: the whole batch with 4 new tokens (every prefill shape of the rounds), and on the
+        capture engine a short captured generate."""
+        short = self._sampling(min(4, self.spec["max_tokens"]))
+        outs = self.llm.generate(self.prompts, short, use_tqdm=False)
         if self.spec["native"]:
             self._wait_native(outs)
             self._native_files(outs)
         else:
             with self.store.capture_vllm(self.llm, hooks="resid_post", model_id="bench-warm-up") as cap:
-                cap.generate(self.prompts[:2], short, use_tqdm=False)
+                cap.generate(self.prompts[:2], self._sampling(2), use_tqdm=False)
 
     def _sampling(self, max_tokens: int):
         """Sampling at temperature 1 or greedy; ``ignore_eos``, no detokenizing; on the native engine
