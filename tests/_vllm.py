@@ -106,6 +106,8 @@ def capture_in_this_process(spec: dict) -> dict:
 
     import dmi
 
+    if "native" in spec:
+        return _native_in_this_process(spec)
     llm = build_llm(spec["model"], **spec.get("engine", {}))
     params = vllm.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     result: dict = {"fed": {}, "stats": None, "error": "", "refused": ""}
@@ -124,6 +126,31 @@ def capture_in_this_process(spec: dict) -> dict:
             except dmi.DMIError as exc:
                 result["refused"] = f"{type(exc).__name__}: {exc}"
     return result
+
+
+def _native_in_this_process(spec: dict) -> dict:
+    """vLLM's own extractor (``extract_hidden_states``, layers ``spec["native"]["layers"]``)
+    through the benchmark's CPU-safe connector (``bench/_vllm_native.py``: the stock one needs
+    CUDA) on ``PROMPTS``, greedy: the engine is stepped until the finished requests' files are
+    written. Returns each request's tokens and file."""
+    import vllm
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    native = spec["native"]
+    draft = {"hf_config": {"eagle_aux_hidden_state_layer_ids": native["layers"]}}
+    llm = build_llm(spec["model"], speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                                       "draft_model_config": draft},
+                    kv_transfer_config={"kv_connector": "CPUHiddenStatesConnector", "kv_role": "kv_producer",
+                                        "kv_connector_module_path": "_vllm_native",
+                                        "kv_connector_extra_config": {"shared_storage_path": native["dir"]}})
+    params = vllm.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                                 extra_args={"kv_transfer_params": {"include_output_tokens": True}})
+    outs = llm.generate(PROMPTS, params)
+    core = llm.llm_engine.engine_core.engine_core
+    while core.scheduler.has_requests():  # the files are written on the step after a request finished
+        llm.llm_engine.step()
+    return {"fed": {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids[:-1]) for o in outs},
+            "files": {o.request_id: o.kv_transfer_params["hidden_states_path"] for o in outs}}
 
 
 def capture_in_a_fresh_process(spec: dict, timeout: float = 600) -> dict:

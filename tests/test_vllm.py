@@ -148,6 +148,30 @@ def test_a_mixture_of_experts_routes_as_the_hugging_face_model(tmp_path):
                     torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m, h=hook: f"{h}: {m}")
 
 
+def test_vllms_own_extractor_holds_the_same_residual_stream(llm, model_dir, store, tmp_path):
+    """vLLM's ``extract_hidden_states`` (in its own engine, a fresh process; the benchmark's
+    CPU-safe connector) writes, per request, the output of layers 1..L for every token it ran:
+    the same tokens and the same values as DMI's ``resid_post`` records of the same prompts."""
+    n_layers = 3
+    native = capture_in_a_fresh_process({"model": model_dir, "home": str(tmp_path / "native-home"),
+                                         "native": {"dir": str(tmp_path / "native"),
+                                                    "layers": list(range(1, n_layers + 1))}})
+    with store.capture_vllm(llm, hooks="resid_post,token_ids") as cap:
+        outs = cap.generate(PROMPTS, _sampling(4))
+    from safetensors.torch import load_file
+
+    ours_by_tokens = {tuple(_fed_tokens(o)): o for o in outs}
+    assert set(ours_by_tokens) == {tuple(fed) for fed in native["fed"].values()}  # greedy: the same tokens ran
+    model_id = os.path.realpath(model_dir)
+    for request_id, fed in native["fed"].items():
+        ours = ours_by_tokens[tuple(fed)]
+        rows = load_file(native["files"][request_id])["hidden_states"]  # [tokens, layers, hidden]
+        resid = store.get_internal(model_id, ours.request_id, "resid_post")  # [layers, tokens, hidden]
+        n = min(rows.shape[0], resid.shape[1])
+        assert n >= len(fed) - 1
+        torch.testing.assert_close(resid[:, :n].transpose(0, 1), rows[:n], atol=ATOL, rtol=0)
+
+
 def test_generated_tokens_are_the_same_with_and_without_capture(llm, store):
     plain = llm.generate(PROMPTS, _sampling(8))
     with store.capture_vllm(llm, hooks="all_but_patterns") as cap:
