@@ -70,14 +70,21 @@ class StepPlan:
         geometry: ModelGeometry,
         hooks: dict[str, tuple[int, ...]],
         call_id: int = 0,
-    ) -> "StepPlan":
+        ends: list[int] | None = None,
+    ) -> "StepPlan | None":
+        """``ends``: each row's exclusive end column (default: the row's end); a row with no
+        column left is not captured, and a step with none at all has no plan (``None``)."""
         spans = []
         offset = 0
         for r in rows:
-            n = tokens - first_cols[r]
+            n = (tokens if ends is None else ends[r]) - first_cols[r]
+            if n <= 0:
+                continue
             spans.append(RowSpan(r, request_ids[r], first_cols[r], starts[r], n, offset, kv_pads[r]))
             offset += n
-        full = len(rows) == batch and all(first_cols[r] == 0 for r in rows)
+        if not spans:
+            return None
+        full = len(spans) == batch and all(s.first_col == 0 and s.n == tokens for s in spans)
         index = None if full else _flat_index(spans, tokens)
         return cls(batch, tokens, phase, step, tuple(spans), index, geometry, hooks, call_id)
 
@@ -91,11 +98,13 @@ class StepPlan:
             spans, offset = [], 0
             for s in self.spans:
                 col = max(s.first_col, lo)
-                n = self.tokens - col
+                n = s.first_col + s.n - col  # a span may end before the row does (a position window)
+                if n <= 0:
+                    continue
                 spans.append(RowSpan(s.row, s.request_id, col - lo, s.start + (col - s.first_col),
                                      n, offset, s.kv_pad))
                 offset += n
-            full = len(spans) == self.batch and all(s.first_col == 0 for s in spans)
+            full = len(spans) == self.batch and all(s.first_col == 0 and s.n == t_out for s in spans)
             plan = StepPlan(self.batch, t_out, self.phase, self.step, tuple(spans),
                             None if full else _flat_index(spans, t_out), self.geometry, self.hooks, self.call_id)
             self._tails[t_out] = plan
@@ -135,4 +144,4 @@ class StepPlan:
 def _flat_index(spans, tokens: int) -> torch.Tensor:
     if not spans:
         return torch.empty(0, dtype=torch.long)
-    return torch.cat([torch.arange(s.row * tokens + s.first_col, (s.row + 1) * tokens) for s in spans])
+    return torch.cat([torch.arange(s.row * tokens + s.first_col, s.row * tokens + s.first_col + s.n) for s in spans])

@@ -30,6 +30,10 @@ class Schedule:
       of its request, are kept as the other fields say. ``None`` (default): every token.
       Records start at the first kept position (``start_token``), so a request's tokens stay
       contiguous; with ``phases=("prefill", "forward")`` only the prompt's last ``N`` remain.
+    * ``positions``: ``(start, stop)`` — keep only tokens at real positions ``start <= p < stop``
+      of each request (0 = its first real prompt token; ``stop`` ``None``: no upper bound),
+      prompt and decode tokens alike; a step with no token in the window dispatches nothing.
+      With ``last_tokens`` both apply.
     """
 
     phases: tuple[str, ...] = PHASES
@@ -37,6 +41,7 @@ class Schedule:
     request_stride: int = 1
     warmup: int = 0
     last_tokens: int | None = None
+    positions: tuple[int, int | None] | None = None
 
     def __post_init__(self):
         phases = (self.phases,) if isinstance(self.phases, str) else tuple(self.phases)
@@ -53,6 +58,8 @@ class Schedule:
         n = self.last_tokens
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise InvalidArgumentError(f"schedule last_tokens must be None or an int >= 1, got {n!r}")
+        if self.positions is not None:
+            object.__setattr__(self, "positions", _window(self.positions))
 
     @classmethod
     def coerce(cls, value) -> "Schedule":
@@ -84,3 +91,34 @@ class Schedule:
             return first_cols, starts
         skips = [max(0, tokens - col - self.last_tokens) for col in first_cols]
         return [c + k for c, k in zip(first_cols, skips)], [s + k for s, k in zip(starts, skips)]
+
+    def window(self, first_cols: list[int], starts: list[int], tokens: int) -> tuple[list[int], list[int], list[int]]:
+        """``(first_cols, starts, ends)`` of a step's rows inside ``positions``: each row keeps the
+        columns whose real positions fall in the window (``ends``: exclusive end columns; a row
+        with nothing in it gets ``end == first_col``). Without ``positions``, rows run to the end."""
+        if self.positions is None:
+            return first_cols, starts, [tokens] * len(first_cols)
+        lo, hi = self.positions
+        cols, firsts, ends = [], [], []
+        for col, start in zip(first_cols, starts):
+            skip = max(0, lo - start)
+            first = min(tokens, col + skip)
+            end = tokens if hi is None else max(first, min(tokens, col + (hi - start)))
+            cols.append(first)
+            firsts.append(start + (first - col))
+            ends.append(end)
+        return cols, firsts, ends
+
+
+def _window(value) -> tuple[int, int | None]:
+    """``positions`` as ``(start, stop)``: ints, ``0 <= start < stop`` (``stop`` may be None)."""
+    try:
+        start, stop = value
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"schedule positions must be (start, stop), got {value!r}") from None
+    ok_start = isinstance(start, int) and not isinstance(start, bool) and start >= 0
+    ok_stop = stop is None or (isinstance(stop, int) and not isinstance(stop, bool) and stop > (start if ok_start else 0))
+    if not (ok_start and ok_stop):
+        raise InvalidArgumentError(
+            f"schedule positions must be (start, stop) with 0 <= start < stop (stop None: no end), got {value!r}")
+    return start, stop

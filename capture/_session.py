@@ -379,9 +379,12 @@ class CaptureSession:
             return None
         self.drain.check()  # the open slot may have room: a failed drain must stop the copies here
         first_cols, starts = self.schedule.trim_prompt(phase, first_cols, starts, t)
+        first_cols, starts, ends = self.schedule.window(first_cols, starts, t)
         plan = StepPlan.build(batch=b, tokens=t, phase=phase, step=call.step, first_cols=first_cols,
                               starts=starts, kv_pads=call.pads, rows=rows, request_ids=call.request_ids,
-                              geometry=self.geometry, hooks=self._emitted, call_id=call.call_id)
+                              geometry=self.geometry, hooks=self._emitted, call_id=call.call_id, ends=ends)
+        if plan is None:
+            return None  # no token of this step is in the schedule's position window
         self._plan = plan
         if ids is not None:
             for hook in self._emitted:
@@ -452,6 +455,8 @@ class CaptureSession:
             t = x.shape[1]
             if t != plan.tokens:
                 plan = plan.tail(t)
+                if not plan.spans:
+                    return  # the positions materialised lie outside the schedule's window
             x2 = x.reshape(x.shape[0] * t, -1)
         else:
             x2 = x.reshape(x.shape[0], -1)
@@ -476,7 +481,7 @@ class CaptureSession:
     def _emit_pattern(self, hook, layer, x, plan: StepPlan) -> None:
         kv = x.shape[-1]
         for i, s in enumerate(plan.spans):
-            src = x[s.row, :, s.first_col :, s.kv_pad :]
+            src = x[s.row, :, s.first_col : s.first_col + s.n, s.kv_pad :]
             nbytes = src.numel() * src.element_size()
             res = self.ring.reserve(nbytes, check=self.drain.check)
             if res is None:

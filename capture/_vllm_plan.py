@@ -87,7 +87,10 @@ class VLLMPlanner:
             rid = self.request_ids[engine_id]
             spans[phase].append((rid, lo, hi - lo, position))
             last = position + (hi - lo) - 1
-            if last >= batch.num_prompt[i] - 1:  # a partial prompt chunk's logits are never sampled
+            # the logits row is the step's last token, and vLLM samples only from the prompt's last
+            # token on: a prompt span ends at most there (at it only when nothing cut its end), a
+            # decode span is that one token
+            if last >= batch.num_prompt[i] - 1:
                 logits[phase].append((rid, i, last))
             step_ids.append(rid)
         if not step_ids:
@@ -131,8 +134,10 @@ class VLLMPlanner:
         if phase == "prefill" and self.schedule.last_tokens is not None:
             skip = max(0, prompt - self.schedule.last_tokens - position)
             lo, position = lo + min(skip, hi - lo), position + min(skip, hi - lo)
-            if hi <= lo:
-                return None
+        if self.schedule.positions is not None:
+            (lo,), (position,), (hi,) = self.schedule.window([lo], [position], hi)
+        if hi <= lo:
+            return None
         return phase, lo, hi, position
 
     def _token_plan(self, phase: str, step: int, spans, num_tokens: int) -> StepPlan:

@@ -86,3 +86,20 @@ def test_external_request_id_strips_only_vllms_suffix():
     assert external_request_id("cmpl-abc-12345678") == "cmpl-abc"
     assert external_request_id("plain") == "plain"
     assert external_request_id("x-123") == "x-123"
+
+
+def test_a_position_window_cuts_chunks_and_keeps_logits_only_for_a_kept_last_token():
+    planner = _planner(schedule={"positions": (4, 10)})
+    # a prompt of 12 in chunks 0..7 and 8..11, then decode at 12: only positions 4..9 kept
+    first = planner.plan(BatchView(("a-0123abcd",), (0, 8), (0,), (12,), 8))
+    (plan,) = first.token_plans
+    assert _spans(plan) == [("a", 4, 4, 4, 0)] and first.logits_plans == ()
+    second = planner.plan(BatchView(("a-0123abcd",), (0, 4), (8,), (12,), 4))
+    (plan,) = second.token_plans
+    assert _spans(plan) == [("a", 0, 2, 8, 0)]
+    assert second.logits_plans == ()  # the step's last token (11) is outside the window
+    assert planner.plan(BatchView(("a-0123abcd",), (0, 1), (12,), (12,), 1)) is None
+    # a short prompt whose last token and first decode token fall inside the window
+    planner.plan(BatchView(("b-0123abcd",), (0, 6), (0,), (6,), 6))
+    step = planner.plan(BatchView(("b-0123abcd",), (0, 1), (6,), (6,), 1))
+    assert [(s.request_id, s.start) for p in step.logits_plans for s in p.spans] == [("b", 6)]
