@@ -362,6 +362,8 @@ def test_cli_audit_passes_an_honest_capture_and_show_lists_the_audit(tmp_path, c
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("audit ")]
     assert len(lines) == 2 and lines[0].startswith(f"audit {report['audit_id']} ")  # both audits, newest first
     assert all("passed" in line and "against tiny-llama" in line for line in lines)
+    assert main(["runs", model_id, *home, "--json", "-q"]) == 0
+    assert [r["last_audit"] for r in json.loads(capsys.readouterr().out)] == ["passed (batched)"]
 
 
 def test_cli_audit_exits_1_and_names_the_fault(tmp_path, capsys):

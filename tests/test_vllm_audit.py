@@ -131,6 +131,9 @@ def test_cli_audit_and_show_name_the_vllm_tolerance(honest, model_dir, home, cap
     assert main(["show", model_id, rids[0], "--run", "honest", *args]) == 0
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("audit ")]
     assert lines and "passed" in lines[0] and "within vllm noise" in lines[0]
+    assert main(["runs", model_id, "--json", *args]) == 0
+    runs = {r["run_id"]: r for r in json.loads(capsys.readouterr().out)}
+    assert runs["honest"]["last_audit"] == "passed (vllm)"
     assert main(["audit", model_id, "--model", model_dir, "--run", "honest", "--exact", "--json", *args]) != 0
     assert "captured by vLLM" in capsys.readouterr().err
 
