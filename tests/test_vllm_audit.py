@@ -183,3 +183,20 @@ def test_the_audit_needs_one_catalog_query_for_the_producer(honest, hf, home, mo
         report = store.audit(model_id, model=hf, run_id="honest", requests=len(rids), record=False)
     assert report.passed and len([q for q in calls if "writer_id" in q]) == 1
     assert json.dumps(report.as_dict())  # the report serialises with the new kind
+
+
+def test_preempted_and_recomputed_requests_pass(model_dir, hf, tmp_path):
+    # Six KV blocks for six requests (as in tests/test_vllm.py): vLLM preempts and recomputes
+    # some; the capture records each position once, at the forward that first computed it, and
+    # the audit's placement and values hold for every request.
+    llm = build_llm(model_dir, max_model_len=160, max_num_batched_tokens=128, num_gpu_blocks_override=6,
+                    block_size=32)
+    prompts = [f"prompt number {i} " * (2 + i) for i in range(6)]
+    with dmi.open(home=tmp_path / "home") as store:
+        with store.capture_vllm(llm, hooks=HOOKS) as cap:
+            cap.generate(prompts, vllm.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+            stats = cap.stats
+        report = store.audit(os.path.realpath(model_dir), model=hf, requests=len(prompts), record=False)
+    assert stats["recomputed_tokens_skipped"] > 0  # preemption happened
+    assert report.passed and report.tolerance == "vllm", [c.describe() for c in report.failures]
+    assert len(report.requests) == len(prompts)
