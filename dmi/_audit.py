@@ -92,7 +92,7 @@ class AuditReport:
     """One audit: which requests of ``model_id`` were re-run (``requests``: ``(run, request)``
     pairs) against ``model``, and a check per (request, hook, layer). ``tolerance``: the
     kinds the checks were held to, in order of first use (``"batched"``; ``"batched, tp"``
-    when the sample reached a tensor-parallel run too)."""
+    when the sample reached a tensor-parallel run too, ``"vllm"`` for a vLLM capture)."""
 
     audit_id: str
     model_id: str

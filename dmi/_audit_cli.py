@@ -45,7 +45,6 @@ def audit_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-
 def last_audits(catalog: Any, model_id: str | None) -> dict[tuple[str, str], str]:
     """``dmi runs``' audit column: per (model, run), the outcome and tolerance of the newest
     audit that checked requests of it (one query of ``Catalog.audits``)."""

@@ -35,7 +35,8 @@ import torch
 
 from dmi.storage.errors import AuditError
 
-__all__ = ["BATCHED_NOISE", "TP_NOISE", "VLLM_NOISE", "MARGIN", "TOLERANCE_KINDS", "Difference", "tolerance", "compare"]
+__all__ = ["BATCHED_NOISE", "TP_NOISE", "VLLM_NOISE", "MARGIN", "TOLERANCE_KINDS", "Difference", "tolerance",
+           "compare"]
 
 BATCHED_NOISE = {
     torch.float32: 2.6e-6,
