@@ -12,6 +12,13 @@ A tensor-parallel capture is audited as the reader returns it: the records of on
 geometry (:func:`dmi.reader.assemble`) and the model's full tensor is compared with an
 unsharded re-run under the ``tp`` tolerance. A shard that cannot be merged (a rank
 missing, slices that overlap) is a failure at its position, not an exception.
+
+A vLLM capture (its packs' writer id starts with ``vllm-``, ``dmi.capture.VLLM_WRITER_PREFIX``;
+found with one catalog query per audit) is re-run through Hugging Face with the same weights
+and held to the ``vllm`` tolerance: vLLM's kernels compute the same model with other
+numerics. Its records need nothing else: ``step`` is the engine's forward index, and a
+request's token_ids say at which forward each of its positions (a prompt chunk, a decode
+token) was fed, which is all the placement check compares.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from dmi._audit_rerun import Reference, rerun_alone
 from dmi.storage.errors import AuditError, InvalidArgumentError, MissingShardError, ReaderError, RecordNotFoundError
 from dmi.storage.records import RecordEntry
 
-__all__ = ["AuditCheck", "AuditReport", "run_audit", "sample_requests", "audit_rows"]
+__all__ = ["AuditCheck", "AuditReport", "run_audit", "sample_requests", "audit_rows", "request_kind", "vllm_requests"]
 
 ReadRecords = Callable[[list[RecordEntry]], list[torch.Tensor]]
 
@@ -85,7 +92,7 @@ class AuditReport:
     """One audit: which requests of ``model_id`` were re-run (``requests``: ``(run, request)``
     pairs) against ``model``, and a check per (request, hook, layer). ``tolerance``: the
     kinds the checks were held to, in order of first use (``"batched"``; ``"batched, tp"``
-    when the sample reached a tensor-parallel run too)."""
+    when the sample reached a tensor-parallel run too, ``"vllm"`` for a vLLM capture)."""
 
     audit_id: str
     model_id: str
@@ -194,11 +201,11 @@ def _fail(run: str, rid: str, hook: str, layer: int, kind: str, bound: float, en
 def audit_request(model: Any, run: str, rid: str, entries: list[RecordEntry], read: ReadRecords,
                   kind: str) -> list[AuditCheck]:
     """Every check of one request (``entries``: all its records; its token strings, which
-    the model does not compute, are left out)."""
+    the model does not compute, are left out) under the tolerance ``kind`` (see
+    :func:`request_kind`)."""
     from dmi.capture import TEXT_HOOKS
 
     entries = [e for e in entries if e.meta.key.hook not in TEXT_HOOKS]
-    kind = _request_kind(run, rid, entries, kind)
     tokens = _one_copy(sorted((e for e in entries if e.meta.key.hook == "token_ids"),
                               key=lambda e: e.meta.key.start_token))
     if not tokens:
@@ -226,9 +233,17 @@ def audit_request(model: Any, run: str, rid: str, entries: list[RecordEntry], re
     return checks
 
 
-def _request_kind(run: str, rid: str, entries: list[RecordEntry], kind: str) -> str:
-    """The tolerance kind of one request: ``tp`` when it was captured with tensor
-    parallelism (an unsharded re-run can never be bit-identical to it), else ``kind``."""
+def request_kind(run: str, rid: str, entries: list[RecordEntry], kind: str, *, vllm: bool = False) -> str:
+    """The tolerance kind of one request: ``vllm`` when vLLM captured it (``vllm``: its packs
+    were written by a vLLM capture), ``tp`` when it was captured with tensor parallelism
+    (an unsharded re-run can never be bit-identical to either), else ``kind``."""
+    if vllm:
+        if kind == "exact":
+            raise AuditError(f"request {rid} (run {run}) was captured by vLLM: the Hugging Face re-run computes "
+                             "the same weights with other kernels (fused add + RMSNorm, vLLM's attention and "
+                             "GEMMs), so it cannot be bit-identical; audit it without exact=True (--exact), "
+                             "under the vllm tolerance")
+        return "vllm"
     sizes = {e.meta.key.tp_size for e in entries}
     if max(sizes, default=1) == 1:
         return kind
@@ -388,16 +403,35 @@ def run_audit(catalog: Any, read: ReadRecords, model_id: str, model: Any, *, mod
             raise AuditError(f"model {model_id!r}{'' if run_id is None else f' run {run_id!r}'} has no requests "
                              "with token_ids records to audit (capture with the token_ids hook)")
         chosen = sample_requests(token_entries, 8 if requests is None else requests, seed)
+    entries = {pair: catalog.find_records(model_id, request_id=pair[1], run_id=pair[0]) for pair in chosen}
+    vllm = vllm_requests(catalog, entries)
+    # every request's tolerance before any re-run: a refusal (exact=True on TP or vLLM) costs nothing
+    request_kinds = {pair: request_kind(*pair, entries[pair], kind, vllm=pair in vllm) for pair in chosen}
     checks: list[AuditCheck] = []
-    for run, rid in chosen:
-        entries = catalog.find_records(model_id, request_id=rid, run_id=run)
-        checks.extend(audit_request(model, run, rid, entries, read, kind))
+    for pair in chosen:
+        checks.extend(audit_request(model, *pair, entries[pair], read, request_kinds[pair]))
     kinds = ", ".join(dict.fromkeys(c.tolerance for c in checks)) or kind
     report = AuditReport(f"audit-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}",
                          model_id, model_name, seed, kinds, time.time(), tuple(chosen), tuple(checks))
     if record:
         catalog.record_audit(audit_rows(report))
     return report
+
+
+def vllm_requests(catalog: Any, entries: dict[tuple[str, str], list[RecordEntry]]) -> set[tuple[str, str]]:
+    """Which of the ``(run, request)`` pairs (``entries``: their records) a vLLM capture wrote:
+    a record in a pack whose writer id starts with ``dmi.capture.VLLM_WRITER_PREFIX``. One
+    query of the catalog's packs table for all of them."""
+    from dmi.capture import VLLM_WRITER_PREFIX
+
+    pack_ids = sorted({e.pack_id for es in entries.values() for e in es})
+    if not pack_ids:
+        return set()
+    rows = catalog.sql(f"SELECT DISTINCT pack_id FROM {catalog.tables['packs']} "
+                       "WHERE pack_id IN %(ids)s AND startsWith(writer_id, %(prefix)s)",
+                       {"ids": tuple(pack_ids), "prefix": VLLM_WRITER_PREFIX}).column("pack_id").to_pylist()
+    vllm_packs = set(rows)
+    return {pair for pair, es in entries.items() if any(e.pack_id in vllm_packs for e in es)}
 
 
 def audit_rows(report: AuditReport) -> list[dict[str, Any]]:

@@ -6,7 +6,7 @@ import argparse
 import datetime
 from typing import Any
 
-__all__ = ["run_audit_command", "audit_lines"]
+__all__ = ["run_audit_command", "audit_lines", "last_audits"]
 
 
 def run_audit_command(store: Any, args: argparse.Namespace) -> Any:
@@ -44,3 +44,18 @@ def audit_lines(rows: list[dict[str, Any]]) -> list[str]:
                      f"{r['exact']} exact, {r['noise']} within {r['tolerance']} noise, {r['failed']} failed)")
     return lines
 
+
+def last_audits(catalog: Any, model_id: str | None) -> dict[tuple[str, str], str]:
+    """``dmi runs``' audit column: per (model, run), the outcome and tolerance of the newest
+    audit that checked requests of it (one query of ``Catalog.audits``)."""
+    newest: dict[tuple[str, str], str] = {}
+    failed: dict[tuple[str, str], int] = {}
+    kinds: dict[tuple[str, str], dict[str, None]] = {}
+    for r in catalog.audits(model_id).to_pylist():  # newest first
+        run = (r["model_id"], r["run_id"])
+        if newest.setdefault(run, r["audit_id"]) != r["audit_id"]:
+            continue
+        failed[run] = failed.get(run, 0) + r["failed"]
+        kinds.setdefault(run, {}).update(dict.fromkeys(r["tolerance"].split(", ")))
+    return {run: (f"FAILED {failed[run]} checks" if failed[run] else "passed") + f" ({', '.join(kinds[run])})"
+            for run in newest}

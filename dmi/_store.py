@@ -457,8 +457,10 @@ class Store:
         ``model_name``: what the audit records as the model (default: the name or class).
 
         Returns a :class:`dmi.AuditReport` (``passed``, ``failures``, ``checks``). Raises
-        ``AuditError`` (no token_ids, ``exact=True`` on a tensor-parallel capture — TP requests are
-        held to the ``tp`` tolerance against the full model —, a model that does not fit),
+        ``AuditError`` (no token_ids, ``exact=True`` on a tensor-parallel or vLLM capture — TP
+        requests are held to the ``tp`` tolerance against the full model, vLLM ones (packs written
+        by ``vllm-`` writers) to the ``vllm`` tolerance against the Hugging Face model of the same
+        weights —, a model that does not fit),
         ``RecordNotFoundError``, ``InvalidArgumentError``.
         """
         from dmi._audit import run_audit

@@ -243,8 +243,13 @@ def _cmd_models(args: argparse.Namespace) -> int:
 def _cmd_runs(args: argparse.Namespace) -> int:
     from dmi._human import human_bytes, human_count
 
+    from dmi._audit_cli import last_audits
+
     with _open_store(args) as store:
         rows = [r.as_dict() for r in store.runs(args.model_id)]
+        audits = last_audits(store.catalog, args.model_id) if rows else {}
+    for row in rows:
+        row["last_audit"] = audits.get((row["model_id"], row["run_id"]), "")
     _emit(args, rows, [
         ("model_id", "model", None),
         ("run_id", "run", None),
@@ -254,6 +259,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
         ("records", "records", human_count),
         ("packs", "packs", human_count),
         ("stored_bytes", "stored", human_bytes),
+        ("last_audit", "last audit", None),
     ])
     if not rows:
         _say(args, "(no runs yet: try `dmi demo` or `dmi capture`)")

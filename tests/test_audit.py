@@ -362,6 +362,8 @@ def test_cli_audit_passes_an_honest_capture_and_show_lists_the_audit(tmp_path, c
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("audit ")]
     assert len(lines) == 2 and lines[0].startswith(f"audit {report['audit_id']} ")  # both audits, newest first
     assert all("passed" in line and "against tiny-llama" in line for line in lines)
+    assert main(["runs", model_id, *home, "--json", "-q"]) == 0
+    assert [r["last_audit"] for r in json.loads(capsys.readouterr().out)] == ["passed (batched)"]
 
 
 def test_cli_audit_exits_1_and_names_the_fault(tmp_path, capsys):
@@ -446,3 +448,29 @@ def test_only_the_sampled_requests_records_are_read(store, monkeypatch):
     report = store.audit(model_id, model=model, requests=2)
     chosen = {rid for _, rid in report.requests}
     assert len(chosen) == 2 and set(read) == chosen
+
+
+def test_a_capture_whose_packs_a_vllm_writer_sealed_is_held_to_the_vllm_tolerance(store):
+    # Two runs of the same batched capture: one written by a PackWriter whose writer id has
+    # vLLM's prefix (what dmi.capture_vllm's packs carry), one by an ordinary writer. The
+    # audit finds the producer from the catalog's packs table and holds only the first to the
+    # vllm bound; exact=True on it is refused by name before anything is re-run.
+    from dmi._audit_compare import VLLM_NOISE
+    from dmi.capture import VLLM_WRITER_PREFIX
+
+    model = tiny("llama")
+    ids, mask = left_padded_batch(lengths=(5, 3))
+    vllm_id, vllm_rids = _capture(store, model, ids, mask, run_id="served",
+                                  writer=lambda s: PackWriter(s.packs, writer_id=f"{VLLM_WRITER_PREFIX}served"))
+    hf_id, hf_rids = _capture(store, model, ids, mask, run_id="local")
+    assert vllm_id == hf_id
+    report = store.audit(vllm_id, model=model, requests=4)
+    assert report.passed, [c.describe() for c in report.failures]
+    kinds = {(c.run_id, c.tolerance) for c in report.checks}
+    assert kinds == {("served", "vllm"), ("local", "batched")}
+    assert set(report.tolerance.split(", ")) == {"vllm", "batched"}
+    floats = [c for c in report.checks if c.tolerance == "vllm" and c.hook != "token_ids"]
+    assert floats and all(c.bound == VLLM_NOISE[torch.float32] * MARGIN for c in floats)
+    with pytest.raises(AuditError, match="captured by vLLM.*cannot be bit-identical"):
+        store.audit(vllm_id, model=model, run_id="served", exact=True)
+    assert store.audit(hf_id, model=model, run_id="local", request_ids=hf_rids[:1], exact=False).tolerance == "batched"
