@@ -83,6 +83,24 @@ def tiny_mixtral_dir(root) -> str:
     return path
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny Llama's directory, once per test module."""
+    return tiny_llama_dir(tmp_path_factory.mktemp("vllm-model"))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    """An engine on it in this process, 64 tokens a step (long prompts are chunked)."""
+    return build_llm(model_dir, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    """The same weights in transformers: the reference."""
+    return hf_model(model_dir)
+
+
 def build_llm(model_dir: str, **over):
     from vllm import LLM
 

@@ -15,6 +15,7 @@ suite once per path this way). Tests marked ``cluster`` (a local ZooKeeper and t
 
 from __future__ import annotations
 
+import importlib.util
 import uuid
 
 import pytest
@@ -29,6 +30,14 @@ from tests._clickhouse import (
 
 _chain_result: dict[str, str] = {}
 
+VLLM_MODULES = ["test_vllm.py", "test_vllm_serve.py", "test_vllm_tp.py", "test_vllm_bench.py", "test_vllm_audit.py"]
+"""The modules that need vLLM; where it is not installed they are not collected (the header says
+so), so a run without vLLM — the README's main pass — neither imports nor skips them. Their own
+pass (``pytest -m vllm`` in vLLM's environment) collecting nothing is an error (exit 5)."""
+
+_VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
+collect_ignore = [] if _VLLM_INSTALLED else VLLM_MODULES
+
 
 def pytest_configure(config):
     config.addinivalue_line(
@@ -38,10 +47,12 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
+    vllm = "vllm: installed" if _VLLM_INSTALLED else (
+        f"vllm: not installed, {len(VLLM_MODULES)} modules not collected (README: the vllm pass runs them)")
     try:
-        return f"clickhouse live server: {choose_live_server().describe()}"
+        return [f"clickhouse live server: {choose_live_server().describe()}", vllm]
     except (LiveServerUnavailable, ValueError) as exc:
-        return f"clickhouse live server: none ({exc})"
+        return [f"clickhouse live server: none ({exc})", vllm]
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -28,26 +28,12 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install vl
 import dmi  # noqa: E402
 from dmi.storage.errors import CaptureError, VLLMConfigError  # noqa: E402
 from tests._vllm import (ENGINE, PROMPTS, build_llm, capture_in_a_fresh_process, hf_model,  # noqa: E402
-                         tiny_llama_dir, tiny_mixtral_dir)
+                         tiny_mixtral_dir)
+from tests._vllm import hf, llm, model_dir  # noqa: E402,F401 - the module's fixtures
 
 # vLLM's CPU kernels (fused add + RMSNorm, its SDPA path) round differently from transformers';
 # in float32 on this 3-layer model the largest difference measured is below 1e-4.
 ATOL = 2e-4
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_llama_dir(tmp_path_factory.mktemp("vllm-model"))
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return build_llm(model_dir, max_num_batched_tokens=64)
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return hf_model(model_dir)
 
 
 @pytest.fixture

@@ -35,25 +35,11 @@ from dmi._audit_compare import MARGIN, VLLM_NOISE  # noqa: E402
 from dmi.capture import VLLM_WRITER_PREFIX  # noqa: E402
 from dmi.storage import PackWriter  # noqa: E402
 from dmi.storage.errors import AuditError  # noqa: E402
-from tests._vllm import PROMPTS, build_llm, hf_model, tiny_llama_dir  # noqa: E402
+from tests._vllm import PROMPTS, build_llm  # noqa: E402
+from tests._vllm import hf, llm, model_dir  # noqa: E402,F401 - the module's fixtures
 
 HOOKS = "all_but_patterns token_ids"
 BOUND = VLLM_NOISE[torch.float32] * MARGIN
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_llama_dir(tmp_path_factory.mktemp("vllm-audit-model"))
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return build_llm(model_dir, max_num_batched_tokens=64)
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return hf_model(model_dir)
 
 
 @pytest.fixture(scope="module")
