@@ -188,9 +188,12 @@ def test_dmi_ui_prints_its_url_and_stops_on_interrupt(tmp_path):
 
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN)
+    # Ctrl-C as a terminal delivers it: the child gets SIGINT's default action even when this suite
+    # was started in the background (a non-interactive shell starts `cmd &` with SIGINT ignored, and
+    # Python installs its KeyboardInterrupt handler only where SIGINT is not ignored)
     proc = subprocess.Popen([sys.executable, "-m", "dmi.cli", "ui", "--plan", str(plan), "--no-browser",
                              "--home", str(tmp_path / "home")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()
         assert line.startswith("dmi ui: http://127.0.0.1:") and line.rstrip().endswith("(Ctrl-C stops)")
