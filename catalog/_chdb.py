@@ -8,6 +8,10 @@ chDB facts this backend is built around:
   raw ``Code: 76 ... Cannot lock file`` line of its own.
 * **Opening is cheap**: a session on an existing directory opens, answers and closes in
   tens of milliseconds, and sessions of several processes alternate cleanly.
+* **Opening is not free**: each session start on a directory with tables leaves about five
+  threads and nine descriptors that the close never releases (chDB 4.4.0,
+  ``bench/bench_chdb_sessions.py``), so a process that reopens for every call runs out of
+  descriptors after about a hundred calls under a 1024 limit.
 
 So a session is held **per unit of catalog work**, not per process (:class:`_EmbeddedSession`):
 
@@ -17,9 +21,9 @@ So a session is held **per unit of catalog work**, not per process (:class:`_Emb
   for its turn says so by holding a shared ``flock`` on ``<directory>/dmi.waiting``, and the
   holder checks that signal (a non-blocking exclusive attempt). An idle session is closed
   at once when someone waits (a background thread looks every :data:`WAITER_POLL_SECONDS`)
-  and otherwise after :data:`IDLE_CLOSE_SECONDS`; a session busy for longer than
-  :data:`MAX_HOLD_SECONDS` is closed at the end of its current use when someone waits, and
-  not reopened for :data:`YIELD_SECONDS`, so a reader in a tight loop cannot starve a
+  and otherwise after :data:`IDLE_CLOSE_SECONDS` (for processes that are not DMI); a
+  session busy for longer than :data:`MAX_HOLD_SECONDS` is closed at the end of its
+  current use when someone waits, and not reopened for :data:`YIELD_SECONDS`, so a reader in a tight loop cannot starve a
   capture in another process (nor the other way round). Without contention nothing is
   closed and reopened.
 * Processes take turns through DMI's own lock, ``flock`` on ``<directory>/dmi.lock``, taken
@@ -63,8 +67,10 @@ from dmi.storage.errors import (
     InvalidArgumentError,
 )
 
-#: How long an idle session stays open after its last statement (seconds).
-IDLE_CLOSE_SECONDS = 2.0
+#: How long an idle session stays open after its last statement when nobody waits (seconds).
+#: Long, because chDB keeps threads and descriptors from every session it starts
+#: (``bench/bench_chdb_sessions.py``); DMI processes that wait get it within WAITER_POLL_SECONDS.
+IDLE_CLOSE_SECONDS = 60.0
 #: How often the idle session looks for a process waiting for its turn.
 WAITER_POLL_SECONDS = 0.02
 #: A session busy this long is closed at the end of its current use when another waits.

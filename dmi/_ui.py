@@ -77,11 +77,39 @@ class UIServer:
     httpd: ThreadingHTTPServer
     url: str
     thread: threading.Thread = field(repr=False)
+    stores: _StoreHolder = field(repr=False)
 
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
         self.thread.join()
+        self.stores.close()
+
+
+class _StoreHolder:
+    """The one store a server browses: opened by the first request that needs it, kept until
+    the server closes.
+
+    Not one per request: each store open and close starts and stops chDB's embedded server,
+    and chDB keeps threads and descriptors from every start (``bench/bench_chdb_sessions.py``),
+    so a page browsed for a while would run the process out of descriptors."""
+
+    def __init__(self, open_store: Any):
+        self._open = open_store
+        self._store = None
+        self._lock = threading.Lock()
+
+    def get(self):
+        with self._lock:
+            if self._store is None:
+                self._store = self._open()
+            return self._store
+
+    def close(self) -> None:
+        with self._lock:
+            store, self._store = self._store, None
+        if store is not None:
+            store.close()
 
 
 def start_server(config: UIConfig, host: str = "127.0.0.1", port: int = 0, *, scan: int = 0) -> UIServer:
@@ -90,9 +118,10 @@ def start_server(config: UIConfig, host: str = "127.0.0.1", port: int = 0, *, sc
     if not is_loopback(host) and not config.token:
         raise InvalidArgumentError(f"binding {host} (not loopback) needs a per-launch token")
     httpd = None
+    stores = _StoreHolder(config.open_store)
     for candidate in range(port, port + scan + 1):
         try:
-            httpd = ThreadingHTTPServer((host, candidate), _handler(config))
+            httpd = ThreadingHTTPServer((host, candidate), _handler(config, stores))
             break
         except OSError as exc:
             if candidate == port + scan:
@@ -104,18 +133,20 @@ def start_server(config: UIConfig, host: str = "127.0.0.1", port: int = 0, *, sc
     url = f"http://{shown}:{bound}/" + (f"?token={config.token}" if config.token else "")
     thread = threading.Thread(target=httpd.serve_forever, name="dmi-ui", daemon=True)
     thread.start()
-    return UIServer(httpd, url, thread)
+    return UIServer(httpd, url, thread, stores)
 
 
-def _handler(config: UIConfig) -> type[BaseHTTPRequestHandler]:
+def _handler(config: UIConfig, stores: _StoreHolder) -> type[BaseHTTPRequestHandler]:
     class Handler(_Handler):
         ui = config
+        store_holder = stores
 
     return Handler
 
 
 class _Handler(BaseHTTPRequestHandler):
     ui: UIConfig
+    store_holder: _StoreHolder
     server_version = "dmi-ui"
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
@@ -284,22 +315,19 @@ def _save(h: _Handler, query: dict[str, str]):
 def _store(h: _Handler):
     if h.ui.open_store is None:
         raise _Refused(HTTPStatus.NOT_FOUND, "no store to browse")
-    return h.ui.open_store()
+    return h.store_holder.get()
 
 
 def _models(h: _Handler, query: dict[str, str]):
-    with _store(h) as store:
-        return _ok([m.as_dict() for m in store.models()])
+    return _ok([m.as_dict() for m in _store(h).models()])
 
 
 def _requests(h: _Handler, query: dict[str, str]):
-    with _store(h) as store:
-        return _ok([r.as_dict() for r in store.requests(_need(query, "model"), run_id=query.get("run"))])
+    return _ok([r.as_dict() for r in _store(h).requests(_need(query, "model"), run_id=query.get("run"))])
 
 
 def _contents(h: _Handler, query: dict[str, str]):
-    with _store(h) as store:
-        return _ok(store.contents(_need(query, "model"), _need(query, "request"), run_id=query.get("run")).as_dict())
+    return _ok(_store(h).contents(_need(query, "model"), _need(query, "request"), run_id=query.get("run")).as_dict())
 
 
 def _plot(h: _Handler, query: dict[str, str]):
@@ -307,9 +335,8 @@ def _plot(h: _Handler, query: dict[str, str]):
     from dmi._plot import token_norms, write_norm_plot
 
     model, request, hook = _need(query, "model"), _need(query, "request"), _need(query, "hook")
-    with _store(h) as store:
-        view = store.lazy(model, request, hook, run_id=query.get("run"))
-        tensor = view[:]
+    view = _store(h).lazy(model, request, hook, run_id=query.get("run"))
+    tensor = view[:]
     norms = token_norms(tensor if view.per_layer else tensor.unsqueeze(0))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "plot.png")

@@ -197,8 +197,8 @@ def test_bad_uris_and_names_are_refused(tmp_path):
 
 
 def test_without_contention_the_session_is_kept_not_reopened(tmp_path):
-    """Nobody waits: neither idle gaps longer than the old 0.2 s close nor more than
-    MAX_HOLD_SECONDS of use make the process give its session up (a reopen costs 10–400 ms)."""
+    """Nobody waits: neither idle gaps of seconds nor more than MAX_HOLD_SECONDS of use make
+    the process give its session up (a reopen costs 10–400 ms, and threads chDB never ends)."""
     from dmi.catalog import _chdb
 
     with open_catalog(f"chdb://{tmp_path / 'c'}") as catalog:
@@ -209,6 +209,9 @@ def test_without_contention_the_session_is_kept_not_reopened(tmp_path):
             time.sleep(0.3)
             catalog.models()
             assert _chdb._SESSION._conn is session
+        time.sleep(2.5)  # idle for longer than the old 2 s close: a notebook between two cells
+        catalog.models()
+        assert _chdb._SESSION._conn is session  # each reopen would keep chDB threads for good
 
 
 def test_an_idle_holder_gives_its_session_up_when_another_process_waits(tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import pty
-import select
+import selectors
 import subprocess
 import sys
 from pathlib import Path
@@ -98,27 +98,35 @@ def test_load_model_is_public():
 
 
 def _stderr_on_a_terminal(argv: list[str], home: Path) -> str:
-    """Run ``dmi ARGV`` with stderr on a pseudo-terminal (stdout a pipe); what the terminal got."""
+    """Run ``dmi ARGV`` with stderr on a pseudo-terminal (stdout a pipe); what the terminal got.
+
+    The terminal is watched with a selector, not ``select.select``: the suite's process may hold
+    descriptors numbered past select's 1024 by the time this runs."""
     leader, follower = pty.openpty()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DMI_")}
     proc = subprocess.Popen([sys.executable, "-m", "dmi.cli", *argv, "--home", str(home)], stdout=subprocess.PIPE,
                             stderr=follower, env=env)
     os.close(follower)
     seen = b""
-    while True:
-        ready, _, _ = select.select([leader], [], [], 240)
-        if not ready:
-            proc.kill()
-            break
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:  # the terminal closed: every writer has exited
-            break
-        if not chunk:
-            break
-        seen += chunk
-    proc.communicate(timeout=240)
-    os.close(leader)
+    try:
+        with selectors.DefaultSelector() as selector:
+            selector.register(leader, selectors.EVENT_READ)
+            while selector.select(timeout=240):
+                try:
+                    chunk = os.read(leader, 4096)
+                except OSError:  # the terminal closed: every writer has exited
+                    break
+                if not chunk:
+                    break
+                seen += chunk
+            else:  # silent for 240 s
+                proc.kill()
+    except BaseException:
+        proc.kill()
+        raise
+    finally:
+        proc.communicate(timeout=240)
+        os.close(leader)
     assert proc.returncode == 0, seen
     return seen.decode(errors="replace")
 

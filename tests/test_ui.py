@@ -17,7 +17,7 @@ from dmi._describe import describe_model
 from dmi._estimate import estimate_plan_file
 from dmi._models import BUILTIN_MODELS
 from dmi._ui import UIConfig, is_loopback, start_server
-from dmi.storage.errors import InvalidArgumentError
+from dmi.storage.errors import CatalogError, InvalidArgumentError
 from tests._models import left_padded_batch, tiny
 
 PLAN = "version: 1\nmodel: tiny-llama\nhooks: [resid_post, logits]\nlayers: '0:2'\nschedule: {phases: [forward]}\n"
@@ -120,6 +120,30 @@ def test_browse_the_store(server, home):
     assert (status, ctype) == (200, "image/png") and png[:8] == b"\x89PNG\r\n\x1a\n"
     status, _, err = _call(srv.url, path="/api/requests?model=nope")
     assert status == 404 and "nope" in err["error"]
+
+
+def test_the_server_opens_its_store_once_and_closes_it_with_itself(home):
+    """One store for the server's life, not one per request: every store open and close starts
+    and stops chDB's embedded server, which keeps threads and descriptors from each start
+    (bench/bench_chdb_sessions.py), so a page browsed for a while would exhaust them."""
+    opened = []
+
+    def open_store():
+        opened.append(dmi.open(home=home))
+        return opened[-1]
+
+    srv = start_server(UIConfig(plan_path=None, models=("tiny-llama",), open_store=open_store, token=None),
+                       "127.0.0.1", 0)
+    try:
+        assert opened == []  # nothing opened until a request needs it
+        for path in ("/api/models", "/api/requests?model=ui-model", "/api/contents?model=ui-model&request=r0",
+                     "/api/plot.png?model=ui-model&request=r0&hook=resid_post", "/api/models"):
+            assert _call(srv.url, path=path)[0] == 200, path
+        assert len(opened) == 1
+    finally:
+        srv.close()
+    with pytest.raises(CatalogError, match="closed"):
+        opened[0].models()
 
 
 def test_cross_origin_and_foreign_host_refused(server):
