@@ -243,6 +243,8 @@ class VLLMCaptureSession(CaptureSession):
             self._step = step
             self._buffered = True
             if "token_ids" in self._emitted:
+                if ids.device.type == "cuda":
+                    ids = ids.clone()  # vLLM refills this input buffer for the next step before a side-stream copy
                 for plan in step.token_plans:
                     self._emit("token_ids", GLOBAL_LAYER, ids, "flat", plan)
             return None

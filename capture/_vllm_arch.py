@@ -33,7 +33,8 @@ hook            taken from (layer ``L`` of ``n``)
 
 ``attn_pattern`` does not exist here (vLLM's attention kernels never materialise weights).
 Residual-stream values are buffers vLLM later overwrites in place; :data:`MUTATED_IN_PLACE`
-names them so the session can copy them before that happens on an asynchronous device.
+names them so the session can copy them before that happens on an asynchronous device (the
+step's ``input_ids``, a persistent buffer refilled every step, is copied the same way).
 """
 
 from __future__ import annotations
