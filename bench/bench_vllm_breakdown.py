@@ -1,10 +1,10 @@
 """Where DMI's cost goes inside vLLM: the same rounds as ``bench_vllm.py``'s ``resid_post`` row,
 with the pipeline cut after each stage.
 
-One engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the workload of
-``bench_vllm.py`` (8-layer hidden-512 Llama from a config, float32, 16 requests of 128–256
-prompt tokens, 64 sampled new tokens, ``max_num_batched_tokens`` 512), configurations
-interleaved round by round, the median of ``--rounds`` reported with the spread:
+One engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the default workload of
+``bench_vllm.py`` built by its own functions (8-layer hidden-512 Llama from a config,
+float32, 16 requests of 128–256 prompt tokens, 64 sampled new tokens,
+``max_num_batched_tokens`` 512), configurations interleaved round by round, the median of ``--rounds`` reported with the spread:
 
 * ``none``          ``llm.generate``
 * ``null writer``   capture with a writer that discards every record: hooks, step planning,
@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import tempfile
 import time
+
+import bench_vllm
 
 
 class _NullWriter:
@@ -43,26 +44,6 @@ class _NullWriter:
         return None
 
 
-def build_model(root: str) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from dmi._models import byte_tokenizer
-
-    tok = byte_tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=352,
-                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         tie_word_embeddings=False)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config).eval()
-    path = os.path.join(root, "breakdown-llama")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -75,12 +56,15 @@ def main() -> None:
     import dmi
     from dmi.capture import attach_vllm
 
+    workload = bench_vllm.parser().parse_args([])  # bench_vllm.py's default workload, exactly
     root = tempfile.mkdtemp(prefix="dmi-vllm-breakdown-")
-    llm = vllm.LLM(model=build_model(root), enforce_eager=True, dtype="float32", max_model_len=352, max_num_seqs=16,
-                   max_num_batched_tokens=512, enable_prefix_caching=False, seed=0)
-    rng = random.Random(1)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, 259) for _ in range(128 + 128 * i // 15)]} for i in range(16)]
-    params = vllm.SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True, detokenize=False)
+    model_dir = bench_vllm.build_model_dir(workload, root)
+    llm = vllm.LLM(model=model_dir, enforce_eager=True, dtype=workload.dtype,
+                   max_model_len=bench_vllm.max_model_len(workload), max_num_seqs=workload.requests,
+                   max_num_batched_tokens=workload.max_num_batched_tokens, enable_prefix_caching=False, seed=0)
+    vocab = bench_vllm.prompt_vocab(model_dir, bench_vllm.model_geometry(model_dir))
+    prompts = [{"prompt_token_ids": ids} for ids in bench_vllm.prompts(workload, vocab)]
+    params = vllm.SamplingParams(max_tokens=workload.max_tokens, temperature=1.0, ignore_eos=True, detokenize=False)
     llm.generate(prompts, vllm.SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     store = dmi.open(home=os.path.join(root, "home"))
 

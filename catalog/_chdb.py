@@ -23,9 +23,9 @@ So a session is held **per unit of catalog work**, not per process (:class:`_Emb
   at once when someone waits (a background thread looks every :data:`WAITER_POLL_SECONDS`)
   and otherwise after :data:`IDLE_CLOSE_SECONDS` (for processes that are not DMI); a
   session busy for longer than :data:`MAX_HOLD_SECONDS` is closed at the end of its
-  current use when someone waits, and not reopened for :data:`YIELD_SECONDS`, so a reader in a tight loop cannot starve a
-  capture in another process (nor the other way round). Without contention nothing is
-  closed and reopened.
+  current use when someone waits, and not reopened for :data:`YIELD_SECONDS`, so a reader
+  in a tight loop cannot starve a capture in another process (nor the other way round).
+  Without contention nothing is closed and reopened.
 * Processes take turns through DMI's own lock, ``flock`` on ``<directory>/dmi.lock``, taken
   before chDB is asked and released after chDB has closed. Before opening, the flock chDB
   itself takes on ``<directory>/status`` is tried too (non-blocking), so a process that is

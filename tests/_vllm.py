@@ -101,6 +101,15 @@ def hf(model_dir):
     return hf_model(model_dir)
 
 
+@pytest.fixture
+def store(tmp_path):
+    """A store of its own per test."""
+    import dmi
+
+    with dmi.open(home=tmp_path / "home") as s:
+        yield s
+
+
 def build_llm(model_dir: str, **over):
     from vllm import LLM
 

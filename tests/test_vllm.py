@@ -29,18 +29,12 @@ import dmi  # noqa: E402
 from dmi.storage.errors import CaptureError, VLLMConfigError  # noqa: E402
 from tests._vllm import (ENGINE, PROMPTS, build_llm, capture_in_a_fresh_process, hf_model,  # noqa: E402
                          tiny_mixtral_dir)
-from tests._vllm import hf, llm, model_dir  # noqa: E402,F401 - the module's fixtures
+from tests._vllm import hf, llm, model_dir, store  # noqa: E402,F401 - the module's fixtures
 
 # vLLM's CPU kernels (fused add + RMSNorm, its SDPA path) round differently from transformers':
 # an absolute bound well above that noise (the audit's measured float32 figure is in docs/audit.md)
 # and far below what a wrong request, position or layer gives.
 ATOL = 2e-4
-
-
-@pytest.fixture
-def store(tmp_path):
-    with dmi.open(home=tmp_path / "home") as s:
-        yield s
 
 
 def _fed_tokens(output) -> list[int]:

