@@ -32,7 +32,7 @@ quantised bytes, zstd-compressed where a sample shows it pays), so decoding retu
 original dtype. :func:`encode_lossy` also returns the decoded tensor, from which the writer
 measures what was lost (``codec_max_abs_error``, ``codec_rel_l2_error`` in every record).
 
-All heavy work (numpy shifts, zstd, xxh3) runs in C without the GIL.
+All heavy work (the byte-plane loops of ``native/`` or numpy's, zstd, xxh3) runs in C without the GIL.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ import threading
 import numpy as np
 import xxhash
 import zstandard
+
+from dmi.storage._native import join_planes, split_planes
 
 __all__ = ["CODECS", "LOSSY_CODECS", "DEFAULT_CODEC", "CodecError", "checksum", "encode", "encode_lossy", "decode"]
 
@@ -60,7 +62,6 @@ _SPLIT_TAG = 1
 _SAMPLE = 64 * 1024
 _SAMPLE_MIN_GAIN = 0.90  # keep a plane raw unless its sample shrinks below 90 %
 
-_UINT_BY_WIDTH = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 # Entropy-coding oriented parameters: activations have almost no long repeats, so a
 # tiny hash table and min_match=7 skip most of the match search that makes level 1 slow
@@ -141,20 +142,12 @@ def _plane_count(itemsize: int) -> int:
     return min(itemsize, 8)
 
 
-def _planes(raw: np.ndarray, width: int) -> list[np.ndarray]:
-    """Byte planes of ``raw``; vectorised shifts are ~10x faster than strided copies."""
-    if width == 1:
-        return [raw]
-    words = raw.view(_UINT_BY_WIDTH[width])
-    return [(words >> np.array(8 * p, words.dtype)).astype(np.uint8) for p in range(width)]
-
-
 def _encode_split(raw: np.ndarray, itemsize: int) -> bytes:
     width = _plane_count(itemsize)
     compressor = _compressor("plane")
     header = [_HEADER.pack(_SPLIT_TAG, width)]
     bodies = []
-    for plane in _planes(raw, width):
+    for plane in split_planes(raw, width):
         stored, kind = plane, _PLANE_RAW
         if _worth_compressing(compressor, plane):
             packed = compressor.compress(plane)
@@ -205,22 +198,7 @@ def _decode_split(stored, out: np.ndarray, itemsize: int) -> None:
             raise CodecError(f"plane {p} has unknown codec {kind}")
     if pos != len(view):
         raise CodecError(f"{len(view) - pos} trailing bytes after the last plane")
-    _interleave(planes, out)
-
-
-def _interleave(planes: list[np.ndarray], out: np.ndarray) -> None:
-    """Inverse of :func:`_planes`: shifts and ors on whole words, ~3x faster than strided stores."""
-    if len(planes) == 1:
-        if planes[0] is not out:
-            out[...] = planes[0]
-        return
-    words = out.view(_UINT_BY_WIDTH[len(planes)])
-    np.copyto(words, planes[0], casting="safe")
-    wide = np.empty_like(words)
-    for p, plane in enumerate(planes[1:], start=1):
-        np.copyto(wide, plane, casting="safe")
-        wide <<= np.array(8 * p, words.dtype)
-        words |= wide
+    join_planes(planes, out)
 
 
 def _copy_exact(stored, out: np.ndarray) -> None:

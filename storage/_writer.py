@@ -24,6 +24,7 @@ import pyarrow as pa
 import torch
 
 from dmi.storage._codecs import CODECS, DEFAULT_CODEC, LOSSY_CODECS, checksum, encode, encode_lossy
+from dmi.storage._native import widen_bf16
 from dmi.storage.record_schema import field_columns
 from dmi.storage._pack_format import PACK_ROW_SCHEMA, FORMAT_VERSION, dtype_name, encode_index, schema_with_metadata, torch_dtype
 from dmi.storage._store import PackSink, PackStore
@@ -291,9 +292,7 @@ _NUMPY_NATIVE = {
 def _as_numpy_numbers(tensor: torch.Tensor) -> np.ndarray | None:
     """Real values as a numpy array: magnitudes for complex, float32 for bf16 and float8."""
     if tensor.dtype == torch.bfloat16:  # bf16 is the top half of a little-endian float32
-        halves = np.zeros((tensor.numel(), 2), dtype=np.uint16)
-        halves[:, 1] = tensor.view(torch.uint16).numpy().reshape(-1)
-        return halves.view(np.float32)
+        return widen_bf16(tensor.view(torch.uint16).numpy())
     if tensor.dtype in _NUMPY_NATIVE:
         return tensor.numpy()
     if tensor.dtype in (torch.complex64, torch.complex128):

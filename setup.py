@@ -1,0 +1,18 @@
+"""The optional C extension (``native/``); everything else is configured in pyproject.toml.
+
+``optional=True``: where no C compiler is present the install goes on without it and DMI uses
+its numpy code instead (``storage/_native.py``), which gives the same bytes.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "dmi.storage._native_ext",
+            sources=["native/dmi_native.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        )
+    ]
+)

@@ -1,0 +1,70 @@
+"""Byte loops of the hot path: the C extension built from ``native/`` where it exists, numpy otherwise.
+
+Both give the same bytes (``tests/test_native.py`` holds them to it). The extension is built at
+install when a C compiler is present (``setup.py``, ``optional=True``); ``DMI_NATIVE=0`` in the
+environment turns it off for a process, which is how ``bench/bench_native.py`` measures one
+against the other. What each loop is for and what it saved: ``docs/pack-format.md``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+try:
+    from . import _native_ext
+except ImportError:  # built without a compiler: the numpy loops below serve
+    _native_ext = None
+
+__all__ = ["ACTIVE", "BUILT", "split_planes", "join_planes", "widen_bf16"]
+
+BUILT = _native_ext is not None
+"""Whether the C extension was built for this install."""
+ACTIVE = BUILT and os.environ.get("DMI_NATIVE", "1") != "0"
+"""Whether this process uses it (read once, at import)."""
+
+_UINT_BY_WIDTH = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def split_planes(raw: np.ndarray, width: int) -> list[np.ndarray]:
+    """Byte planes of the contiguous uint8 array ``raw``: plane ``p`` holds byte ``p`` of each element."""
+    if width == 1:
+        return [raw]
+    if ACTIVE:
+        out = np.empty(raw.nbytes, np.uint8)
+        _native_ext.split_planes(raw, width, out)
+        n = raw.nbytes // width
+        return [out[p * n : (p + 1) * n] for p in range(width)]
+    words = raw.view(_UINT_BY_WIDTH[width])  # vectorised shifts: ~10x faster than strided copies
+    return [(words >> np.array(8 * p, words.dtype)).astype(np.uint8) for p in range(width)]
+
+
+def join_planes(planes: list[np.ndarray], out: np.ndarray) -> None:
+    """Inverse of :func:`split_planes`, into the writable uint8 array ``out``."""
+    if len(planes) == 1:
+        if planes[0] is not out:
+            out[...] = planes[0]
+        return
+    if ACTIVE:
+        _native_ext.join_planes(planes, out)
+        return
+    words = out.view(_UINT_BY_WIDTH[len(planes)])  # shifts and ors on whole words: ~3x strided stores
+    np.copyto(words, planes[0], casting="safe")
+    wide = np.empty_like(words)
+    for p, plane in enumerate(planes[1:], start=1):
+        np.copyto(wide, plane, casting="safe")
+        wide <<= np.array(8 * p, words.dtype)
+        words |= wide
+
+
+def widen_bf16(bits: np.ndarray) -> np.ndarray:
+    """bf16 values (their uint16 bits) as float32, exactly: bf16 is the top half of a float32."""
+    bits = np.ascontiguousarray(bits)
+    if ACTIVE:
+        out = np.empty(bits.size, np.float32)
+        _native_ext.widen_bf16(bits, out)
+        return out
+    halves = np.zeros((bits.size, 2), dtype=np.uint16)
+    halves[:, 1] = bits.reshape(-1)
+    return halves.view(np.float32).reshape(-1)

@@ -1,0 +1,128 @@
+"""The C loops of ``native/`` give exactly the bytes of the numpy code they replace.
+
+Where the extension was not built (no compiler at install) these tests skip, except when
+``DMI_REQUIRE_NATIVE=1`` (``.ci/run`` sets it): there a missing extension fails.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from dmi.storage import _codecs, _native, _writer
+
+REQUIRED = os.environ.get("DMI_REQUIRE_NATIVE") == "1"
+
+pytestmark = pytest.mark.skipif(not _native.BUILT and not REQUIRED, reason="native extension not built (no C compiler at install)")
+
+
+def test_the_extension_is_built_and_used():
+    assert _native.BUILT, "dmi.storage._native_ext missing: reinstall with a C compiler (pip install -e .)"
+    assert _native.ACTIVE or os.environ.get("DMI_NATIVE") == "0"
+
+
+@pytest.fixture
+def numpy_loops(monkeypatch):
+    """Run the numpy loops in this process, as DMI_NATIVE=0 would."""
+    monkeypatch.setattr(_native, "ACTIVE", False)
+
+
+def _both(monkeypatch, fn):
+    """``fn()`` with the C loops, then with numpy's."""
+    monkeypatch.setattr(_native, "ACTIVE", True)
+    native = fn()
+    monkeypatch.setattr(_native, "ACTIVE", False)
+    return native, fn()
+
+
+def _random_bytes(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("elements", [0, 1, 7, 4099, 250_000])
+def test_split_and_join_are_byte_identical_to_numpy(monkeypatch, width, elements):
+    raw = _random_bytes(width * elements, seed=elements + width)
+    native, reference = _both(monkeypatch, lambda: [p.copy() for p in _native.split_planes(raw, width)])
+    assert len(native) == len(reference) == width
+    for p, (a, b) in enumerate(zip(native, reference)):
+        assert np.array_equal(a, b), f"plane {p}"
+        assert np.array_equal(a, raw[p::width]), f"plane {p} is not byte {p} of each element"
+
+    def join():
+        out = np.empty_like(raw)
+        _native.join_planes(reference, out)
+        return out
+
+    joined_native, joined_numpy = _both(monkeypatch, join)
+    assert np.array_equal(joined_native, raw)
+    assert np.array_equal(joined_numpy, raw)
+
+
+def test_widen_bf16_is_bit_exact_for_every_bf16_value(monkeypatch):
+    bits = np.arange(1 << 16, dtype=np.uint16)  # all of them: NaNs, infinities, subnormals, -0
+    native, reference = _both(monkeypatch, lambda: _native.widen_bf16(bits))
+    assert native.dtype == reference.dtype == np.float32
+    assert np.array_equal(native.view(np.uint32), reference.view(np.uint32))
+    assert np.array_equal(native.view(np.uint32), bits.astype(np.uint32) << 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64])
+def test_split_zstd_payloads_and_decodes_are_identical(monkeypatch, dtype):
+    values = (torch.randn(64, 1024, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    raw = values.contiguous().view(torch.uint8).numpy().reshape(-1)
+    itemsize = values.element_size()
+    native, reference = _both(monkeypatch, lambda: bytes(_codecs.encode("split-zstd", raw, itemsize)))
+    assert native == reference
+
+    def decode():
+        out = np.empty_like(raw)
+        _codecs.decode("split-zstd", reference, out, itemsize)
+        return out
+
+    decoded_native, decoded_numpy = _both(monkeypatch, decode)
+    assert np.array_equal(decoded_native, raw)
+    assert np.array_equal(decoded_numpy, raw)
+
+
+def test_bf16_record_statistics_are_identical(monkeypatch):
+    tensor = (torch.randn(32, 577, generator=torch.Generator().manual_seed(5)) * 7).to(torch.bfloat16)
+    native, reference = _both(monkeypatch, lambda: _writer._stats(tensor))
+    assert native == reference
+    exact = tensor.to(torch.float64)
+    assert native.absmax == exact.abs().max().item()
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda ext: ext.split_planes(np.zeros(6, np.uint8), 4, np.zeros(6, np.uint8)), "multiples of 4"),
+        (lambda ext: ext.split_planes(np.zeros(8, np.uint8), 2, np.zeros(6, np.uint8)), "multiples of 2"),
+        (lambda ext: ext.split_planes(np.zeros(9, np.uint8), 3, np.zeros(9, np.uint8)), "width must be 1, 2, 4 or 8"),
+        (lambda ext: ext.join_planes([np.zeros(3, np.uint8)] * 3, np.zeros(9, np.uint8)), "1, 2, 4 or 8 planes"),
+        (lambda ext: ext.join_planes([np.zeros(4, np.uint8), np.zeros(3, np.uint8)], np.zeros(8, np.uint8)), "plane 1 holds 3 bytes"),
+        (lambda ext: ext.join_planes([np.zeros(4, np.uint8)] * 2, np.zeros(7, np.uint8)), "not a multiple of 2 planes"),
+        (lambda ext: ext.widen_bf16(np.zeros(4, np.uint16), np.zeros(3, np.float32)), "twice src"),
+    ],
+)
+def test_sizes_that_do_not_fit_are_refused_not_overrun(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(_native._native_ext)
+
+
+def test_read_only_output_is_refused():
+    out = np.zeros(8, np.uint8)
+    out.flags.writeable = False
+    with pytest.raises(TypeError, match="writable"):
+        _native._native_ext.split_planes(np.zeros(8, np.uint8), 2, out)
+
+
+@pytest.mark.parametrize("setting, active", [("0", False), ("1", True)])
+def test_dmi_native_0_turns_it_off_for_a_process(setting, active):
+    code = "from dmi.storage import _native; print(_native.ACTIVE)"
+    env = {**os.environ, "DMI_NATIVE": setting}
+    shown = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert shown.strip() == str(active)
