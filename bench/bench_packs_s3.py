@@ -207,7 +207,8 @@ def report(workload_text: str, results: dict, lim: dict) -> str:
     lines.append(f"| {s3_name} / {local_name} | {s3['write'] / local['write']:.2f}x | {s3['read'] / local['read']:.2f}x "
                  f"| {s3['one cold p50'] / local['one cold p50']:.1f}x | {s3['one warm p50'] / local['one warm p50']:.1f}x "
                  "| |")
-    lines += ["", "Machine limits (same rounds, best of them):", ""]
+    lines += ["", "The last row is the S3 figure over the local one (for latencies: times, so above 1 is slower).",
+              "", "Machine limits (same rounds, best of them):", ""]
     lines += [f"- {name}: {value:.2f}" if name.endswith("ratio") else f"- {name}: {value / 1e9:.3f} GB/s"
               for name, value in lim.items()]
     return "\n".join(lines)
@@ -272,7 +273,8 @@ def main(argv: list[str] | None = None) -> None:
         rng = random.Random(1)
         sample = [rng.choice(list(data)) for _ in range(args.sample)]
         first = dict(list(data.items())[:2])
-        measure(LocalBackend(base), "warm-up", first, workload, list(first))  # first calls paid, untimed
+        for backend in backends:  # imports, clients and first calls paid here, untimed
+            measure(backend, f"warm-up-{backend.name.split()[0].lower()}", first, workload, list(first))
         measured, results = [], {}
         for round_no in range(args.rounds):
             measured.append(limits(base, data, raw_bytes) | s3_limits(s3, workload.pack_bytes))
