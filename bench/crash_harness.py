@@ -2,8 +2,8 @@
 
 Each trial starts a child process that captures a tiny Llama (``tests/_models.py``, random
 weights, 3 layers) through the real capture path — hooks, ring, drain thread, pack writer,
-publisher lease — into a fresh pack store and a fresh embedded chDB catalog, and kills it
-with SIGKILL at one of these moments:
+publisher lease — into a fresh pack store and a fresh catalog, and kills it with SIGKILL at
+one of these moments:
 
 * ``copy``          just after the k-th ring reservation (the hook's copy into the slot pending)
 * ``encode``        inside the k-th record encoding (compressed, not yet in the pack)
@@ -28,14 +28,22 @@ After each trial the parent runs ``Store.recover()`` (what ``dmi recover`` runs)
 * mismatched      published records whose bytes differ from what the child appended (or unreadable)
 * verify          problems ``Store.verify()`` reports (and packs it still calls unpublished)
 
-All must be 0. Run it::
+All must be 0. The two backends the harness runs by default are the two deployments DMI has:
+local disk + an embedded chDB catalog (one machine), and S3 object storage + a ClickHouse
+server catalog (scale-out). Each trial gets a fresh pack directory or S3 prefix and a fresh
+catalog: its own chDB directory, or its own database on the one server the run uses. Run it::
 
-    python bench/crash_harness.py --trials 200                  # local disk + chDB, then S3 (moto) + chDB
+    python bench/crash_harness.py --trials 200                  # local disk + chDB, then S3 (moto) + server
     python bench/crash_harness.py --trials 20 --backend local
+    python bench/crash_harness.py --backend s3 --catalog chdb   # S3 (moto) + chDB
     python bench/crash_harness.py --backend s3 --s3-endpoint http://127.0.0.1:9000   # your own S3/MinIO
 
-S3 without ``--s3-endpoint`` starts moto's server (``pip install -e '.[test]'``); with it,
-credentials come from the environment and the bucket ``--s3-bucket`` must exist.
+``--catalog`` picks the catalog of every backend run; without it local disk gets chDB and S3
+gets a server. The server is found or started once for the whole run by the chain the live
+tests use (``tests/_clickhouse.py``): ``DMI_CLICKHOUSE_URL``, else a container, else the local
+``clickhouse-server`` binary in a temporary directory, stopped at the end. S3 without
+``--s3-endpoint`` starts moto's server (``pip install -e '.[test]'``); with it, credentials come
+from the environment and the bucket ``--s3-bucket`` must exist.
 ``tests/test_crash_harness.py`` runs a short version (one trial per named phase).
 """
 
@@ -253,10 +261,12 @@ class Calibration:
 
 @dataclass(frozen=True, slots=True)
 class Backend:
-    """Where a trial's packs go: a fresh local directory, or a fresh prefix in one bucket."""
+    """Where a trial's packs and index go: a fresh local directory or a fresh prefix in one
+    bucket; a fresh chDB directory or a fresh database on one ClickHouse server."""
 
     name: str
     s3_uri: str | None = None  # s3://bucket?endpoint_override=... (no prefix), for S3
+    server_uri: str | None = None  # clickhouse://user:password@host:port (no database), for a server
 
     def packs_uri(self, trial_dir: Path) -> str:
         if self.s3_uri is None:
@@ -264,12 +274,34 @@ class Backend:
         base, _, query = self.s3_uri.partition("?")
         return f"{base.rstrip('/')}/{trial_dir.name}" + (f"?{query}" if query else "")
 
+    def catalog_uri(self, trial_dir: Path) -> str:
+        """The trial's own catalog: a chDB directory in the trial's directory, or a database
+        named after it on the server (the catalog creates it on first open)."""
+        if self.server_uri is None:
+            return f"chdb://{trial_dir / 'catalog'}"
+        return f"{self.server_uri.rstrip('/')}/dmi_crash_{trial_dir.name.replace('-', '_')}"
+
+
+def drop_trial_catalog(trial: Trial) -> None:
+    """Drop a server trial's database once it is checked, so a long run against a server
+    someone else runs leaves nothing behind (a chDB catalog goes with the trial's directory)."""
+    if not trial.catalog.startswith("clickhouse://"):
+        return
+    from clickhouse_driver import Client
+
+    base, _, database = trial.catalog.rpartition("/")
+    client = Client.from_url(f"{base}/default")
+    try:
+        client.execute(f"DROP DATABASE IF EXISTS `{database}`")
+    finally:
+        client.disconnect()
+
 
 def kill_trial(backend: Backend, workdir: Path, phase: str | None, hit: int, *, rng: random.Random,
                window: float = 0.0, rounds: int = 2) -> Trial:
     """Run one child into a fresh store and catalog, killed at (``phase``, ``hit``); ``None``: no kill."""
     trial_dir = Path(tempfile.mkdtemp(prefix="trial-", dir=workdir))
-    packs, catalog = backend.packs_uri(trial_dir), f"chdb://{trial_dir / 'catalog'}"
+    packs, catalog = backend.packs_uri(trial_dir), backend.catalog_uri(trial_dir)
     side = trial_dir / "side.jsonl"
     seal_step = LOCAL_SEAL_STEPS[hit % len(LOCAL_SEAL_STEPS)]
     env = {**os.environ, CRASH_AT_ENV: f"{phase}:{hit}" if phase in CHILD_PHASES else ""}
@@ -377,7 +409,7 @@ def _compare(packs, entries, expected) -> tuple[int, list[str]]:
 def calibrate(backend: Backend, workdir: Path, rounds: int) -> Calibration:
     """One run without a kill: the calls per phase, its duration, and its own checks."""
     trial = kill_trial(backend, workdir, None, 0, rng=random.Random(0), rounds=rounds)
-    result = check_trial(trial)
+    result = check_and_drop(trial)
     if trial.events.done_at is None or not result.clean:
         raise RuntimeError(f"the calibration run (no kill) failed on {backend.name}: {result}")
     return Calibration({p: trial.events.counts.get(p, 0) for p in CHILD_PHASES}, trial.seconds, result)
@@ -396,8 +428,16 @@ def run_trials(backend: Backend, workdir: Path, *, trials: int, seed: int, round
         phase = order.pop()
         hit = rng.randint(1, max(1, calibration.counts.get(phase, 1)))
         trial = kill_trial(backend, workdir, phase, hit, rng=rng, window=calibration.seconds, rounds=rounds)
-        results.append(check_trial(trial, recover=recover))
+        results.append(check_and_drop(trial, recover=recover))
     return calibration, results
+
+
+def check_and_drop(trial: Trial, *, recover: bool = True) -> TrialResult:
+    """:func:`check_trial`, then drop the trial's server database (trials stay independent)."""
+    try:
+        return check_trial(trial, recover=recover)
+    finally:
+        drop_trial_catalog(trial)
 
 
 # ---------------------------------------------------------------------------------- reporting
@@ -406,10 +446,14 @@ def run_trials(backend: Backend, workdir: Path, *, trials: int, seed: int, round
 def conditions(args: argparse.Namespace) -> str:
     import torch
 
-    return (f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-            f"torch {torch.__version__}; tiny Llama (3 layers, hidden 32, random weights, float32); hooks {HOOKS}; "
-            f"batch 3, {NEW_TOKENS} new tokens, {args.rounds} runs per child; max_records {MAX_RECORDS}; "
-            f"catalog: embedded chDB; seed {args.seed}")
+    return (f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, load average {_load()}, "
+            f"Python {platform.python_version()}, torch {torch.__version__}; tiny Llama (3 layers, hidden 32, "
+            f"random weights, float32); hooks {HOOKS}; batch 3, {NEW_TOKENS} new tokens, {args.rounds} runs per "
+            f"child; max_records {MAX_RECORDS}; seed {args.seed}")
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def summarize(backend: str, calibration: Calibration, results: list[TrialResult]) -> str:
@@ -428,27 +472,48 @@ def summarize(backend: str, calibration: Calibration, results: list[TrialResult]
     return "\n".join(lines)
 
 
+BACKEND_CATALOGS = {"local": "chdb", "s3": "server"}
+"""Each backend's catalog unless ``--catalog`` says otherwise: the two deployments DMI has."""
+
+
 def _backends(args: argparse.Namespace, stack: ExitStack) -> list[Backend]:
     names = ["local", "s3"] if args.backend == "both" else [args.backend]
-    backends = []
+    backends, server = [], None
     for name in names:
-        if name == "local":
-            backends.append(Backend("local disk + chDB"))
+        storage, s3_uri = ("local disk", None) if name == "local" else _s3_storage(args, stack)
+        if (args.catalog or BACKEND_CATALOGS[name]) == "chdb":
+            backends.append(Backend(f"{storage} + chDB", s3_uri))
             continue
-        endpoint = args.s3_endpoint
-        if endpoint is None:
-            from tests._s3 import CREDENTIALS, MotoServer
-
-            os.environ.update(CREDENTIALS)
-            moto = stack.enter_context(MotoServer())
-            bucket = moto.new_bucket()
-            endpoint = moto.url
-            label = "S3 (moto) + chDB"
-        else:
-            bucket = args.s3_bucket
-            label = f"S3 ({endpoint}) + chDB"
-        backends.append(Backend(label, f"s3://{bucket}?endpoint_override={endpoint}"))
+        server = server or _start_server(stack)
+        backends.append(Backend(f"{storage} + {server[0]}", s3_uri, server[1]))
     return backends
+
+
+def _s3_storage(args: argparse.Namespace, stack: ExitStack) -> tuple[str, str]:
+    """(label, ``s3://bucket?endpoint_override=...``): moto's server, or the endpoint given."""
+    if args.s3_endpoint is not None:
+        return f"S3 ({args.s3_endpoint})", f"s3://{args.s3_bucket}?endpoint_override={args.s3_endpoint}"
+    from tests._s3 import CREDENTIALS, MotoServer
+
+    os.environ.update(CREDENTIALS)
+    moto = stack.enter_context(MotoServer())
+    return "S3 (moto)", f"s3://{moto.new_bucket()}?endpoint_override={moto.url}"
+
+
+def _start_server(stack: ExitStack) -> tuple[str, str]:
+    """(label, ``clickhouse://user:password@host:port``): one server for the whole run, found or
+    started by the live tests' chain and stopped when the run ends."""
+    from clickhouse_driver import Client
+
+    from tests._clickhouse import choose_live_server, start_live_server
+
+    server = stack.enter_context(start_live_server(choose_live_server()))
+    client = Client(server.host, port=server.port, user=server.user, password=server.password)
+    try:
+        version = client.execute("SELECT version()")[0][0]
+    finally:
+        client.disconnect()
+    return f"ClickHouse server {version} ({server.how})", server.uri("default").rpartition("/")[0]
 
 
 def parent_main(args: argparse.Namespace) -> int:
@@ -461,12 +526,17 @@ def parent_main(args: argparse.Namespace) -> int:
                                               rounds=args.rounds, recover=not args.no_recover)
             print(summarize(backend.name, calibration, results), flush=True)
             failed = failed or not all(r.clean for r in results)
+    print(f"load average after: {_load()}")
     print("RESULT:", "FAILED" if failed else "all trials clean (lost, torn, double-visible, mismatched, verify all 0)")
     return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="By default: local disk + embedded chDB, then S3 (moto) + a ClickHouse server (the live tests' "
+               "chain: DMI_CLICKHOUSE_URL, a container, or the local clickhouse-server binary), 200 trials each; "
+               "prints lost / torn / double-visible / mismatched / verify counts (all must be 0; exit 1 otherwise).")
     sub = parser.add_subparsers(dest="mode")
     child = sub.add_parser("child", help="(internal) the capturing process")
     child.add_argument("--packs", required=True)
@@ -474,10 +544,14 @@ def main(argv: list[str] | None = None) -> int:
     child.add_argument("--side", required=True)
     child.add_argument("--rounds", type=int, default=2)
     child.add_argument("--seal-step", choices=LOCAL_SEAL_STEPS, default="_rename")
-    parser.add_argument("--trials", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trials", type=int, default=200, help="kills per backend (default 200)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the phase order and kill points")
     parser.add_argument("--rounds", type=int, default=2, help="capture runs (generate calls) per child")
-    parser.add_argument("--backend", choices=("local", "s3", "both"), default="both")
+    parser.add_argument("--backend", choices=("local", "s3", "both"), default="both",
+                        help="pack storage: local disk, S3, or both one after the other (default)")
+    parser.add_argument("--catalog", choices=("chdb", "server"),
+                        help="catalog of every backend run: embedded chDB, or one ClickHouse server for the run "
+                             "(a fresh database per trial); default: chDB for local disk, a server for S3")
     parser.add_argument("--s3-endpoint", help="an S3 endpoint URL to use instead of starting moto")
     parser.add_argument("--s3-bucket", default="dmi-crash-harness", help="existing bucket (with --s3-endpoint)")
     parser.add_argument("--no-recover", action="store_true",

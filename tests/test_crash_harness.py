@@ -1,6 +1,10 @@
 """The crash harness, short: a capturing child killed with SIGKILL once in each named phase, on
-local disk + chDB and on S3 (moto) + chDB; after recovery nothing is lost, torn, visible twice
-or different from what the child appended. ``bench/crash_harness.py`` runs the long version.
+local disk + chDB and on S3 (moto) + a ClickHouse server (the harness's two default backends);
+after recovery nothing is lost, torn, visible twice or different from what the child appended.
+``bench/crash_harness.py`` runs the long version.
+
+The S3 + server tests carry the ``live`` and ``s3`` markers: CI's live passes run them (on the
+local binary and in a container) and, under ``DMI_LIVE_SERVER``, a skip there is a failure.
 
 Deterministic: fixed kill points (the k-th call of each phase in a one-run child, well inside
 what such a run makes), no timing; the random-time kills are the bench's.
@@ -14,7 +18,7 @@ import random
 
 import pytest
 
-from bench.crash_harness import Backend, check_trial, kill_trial
+from bench.crash_harness import Backend, check_trial, drop_trial_catalog, kill_trial
 
 pytestmark = pytest.mark.slow
 
@@ -64,12 +68,50 @@ def test_the_checks_count_what_is_wrong(tmp_path):
     assert cut.torn == 1 and cut.verify_problems >= 1 and cut.mismatched >= 1
 
 
+@pytest.fixture
+def s3_and_server(s3_endpoint, clickhouse_server):
+    """The harness's S3 + server backend: a fresh bucket on the session's moto, a fresh database
+    per trial on the session's live server."""
+    server = clickhouse_server.uri("default").rpartition("/")[0]
+    return Backend("S3 (moto) + server", f"s3://{s3_endpoint.new_bucket()}?endpoint_override={s3_endpoint.url}", server)
+
+
+@pytest.mark.live
 @pytest.mark.s3
-@pytest.mark.parametrize("phase, hit", [k for k in KILLS if k[0] != "copy"])
-def test_s3_and_chdb(s3_endpoint, tmp_path, phase, hit):
-    backend = Backend("S3 (moto) + chDB", f"s3://{s3_endpoint.new_bucket()}?endpoint_override={s3_endpoint.url}")
-    trial, result = kill_and_check(backend, tmp_path, phase, hit)
+@pytest.mark.parametrize("phase, hit", KILLS)
+def test_s3_and_server(s3_and_server, tmp_path, phase, hit):
+    trial = kill_trial(s3_and_server, tmp_path, phase, hit, rng=random.Random(0), rounds=1)
+    try:
+        assert trial.notes == () and trial.killed, trial
+        assert trial.packs.startswith("s3://") and trial.catalog.startswith("clickhouse://")
+        result = check_trial(trial)
+    finally:
+        drop_trial_catalog(trial)
     assert_clean(result)
-    assert trial.packs.startswith("s3://")
-    if phase in ("seal-publish", "publish"):
+    if phase in ("seal-publish", "publish"):  # the child had sealed packs: recovery published them
         assert trial.events.sealed and result.published_records > 0
+
+
+@pytest.mark.live
+def test_each_server_trial_has_its_own_database(clickhouse_server, tmp_path):
+    """Two trials on one server never share a catalog, and a checked trial's database is dropped."""
+    from clickhouse_driver import Client
+
+    backend = Backend("local disk + server", server_uri=clickhouse_server.uri("default").rpartition("/")[0])
+    first, second = (kill_trial(backend, tmp_path, "publish", 1, rng=random.Random(0), rounds=1) for _ in range(2))
+    assert first.catalog != second.catalog
+    client = Client(clickhouse_server.host, port=clickhouse_server.port, user=clickhouse_server.user,
+                    password=clickhouse_server.password)
+    databases = {first.catalog.rpartition("/")[2], second.catalog.rpartition("/")[2]}
+
+    def present() -> set[str]:
+        return databases & {row[0] for row in client.execute("SHOW DATABASES")}
+
+    try:
+        assert present() == databases
+        for trial in (first, second):
+            assert_clean(check_trial(trial))
+            drop_trial_catalog(trial)
+        assert present() == set()
+    finally:
+        client.disconnect()
