@@ -13,6 +13,9 @@ shared machine hits all of them alike:
 * ``dmi all_but_patterns raw`` the same with the pack writer's codec ``raw`` and per-record
                           statistics off — not a default, only to measure what compression
                           and statistics cost
+* ``dmi all_but_patterns numpy loops`` the same capture with storage's numpy byte loops
+                          instead of ``native/``'s C ones (what ``DMI_NATIVE=0`` selects):
+                          what the C extension gains end to end
 * ``naive resid_post``    forward hooks that copy each output to the CPU (``.clone()``),
                           then one ``torch.save`` + fsync of everything
 * ``naive all_but_patterns`` the same on the same module outputs DMI captures
@@ -133,6 +136,19 @@ def run_dmi(hooks, writer_options=None):
     return run
 
 
+def without_native(run):
+    """``run`` with storage's numpy byte loops instead of the C ones of ``native/``."""
+    def wrapped(model, ids, mask, args, ctx):
+        from dmi.storage import _native
+
+        saved, _native.ACTIVE = _native.ACTIVE, False
+        try:
+            return run(model, ids, mask, args, ctx)
+        finally:
+            _native.ACTIVE = saved
+    return wrapped
+
+
 def open_compiled(model, args, ctx, stack) -> None:
     """Two compiled copies of ``model`` (same weights): one plain, one attached for the run."""
     import copy
@@ -222,6 +238,7 @@ CONFIGS = {
     "dmi all_but_patterns": run_dmi("all_but_patterns"),
     # attribution: the same capture with the writer's compression and statistics off
     "dmi all_but_patterns raw": run_dmi("all_but_patterns", {"codec": "raw", "stats": False}),
+    "dmi all_but_patterns numpy loops": without_native(run_dmi("all_but_patterns")),
     "naive resid_post": run_naive("resid_post"),
     "naive all_but_patterns": run_naive("all_but_patterns"),
     "compiled baseline": run_compiled_baseline,

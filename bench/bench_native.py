@@ -13,7 +13,8 @@ rounds; each figure is its best round, in GB/s of the records' raw bytes:
 * ``decode``            what a read does per record: split-zstd decode
 
 Limits on the same bytes, same run: memcpy into an existing buffer and zstd-1 compress, both on
-one thread. Prints conditions and a markdown table.
+one thread; and, for scale, the capture hook's gather of a step's rows into a ring slot
+(``torch.index_select(out=)``, every row: the one copy the hot path makes, left to torch). Prints conditions and a markdown table.
 
     python bench/bench_native.py
     python bench/bench_native.py --dtypes bf16 --layers 4      # seconds
@@ -76,17 +77,23 @@ def pieces(records: list[torch.Tensor]) -> dict:
 def limits(records: list[torch.Tensor]) -> dict:
     raws = [t.contiguous().view(torch.uint8).numpy().reshape(-1) for t in records]
     outs = [np.empty_like(raw) for raw in raws]
+    slots = [torch.empty_like(t) for t in records]
+    rows = torch.arange(records[0].shape[0])
     compressor = zstandard.ZstdCompressor(level=1)
 
     def memcpy():
         for raw, out in zip(raws, outs):
             np.copyto(out, raw)
 
+    def gather():  # the capture hook's copy of a step's planned rows into its ring slot
+        for t, slot in zip(records, slots):
+            torch.index_select(t, 0, rows, out=slot)
+
     def zstd1():
         for raw in raws:
             compressor.compress(raw)
 
-    return {"memcpy": memcpy, "zstd-1 compress": zstd1}
+    return {"memcpy": memcpy, "hook gather (index_select out=)": gather, "zstd-1 compress": zstd1}
 
 
 def timed(fn) -> float:
