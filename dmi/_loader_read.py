@@ -19,7 +19,7 @@ import torch
 
 from dmi._loader_plan import Plan, Slice, slice_rows
 from dmi.reader import FooterCache, read_record, read_records
-from dmi.storage import PackStore
+from dmi.storage import PackStore, gather_rows, torch_dtype
 from dmi.storage.errors import PackError
 from dmi.storage.records import RecordEntry
 
@@ -70,11 +70,11 @@ class WindowReader:
         damaged_units = {s.unit for s in slices if bad and any(e in bad for g in self.plan.units[s.unit].records for e in g)}
         kept = [s for s in slices if s.unit not in damaged_units]
         skipped = sum(s.hi - s.lo for s in slices) - sum(s.hi - s.lo for s in kept)
-        x = self._rows(kept, tensors)
         units, rows = slice_rows(kept)
-        if permutation is not None and len(units):
-            order = permutation(len(units))
-            x, units, rows = x[torch.from_numpy(order)], units[order], rows[order]
+        order = permutation(len(units)) if permutation is not None and len(units) else None
+        x = self._rows(kept, tensors, order)
+        if order is not None:
+            units, rows = units[order], rows[order]
         return Window(x, units, rows, tuple(sorted(bad.values())), skipped)
 
     def _read_records(self, entries: list[RecordEntry]) -> tuple[dict[RecordEntry, torch.Tensor], dict[RecordEntry, str]]:
@@ -104,23 +104,38 @@ class WindowReader:
                 failed[e] = f"{e.pack_id}: {exc}"
         return got, failed
 
-    def _rows(self, slices: list[Slice], tensors: dict[RecordEntry, torch.Tensor]) -> torch.Tensor:
+    def _rows(self, slices: list[Slice], tensors: dict[RecordEntry, torch.Tensor],
+              order: np.ndarray | None) -> torch.Tensor:
+        """The rows of ``slices`` (in ``order`` when given), each feature gathered in one pass."""
         per_feature = []
         for f, feature in enumerate(self.plan.features):
-            parts = []
-            for s in slices:
-                records = self.plan.units[s.unit].records[f]
-                flat = [tensors[e].reshape(e.meta.key.n_tokens, feature.width) for e in records]
-                parts.append((flat[0] if len(flat) == 1 else torch.cat(flat))[s.lo : s.hi])
-            per_feature.append(self._convert(f, torch.cat(parts) if parts else self._empty(feature.width, f)))
+            sources, picks = self._picks(f, feature.width, slices, tensors)
+            if order is not None:
+                picks = picks[order]
+            out = torch.empty(len(picks), feature.width, dtype=torch_dtype(feature.dtype))
+            gather_rows(sources, picks, out)
+            per_feature.append(self._convert(f, out))
         if len(per_feature) == 1:
             return per_feature[0]
         return torch.stack(per_feature, dim=1) if self.fmt.layout == "stack" else torch.cat(per_feature, dim=1)
 
-    def _empty(self, width: int, f: int) -> torch.Tensor:
-        from dmi.storage import torch_dtype
-
-        return torch.empty(0, width, dtype=torch_dtype(self.plan.features[f].dtype))
+    def _picks(self, f: int, width: int, slices: list[Slice],
+               tensors: dict[RecordEntry, torch.Tensor]) -> tuple[list[torch.Tensor], np.ndarray]:
+        """Feature ``f``'s record tensors as ``[tokens, width]`` sources, and the (source, row)
+        of every row of ``slices`` in stream order."""
+        sources: list[torch.Tensor] = []
+        picks = [np.zeros((0, 2), dtype=np.int64)]
+        for s in slices:
+            start = 0  # the record's first row, counted from the unit's start
+            for e in self.plan.units[s.unit].records[f]:
+                n = e.meta.key.n_tokens
+                lo, hi = max(s.lo, start), min(s.hi, start + n)
+                if lo < hi:
+                    rows = np.arange(lo - start, hi - start, dtype=np.int64)
+                    picks.append(np.stack([np.full_like(rows, len(sources)), rows], axis=1))
+                sources.append(tensors[e].reshape(n, width))
+                start += n
+        return sources, np.concatenate(picks)
 
     def _convert(self, f: int, rows: torch.Tensor) -> torch.Tensor:
         dtype = self.fmt.dtype or rows.dtype

@@ -6,8 +6,10 @@
  *   split_planes(src, width, out)   out[p * n + i] = src[i * width + p]   (byte planes)
  *   join_planes(planes, out)        the inverse: out[i * width + p] = planes[p][i]
  *   widen_bf16(src, out)            float32 bits = bf16 bits << 16         (exact, for statistics)
+ *   gather_rows(sources, picks, out) out row i = row picks[i][1] of sources[picks[i][0]]
+ *                                   (the training loader's shuffled windows, one pass)
  *
- * The results are byte-identical to the numpy code in storage/_codecs.py and storage/_writer.py
+ * The results are byte-identical to the numpy and torch code in storage/_native.py
  * (tests/test_native.py compares them); storage/_native.py falls back to that code when this
  * module was not built (no compiler at install) or DMI_NATIVE=0.
  */
@@ -177,10 +179,92 @@ static PyObject *widen_bf16(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* Rows are copied whole (memcpy); a pick outside its source stops the copy and is reported. */
+static Py_ssize_t gather_loop(const uint8_t **src, const Py_ssize_t *src_rows, Py_ssize_t n_src, const int64_t *picks,
+                              Py_ssize_t n, uint8_t *out, Py_ssize_t row_bytes) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t s = picks[2 * i], r = picks[2 * i + 1];
+        if (s < 0 || s >= n_src || r < 0 || r >= src_rows[s])
+            return i;
+        memcpy(out + i * row_bytes, src[s] + r * row_bytes, (size_t)row_bytes);
+    }
+    return -1;
+}
+
+static PyObject *gather_rows(PyObject *self, PyObject *args) {
+    PyObject *seq_obj, *picks_obj, *out_obj;
+    Py_ssize_t row_bytes;
+    if (!PyArg_ParseTuple(args, "OOnO:gather_rows", &seq_obj, &picks_obj, &row_bytes, &out_obj))
+        return NULL;
+    if (row_bytes <= 0)
+        return PyErr_Format(PyExc_ValueError, "row_bytes must be positive, got %zd", row_bytes);
+    PyObject *seq = PySequence_Fast(seq_obj, "sources must be a sequence of buffers");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n_src = PySequence_Fast_GET_SIZE(seq), held = 0, bad = -1;
+    Py_buffer *views = PyMem_Calloc(n_src ? n_src : 1, sizeof(Py_buffer));
+    const uint8_t **bufs = PyMem_Calloc(n_src ? n_src : 1, sizeof(uint8_t *));
+    Py_ssize_t *rows = PyMem_Calloc(n_src ? n_src : 1, sizeof(Py_ssize_t));
+    Py_buffer picks = {0}, out = {0};
+    int have_picks = 0, have_out = 0;
+    PyObject *result = NULL;
+    if (views == NULL || bufs == NULL || rows == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < n_src; held++) {
+        if (get_read(PySequence_Fast_GET_ITEM(seq, held), &views[held], "each source") < 0)
+            goto done;
+        if (views[held].len % row_bytes) {
+            PyErr_Format(PyExc_ValueError, "source %zd holds %zd bytes, not whole rows of %zd", held, views[held].len,
+                         row_bytes);
+            held++;
+            goto done;
+        }
+        bufs[held] = (const uint8_t *)views[held].buf;
+        rows[held] = views[held].len / row_bytes;
+    }
+    if (get_read(picks_obj, &picks, "picks") < 0)
+        goto done;
+    have_picks = 1;
+    if (get_write(out_obj, &out, "out") < 0)
+        goto done;
+    have_out = 1;
+    Py_ssize_t n = picks.len / (Py_ssize_t)(2 * sizeof(int64_t));
+    if (picks.len % (Py_ssize_t)(2 * sizeof(int64_t)) || out.len != n * row_bytes) {
+        PyErr_Format(PyExc_ValueError, "picks (%zd bytes) must be int64 (source, row) pairs, one per row of out "
+                     "(%zd bytes of %zd-byte rows)", picks.len, out.len, row_bytes);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    bad = gather_loop(bufs, rows, n_src, (const int64_t *)picks.buf, n, (uint8_t *)out.buf, row_bytes);
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        const int64_t *p = (const int64_t *)picks.buf + 2 * bad;
+        PyErr_Format(PyExc_IndexError, "pick %zd asks for row %lld of source %lld, which does not exist", bad,
+                     (long long)p[1], (long long)p[0]);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t i = 0; i < held; i++)
+        PyBuffer_Release(&views[i]);
+    if (have_picks)
+        PyBuffer_Release(&picks);
+    if (have_out)
+        PyBuffer_Release(&out);
+    PyMem_Free(views);
+    PyMem_Free(bufs);
+    PyMem_Free(rows);
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"split_planes", split_planes, METH_VARARGS, "split_planes(src, width, out): byte planes of src into out."},
     {"join_planes", join_planes, METH_VARARGS, "join_planes(planes, out): interleave byte planes into out."},
     {"widen_bf16", widen_bf16, METH_VARARGS, "widen_bf16(src, out): bf16 bits into float32 bits (exact)."},
+    {"gather_rows", gather_rows, METH_VARARGS, "gather_rows(sources, picks, row_bytes, out): rows picked from sources."},
     {NULL, NULL, 0, NULL},
 };
 

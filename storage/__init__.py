@@ -19,6 +19,7 @@ _LAZY = {
     "CodecError": "_codecs",
     "checksum": "_codecs",
     "decode": "_codecs",
+    "gather_rows": "_native",
     "FORMAT_NAME": "_pack_format",
     "FORMAT_VERSION": "_pack_format",
     "dtype_name": "_pack_format",

@@ -9,6 +9,7 @@ against the other. What each loop is for and what it saved: ``docs/pack-format.m
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -17,7 +18,7 @@ try:
 except ImportError:  # built without a compiler: the numpy loops below serve
     _native_ext = None
 
-__all__ = ["ACTIVE", "BUILT", "split_planes", "join_planes", "widen_bf16"]
+__all__ = ["ACTIVE", "BUILT", "split_planes", "join_planes", "widen_bf16", "gather_rows"]
 
 BUILT = _native_ext is not None
 """Whether the C extension was built for this install."""
@@ -68,3 +69,45 @@ def widen_bf16(bits: np.ndarray) -> np.ndarray:
     halves = np.zeros((bits.size, 2), dtype=np.uint16)
     halves[:, 1] = bits.reshape(-1)
     return halves.view(np.float32).reshape(-1)
+
+
+def gather_rows(sources: Sequence, picks: np.ndarray, out) -> None:
+    """``out[i] = sources[picks[i, 0]][picks[i, 1]]`` for 2-D contiguous torch tensors of one dtype
+    and width: the training loader's shuffled window in one copy per row.
+
+    ``picks`` is an int64 array of (source, row) pairs; a pair outside its source raises
+    ``IndexError`` naming it (never a row of a neighbouring source).
+    """
+    import torch
+
+    picks = np.ascontiguousarray(picks, dtype=np.int64).reshape(-1, 2)
+    if out.dim() != 2 or out.shape[0] != len(picks):
+        raise ValueError(f"out must be [{len(picks)}, width], one row per pick; got {list(out.shape)}")
+    for i, t in enumerate(sources):
+        if t.dim() != 2 or t.shape[1] != out.shape[1] or t.dtype != out.dtype:
+            raise ValueError(f"source {i} is {t.dtype} {list(t.shape)}; out's rows are {out.dtype} [*, {out.shape[1]}]")
+    if not len(picks):
+        return
+    if ACTIVE:
+        row_bytes = out.shape[1] * out.element_size()
+        _native_ext.gather_rows([_bytes_of(t) for t in sources], picks, row_bytes, _bytes_of(out))
+        return
+    rows = np.array([t.shape[0] for t in sources], dtype=np.int64)
+    src, row = picks[:, 0], picks[:, 1]
+    outside = (src < 0) | (src >= len(sources))
+    outside[~outside] = (row[~outside] < 0) | (row[~outside] >= rows[src[~outside]])
+    if outside.any():
+        bad = int(np.flatnonzero(outside)[0])
+        raise IndexError(f"pick {bad} asks for row {row[bad]} of source {src[bad]}, which does not exist")
+    starts = np.concatenate(([0], np.cumsum(rows)[:-1])).astype(np.int64)
+    flat = torch.cat(list(sources)) if len(sources) != 1 else sources[0]
+    torch.index_select(flat, 0, torch.from_numpy(starts[src] + row), out=out)
+
+
+def _bytes_of(tensor) -> np.ndarray:
+    """A contiguous tensor's bytes as a numpy uint8 array (shared, not copied)."""
+    import torch
+
+    if not tensor.is_contiguous():
+        raise ValueError("gather_rows needs contiguous tensors")
+    return tensor.reshape(-1).view(torch.uint8).numpy()

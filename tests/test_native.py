@@ -126,3 +126,48 @@ def test_dmi_native_0_turns_it_off_for_a_process(setting, active):
     env = {**os.environ, "DMI_NATIVE": setting}
     shown = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert shown.strip() == str(active)
+
+
+def _sources(dtype=torch.bfloat16, width=48):
+    g = torch.Generator().manual_seed(11)
+    return [torch.randn(n, width, generator=g).to(dtype) for n in (5, 1, 17, 9)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
+def test_gather_rows_is_identical_to_indexing_and_to_numpy(monkeypatch, dtype):
+    sources = _sources(dtype)
+    rng = np.random.default_rng(2)
+    src = rng.integers(0, len(sources), 300)
+    picks = np.stack([src, [rng.integers(0, sources[s].shape[0]) for s in src]], axis=1)
+
+    def gather():
+        out = torch.empty(len(picks), 48, dtype=dtype)
+        _native.gather_rows(sources, picks, out)
+        return out
+
+    native, reference = _both(monkeypatch, gather)
+    expected = torch.stack([sources[s][r] for s, r in picks])
+    assert torch.equal(native.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(reference.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("active", [True, False])
+@pytest.mark.parametrize("pick", [(0, 5), (1, 1), (4, 0), (-1, 0), (2, -1)])
+def test_gather_rows_refuses_a_row_its_source_does_not_have(monkeypatch, active, pick):
+    """Row 5 of a 5-row source is not row 0 of the next one: refused on both paths."""
+    monkeypatch.setattr(_native, "ACTIVE", active)
+    out = torch.empty(2, 48, dtype=torch.bfloat16)
+    with pytest.raises(IndexError, match=f"pick 1 asks for row {pick[1]} of source {pick[0]}"):
+        _native.gather_rows(_sources(), np.array([(0, 0), pick]), out)
+
+
+@pytest.mark.parametrize("active", [True, False])
+def test_gather_rows_refuses_sources_of_another_width_or_dtype(monkeypatch, active):
+    monkeypatch.setattr(_native, "ACTIVE", active)
+    out = torch.empty(1, 24, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"source 0 is torch.bfloat16 \[5, 48\]"):
+        _native.gather_rows(_sources(), np.array([(0, 0)]), out)
+    with pytest.raises(ValueError, match="source 0 is torch.float32"):
+        _native.gather_rows(_sources(torch.float32), np.array([(0, 0)]), torch.empty(1, 48, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="one row per pick"):
+        _native.gather_rows(_sources(), np.array([(0, 0), (0, 1)]), torch.empty(1, 48, dtype=torch.bfloat16))
