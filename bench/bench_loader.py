@@ -7,6 +7,8 @@ the run, to a loop that touches each batch (a sum, so nothing is lazily skipped)
 
 * ``dmi shuffled``: ``store.loader(...)`` over raw-codec packs — global unit permutation plus
   a ``--shuffle-buffer``-row window shuffle, ``--workers`` DataLoader workers
+* ``dmi shuffled, in-process``: the same loader with ``num_workers=0``: its own read threads
+  only, no worker processes (and so no batch sent between processes)
 * ``dmi sequential``: the same loader with ``shuffle=False``
 * ``datasets + mixing buffer`` (SAELens-style): a Hugging Face ``datasets`` folder (Arrow,
   memory-mapped) read in order, ``--mixing-buffer`` rows at a time, each chunk shuffled into
@@ -120,9 +122,10 @@ def write_safetensors(root: str, args, dtype: torch.dtype) -> None:
 # ------------------------------------------------------------------------------ methods
 
 
-def dmi_batches(store: dmi.Store, args, dtype: torch.dtype, shuffle: bool):
+def dmi_batches(store: dmi.Store, args, dtype: torch.dtype, shuffle: bool, workers: int | None = None):
     loader = store.loader("bench", hooks="resid_post", layers=[0], batch_size=args.batch, dtype=dtype,
-                          shuffle=shuffle, shuffle_buffer=args.shuffle_buffer, num_workers=args.workers,
+                          shuffle=shuffle, shuffle_buffer=args.shuffle_buffer,
+                          num_workers=args.workers if workers is None else workers,
                           with_tokens=False, read_threads=args.read_threads)
     return loader, iter(loader)
 
@@ -264,12 +267,15 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
     ideal = ideal_distinct(sizes, total_rows, args.batch)
     methods = {
         "dmi shuffled": (dmi_home, lambda: dmi_batches(store, args, dtype, True)[1]),
+        "dmi shuffled, in-process": (dmi_home, lambda: dmi_batches(store, args, dtype, True, workers=0)[1]),
         "dmi sequential": (dmi_home, lambda: dmi_batches(store, args, dtype, False)[1]),
         "datasets + mixing buffer": (ds_root, lambda: mixing_buffer_batches(ds_root, args, dtype, None)),
         "safetensors chunks": (st_root, lambda: chunk_batches(st_root, args, dtype)),
     }
     quality = {
         "dmi shuffled": dmi_batches(store, args, dtype, True)[0].shuffle_quality(args.quality_batches).requests_per_batch,
+        "dmi shuffled, in-process": dmi_batches(store, args, dtype, True, workers=0)[0]
+        .shuffle_quality(args.quality_batches).requests_per_batch,
         "dmi sequential": dmi_batches(store, args, dtype, False)[0].shuffle_quality(args.quality_batches).requests_per_batch,
     }
     owners: list = []
