@@ -128,7 +128,7 @@ def child_main(args: argparse.Namespace) -> None:
     for i, run_id in enumerate(args.runs.split(",")):
         ids, mask = left_padded_batch(seed=args.seed * 1000 + i)
         with attach(model, hooks=HOOKS, store=store, catalog=catalog, model_id=args.model_id, run_id=run_id,
-                    writer_options={"max_records": args.max_records}, decode_chunk_steps=1) as cap:
+                    writer_options={"max_records": args.max_records}, decode_chunk_steps=args.chunk_steps) as cap:
             result = cap.generate(ids, attention_mask=mask, max_new_tokens=args.tokens, do_sample=False)
         side.write(requests={"run_id": run_id, "request_ids": list(result.request_ids)})
     catalog.close()
@@ -205,16 +205,17 @@ class Outcome:
     events: WriterEvents
 
 
-def _command(writer: Writer, side: Path, go: Path, *, tokens: int, max_records: int, digest: bool) -> list[str]:
+def _command(writer: Writer, side: Path, go: Path, *, tokens: int, max_records: int, chunk_steps: int,
+             digest: bool) -> list[str]:
     command = [sys.executable, "-m", "tests._writers", "child", "--packs", writer.packs, "--catalog", writer.catalog,
                "--model-id", writer.model_id, "--runs", ",".join(writer.run_ids), "--side", str(side),
                "--go", str(go), "--tokens", str(tokens), "--max-records", str(max_records),
-               "--seed", str(writer.seed)]
+               "--chunk-steps", str(chunk_steps), "--seed", str(writer.seed)]
     return command if digest else [*command, "--no-digest"]
 
 
 def run_writers(writers: list[Writer], workdir: Path, *, tokens: int = 3, max_records: int = 5,
-                digest: bool = True, timeout: float = 600.0) -> list[Outcome]:
+                chunk_steps: int = 1, digest: bool = True, timeout: float = 600.0) -> list[Outcome]:
     """Start every writer as its own process, let them capture at once (the go file), and wait
     for all of them. Raises ``RuntimeError`` if one dies before it is ready or the wait runs out."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -225,7 +226,7 @@ def run_writers(writers: list[Writer], workdir: Path, *, tokens: int = 3, max_re
     try:
         for writer, side, log in zip(writers, sides, logs):
             procs.append(subprocess.Popen(_command(writer, side, go, tokens=tokens, max_records=max_records,
-                                                   digest=digest),
+                                                   chunk_steps=chunk_steps, digest=digest),
                                           cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
         _wait_until_ready(procs, sides, workdir, timeout)
         go.touch()
@@ -371,6 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--go", required=True)
     parser.add_argument("--tokens", type=int, default=3)
     parser.add_argument("--max-records", type=int, default=5)
+    parser.add_argument("--chunk-steps", type=int, default=1, help="decode steps per published chunk")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--no-digest", action="store_true")
     child_main(parser.parse_args(argv))

@@ -35,9 +35,9 @@ RUNS_PER_WRITER = 2
 TOKENS = 3
 MAX_RECORDS = 5
 RECORDS_PER_RUN = 90
-"""3 prompts x (prompt + 3 new tokens in 3 decode chunks... ) x 4 hooks: the tiny Llama's 3 layers
-for ``resid_post``/``attn_q``/``mlp_out`` and one ``token_ids`` record, per request and chunk
-(the count a clean run of this shape makes, as ``bench/crash_harness.py`` also finds)."""
+"""3 prompts x 3 captured steps (the prefill and 2 decode steps: the 3rd new token is sampled,
+not run) x 10 records (``resid_post``, ``attn_q``, ``mlp_out`` on the 3 layers, and
+``token_ids``), each step its own chunk (``decode_chunk_steps=1``)."""
 
 
 @pytest.fixture(scope="module")
