@@ -12,7 +12,9 @@ byte as appended, every run complete (its requests listed, its records counted, 
 published under one of its watermarks), no pack in the bucket left unpublished, and
 ``verify`` clean.
 
-Marked ``cluster`` and ``s3``; under a forced ``DMI_LIVE_SERVER`` (CI) they may not skip.
+Those cases are marked ``cluster`` and ``s3``; under a forced ``DMI_LIVE_SERVER`` (CI) they may
+not skip. The last case (embedded chDB, local disk) is a known gap: a retried writer that reuses
+a published run id.
 """
 
 from __future__ import annotations
@@ -21,15 +23,16 @@ import dataclasses
 import uuid
 
 import pytest
-import torch
 
 import dmi
+from dmi.capture import attach
 from dmi.reader import read_records
 from dmi.storage import PackWriter
 from tests._cluster import CLUSTER_NAME, ClusterUnavailable, LocalCluster
+from tests._models import left_padded_batch, tiny
 from tests._writers import Writer, check_writers, run_writers
 
-pytestmark = [pytest.mark.cluster, pytest.mark.s3, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 RUNS_PER_WRITER = 2
 TOKENS = 3
@@ -79,6 +82,8 @@ def _drop_database(node, database: str) -> None:
         client.disconnect()
 
 
+@pytest.mark.cluster
+@pytest.mark.s3
 def test_writers_ran_at_once_and_exited_cleanly(writers_done):
     outcomes, _, _ = writers_done
     for outcome in outcomes:
@@ -92,6 +97,8 @@ def test_writers_ran_at_once_and_exited_cleanly(writers_done):
     assert max(o.events.go_at for o in outcomes) < min(o.events.done_at for o in outcomes)
 
 
+@pytest.mark.cluster
+@pytest.mark.s3
 @pytest.mark.parametrize("replica", [0, 1], ids=["through-replica-1", "through-replica-2"])
 def test_nothing_lost_nothing_twice_every_run_complete(writers_done, replica):
     outcomes, entry, packs = writers_done
@@ -112,6 +119,8 @@ def test_nothing_lost_nothing_twice_every_run_complete(writers_done, replica):
         assert tensor.shape[0] == 3  # the tiny Llama's three layers, read bit-exact by check_writers
 
 
+@pytest.mark.cluster
+@pytest.mark.s3
 def test_a_record_published_twice_is_counted(writers_done):
     """The duplicate guard is real: publish one already-visible record again, in a pack of its
     own under another scope (what a writer retrying with a fresh pack id would do), and the
@@ -134,3 +143,24 @@ def test_a_record_published_twice_is_counted(writers_done):
         assert (check.double_visible, check.lost, check.mismatched, check.unexpected) == (1, 0, 0, 0)
         assert check.published == 3 * RUNS_PER_WRITER * RECORDS_PER_RUN + 1
         assert not check.clean
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: a capture under a model id and run id that are already published "
+                   "is not refused, and its default request ids start again at <run_id>-000000, so every record "
+                   "of the retried run is visible twice")
+def test_a_writer_retried_under_its_published_run_id_publishes_nothing_twice(tmp_path):
+    """A capture node retried with the run id it had (a job restarted with a fixed run id).
+    Either refusing the retry (a named error) or giving it fresh request ids keeps every key
+    visible once; today neither happens (two attaches: 36 rows, 18 distinct keys)."""
+    model = tiny("llama")
+    ids, mask = left_padded_batch(seed=1)
+    with dmi.open(catalog=f"chdb://{tmp_path / 'catalog'}", packs=str(tmp_path / "packs")) as store:
+        for _ in range(2):
+            try:
+                with attach(model, hooks="resid_post", store=store.packs, catalog=store.catalog, model_id="m",
+                            run_id="retried") as cap:
+                    cap.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+            except dmi.DMIError:
+                pass  # the retry refused: one of the two acceptable outcomes
+        keys = [dataclasses.astuple(e.meta.key) for e in store.catalog.find_records("m")]
+    assert len(keys) == len(set(keys)) and len(keys) in (18, 36)
