@@ -29,7 +29,6 @@ import collections
 import dataclasses
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -291,8 +290,8 @@ class WritersCheck:
 def check_writers(store, outcomes: list[Outcome]) -> WritersCheck:
     """Count, through ``store`` (a ``dmi.Store``), what the writers' side files say must be there."""
     expected = {key: (sha, dtype, shape) for o in outcomes for key, sha, dtype, shape in o.events.appended}
-    models = sorted({o.writer.model_id for o in outcomes})
-    entries = [e for m in models if m in store.catalog.models() for e in store.catalog.find_records(m)]
+    models = sorted({o.writer.model_id for o in outcomes} & set(store.catalog.models()))
+    entries = [e for m in models for e in store.catalog.find_records(m)]
     keys = [dataclasses.astuple(e.meta.key) for e in entries]
     double = sum(n - 1 for n in collections.Counter(keys).values())
     mismatched, unreadable, notes = _compare(store.packs, entries, expected)
@@ -379,5 +378,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()
