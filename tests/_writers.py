@@ -3,8 +3,8 @@
 Used by ``tests/test_many_writers.py`` (the checks) and ``bench/bench_many_writers.py`` (the
 timings). Each writer is a child process (``python -m tests._writers child ...``) that captures
 a tiny Llama (``tests/_models.py``, random weights) through the real capture path — hooks,
-ring, drain, pack writer, publisher lease — for one or more runs of one model id, into the
-pack store and catalog URIs it is given. It writes a side file (JSON lines) of what it did:
+ring, drain, pack writer, publisher lease — for one or more runs of one model id (optionally as
+one tensor-parallel rank of them), into the pack store and catalog URIs it is given. It writes a side file (JSON lines) of what it did:
 
 * ``record``: the key of each record it appends, with the SHA-256 of the tensor's bytes,
   its dtype, shape and byte count (the digest is skipped with ``--no-digest``, for timing);
@@ -124,10 +124,12 @@ def child_main(args: argparse.Namespace) -> None:
     side.write(ready=time.time())
     _wait_for(Path(args.go), GO_TIMEOUT)
     side.write(go=time.time())
+    ranks = {} if args.tp_size is None else {"tp_rank": args.tp_rank, "tp_size": args.tp_size, "tp_replicas": "all"}
     for i, run_id in enumerate(args.runs.split(",")):
         ids, mask = left_padded_batch(seed=args.seed * 1000 + i)
-        with attach(model, hooks=HOOKS, store=store, catalog=catalog, model_id=args.model_id, run_id=run_id,
-                    writer_options={"max_records": args.max_records}, decode_chunk_steps=args.chunk_steps) as cap:
+        with attach(model, hooks=args.hooks, store=store, catalog=catalog, model_id=args.model_id, run_id=run_id,
+                    writer_options={"max_records": args.max_records}, decode_chunk_steps=args.chunk_steps,
+                    **ranks) as cap:
             result = cap.generate(ids, attention_mask=mask, max_new_tokens=args.tokens, do_sample=False)
         side.write(requests={"run_id": run_id, "request_ids": list(result.request_ids)})
     catalog.close()
@@ -148,6 +150,13 @@ class Writer:
     catalog: str
     packs: str
     seed: int = 1
+    tp: tuple[int, int] | None = None  # (rank, size): one tensor-parallel rank of its runs
+    hooks: str = HOOKS  # a TP rank of an unsharded model: replicated hooks only (resid_post, token_ids)
+
+    def scope(self, run_id: str) -> str:
+        """The publishing scope capture gives this writer's run (``default_publish_scope``)."""
+        scope = f"capture/{self.model_id}/{run_id}"
+        return f"{scope}/tp{self.tp[0]}" if self.tp is not None and self.tp[1] > 1 else scope
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,9 +216,11 @@ class Outcome:
 def _command(writer: Writer, side: Path, go: Path, *, tokens: int, max_records: int, chunk_steps: int,
              digest: bool) -> list[str]:
     command = [sys.executable, "-m", "tests._writers", "child", "--packs", writer.packs, "--catalog", writer.catalog,
-               "--model-id", writer.model_id, "--runs", ",".join(writer.run_ids), "--side", str(side),
+               "--model-id", writer.model_id, "--hooks", writer.hooks, "--runs", ",".join(writer.run_ids), "--side", str(side),
                "--go", str(go), "--tokens", str(tokens), "--max-records", str(max_records),
                "--chunk-steps", str(chunk_steps), "--seed", str(writer.seed)]
+    if writer.tp is not None:
+        command += ["--tp-rank", str(writer.tp[0]), "--tp-size", str(writer.tp[1])]
     return command if digest else [*command, "--no-digest"]
 
 
@@ -334,30 +345,38 @@ def _compare(packs, entries, expected) -> tuple[int, set[tuple], list[str]]:
 
 def _incomplete_runs(store, outcomes: list[Outcome]) -> tuple[int, list[str]]:
     """Runs whose listing (``store.runs`` / ``store.requests``) or watermarks miss something
-    their writer reported appending, getting back from ``generate`` or publishing."""
-    runs = {(r.model_id, r.run_id): r for r in store.runs()}
-    incomplete, notes = 0, []
+    their writers (one, or every tensor-parallel rank of the run) reported appending, getting
+    back from ``generate`` or publishing."""
+    summaries = {(r.model_id, r.run_id): r for r in store.runs()}
+    by_run = collections.defaultdict(list)
     for outcome in outcomes:
-        model_id = outcome.writer.model_id
         for run_id in outcome.writer.run_ids:
-            appended = sum(1 for key, *_ in outcome.events.appended if key[1] == run_id)
-            summary = runs.get((model_id, run_id))
-            listed = {r.request_id for r in store.requests(model_id, run_id=run_id)} if summary else set()
-            scope = f"capture/{model_id}/{run_id}"
-            sent = {p for pub in outcome.events.publishes if pub.scope == scope for p in pub.pack_ids}
-            marked = {p for w in store.catalog.watermarks(scope) for p in w.pack_ids}
-            problems = []
-            if summary is None or summary.records != appended:
-                problems.append(f"{summary.records if summary else 0} records listed, {appended} appended")
-            if listed != set(outcome.events.requests.get(run_id, ())):
-                problems.append(f"requests listed {sorted(listed)}, generate returned "
-                                f"{list(outcome.events.requests.get(run_id, ()))}")
-            if not sent or sent - marked:
-                problems.append(f"{len(sent - marked)} of {len(sent)} published packs not under a watermark")
-            if problems:
-                incomplete += 1
-                notes.append(f"run {model_id}/{run_id}: " + "; ".join(problems))
+            by_run[(outcome.writer.model_id, run_id)].append(outcome)
+    incomplete, notes = 0, []
+    for (model_id, run_id), writers in sorted(by_run.items(), key=lambda item: item[0]):
+        problems = _run_problems(store, summaries.get((model_id, run_id)), model_id, run_id, writers)
+        if problems:
+            incomplete += 1
+            notes.append(f"run {model_id}/{run_id}: " + "; ".join(problems))
     return incomplete, notes
+
+
+def _run_problems(store, summary, model_id: str, run_id: str, writers: list[Outcome]) -> list[str]:
+    appended = sum(1 for o in writers for key, *_ in o.events.appended if key[1] == run_id)
+    returned = {r for o in writers for r in o.events.requests.get(run_id, ())}
+    listed = {r.request_id for r in store.requests(model_id, run_id=run_id)} if summary else set()
+    problems = []
+    if summary is None or summary.records != appended:
+        problems.append(f"{summary.records if summary else 0} records listed, {appended} appended")
+    if listed != returned:
+        problems.append(f"requests listed {sorted(listed)}, generate returned {sorted(returned)}")
+    for outcome in writers:
+        scope = outcome.writer.scope(run_id)
+        sent = {p for pub in outcome.events.publishes if pub.scope == scope for p in pub.pack_ids}
+        marked = {p for w in store.catalog.watermarks(scope) for p in w.pack_ids}
+        if not sent or sent - marked:
+            problems.append(f"{scope}: {len(sent - marked)} of {len(sent)} published packs not under a watermark")
+    return problems
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -373,6 +392,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-records", type=int, default=5)
     parser.add_argument("--chunk-steps", type=int, default=1, help="decode steps per published chunk")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--hooks", default=HOOKS)
+    parser.add_argument("--tp-rank", type=int)
+    parser.add_argument("--tp-size", type=int)
     parser.add_argument("--no-digest", action="store_true")
     child_main(parser.parse_args(argv))
 

@@ -1,16 +1,17 @@
-"""Many writers: three capture processes publishing at once into one 2-replica ClickHouse cluster
+"""Many writers: four capture processes publishing at once into one 2-replica ClickHouse cluster
 catalog and one S3 bucket (moto), checked through both replicas.
 
 The writers (``tests/_writers.py``): ``w1`` and ``w2`` capture the same model id (different runs,
-different prompts), ``w3`` another model id; ``w1`` and ``w3`` enter the cluster through replica
-1, ``w2`` through replica 2. They start capturing at the same moment (a go file) and each
-publishes a pack every few records (``max_records`` 5, one decode step per chunk), so their
-lease claims, index inserts and watermarks interleave on the cluster and their conditional PUTs
-on the bucket. Each child writes down every record it appends (key + SHA-256 of its bytes) and
-every publish. Afterwards, through each replica: nothing lost, nothing visible twice, every
-byte as appended, every run complete (its requests listed, its records counted, every pack it
-published under one of its watermarks), no pack in the bucket left unpublished, and
-``verify`` clean.
+different prompts), ``w1`` entering the cluster through replica 1 and ``w2`` through replica 2;
+``w3`` and ``w4`` are the two tensor-parallel ranks of the same runs of another model id (one
+lease scope per rank), one through each replica. They start capturing at the same moment (a go
+file) and each publishes a pack every few records (``max_records`` 5, one decode step per
+chunk), so their lease claims, index inserts and watermarks interleave on the cluster and their
+conditional PUTs on the bucket. Each child writes down every record it appends (key + SHA-256 of
+its bytes) and every publish. Afterwards, through each replica: nothing lost, nothing visible
+twice, every byte as appended, every run complete (its requests listed, its records counted,
+every pack each writer published under one of its scope's watermarks), no pack in the bucket
+left unpublished, and ``verify`` clean.
 
 Those cases are marked ``cluster`` and ``s3``; under a forced ``DMI_LIVE_SERVER`` (CI) they may
 not skip. The last case (embedded chDB, local disk) is a known gap: a retried writer that reuses
@@ -37,10 +38,13 @@ pytestmark = pytest.mark.slow
 RUNS_PER_WRITER = 2
 TOKENS = 3
 MAX_RECORDS = 5
-RECORDS_PER_RUN = 90
+TP_HOOKS = "resid_post token_ids"
+RECORDS_PER_RUN = {"w1": 90, "w2": 90, "w3": 36, "w4": 36}
 """3 prompts x 3 captured steps (the prefill and 2 decode steps: the 3rd new token is sampled,
-not run) x 10 records (``resid_post``, ``attn_q``, ``mlp_out`` on the 3 layers, and
-``token_ids``), each step its own chunk (``decode_chunk_steps=1``)."""
+not run), each step its own chunk (``decode_chunk_steps=1``), x 10 records for ``w1``/``w2``
+(``resid_post``, ``attn_q``, ``mlp_out`` on the 3 layers, and ``token_ids``) or x 4 for each
+TP rank (``resid_post`` on the 3 layers and ``token_ids``: the unsharded tiny model has only
+replicated hooks to offer a rank; each rank writes its copy, ``tp_replicas="all"``)."""
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +60,15 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def writers_done(cluster, s3_endpoint, tmp_path_factory):
-    """The three writers, run to the end; yields (outcomes, catalog URI per replica, packs URI)."""
+    """The four writers, run to the end; yields (outcomes, catalog URI per replica, packs URI)."""
     database = f"dmi_writers_{uuid.uuid4().hex[:10]}"
     packs = s3_endpoint.uri(s3_endpoint.new_bucket(), "packs")
     entry = [node.uri(database) for node in cluster.nodes]
     writers = [
         Writer("w1", "mw-llama", ("w1-run0", "w1-run1"), entry[0], packs, seed=1),
         Writer("w2", "mw-llama", ("w2-run0", "w2-run1"), entry[1], packs, seed=2),
-        Writer("w3", "mw-other", ("w3-run0", "w3-run1"), entry[0], packs, seed=3),
+        Writer("w3", "mw-tp", ("tp-run0", "tp-run1"), entry[0], packs, seed=3, tp=(0, 2), hooks=TP_HOOKS),
+        Writer("w4", "mw-tp", ("tp-run0", "tp-run1"), entry[1], packs, seed=3, tp=(1, 2), hooks=TP_HOOKS),
     ]
     outcomes = run_writers(writers, tmp_path_factory.mktemp("writers"), tokens=TOKENS, max_records=MAX_RECORDS,
                            timeout=240.0)
@@ -89,7 +94,7 @@ def test_writers_ran_at_once_and_exited_cleanly(writers_done):
     for outcome in outcomes:
         assert outcome.returncode == 0, outcome.output
         events = outcome.events
-        assert len(events.appended) == RUNS_PER_WRITER * RECORDS_PER_RUN
+        assert len(events.appended) == RUNS_PER_WRITER * RECORDS_PER_RUN[outcome.writer.name]
         assert sorted(events.requests) == sorted(outcome.writer.run_ids)
         assert all(len(ids) == 3 for ids in events.requests.values())
         assert sum(p.records for p in events.publishes) == len(events.appended)
@@ -108,9 +113,12 @@ def test_nothing_lost_nothing_twice_every_run_complete(writers_done, replica):
         assert check.notes == ()
         assert (check.lost, check.double_visible, check.mismatched, check.unexpected, check.incomplete_runs,
                 check.unpublished_packs) == (0, 0, 0, 0, 0, 0)
-        assert check.published == appended == 3 * RUNS_PER_WRITER * RECORDS_PER_RUN
+        assert check.published == appended == RUNS_PER_WRITER * sum(RECORDS_PER_RUN.values())
         assert {(r.model_id, r.run_id) for r in store.runs()} == {
-            (o.writer.model_id, run) for o in outcomes for run in o.writer.run_ids}
+            ("mw-llama", "w1-run0"), ("mw-llama", "w1-run1"), ("mw-llama", "w2-run0"), ("mw-llama", "w2-run1"),
+            ("mw-tp", "tp-run0"), ("mw-tp", "tp-run1")}
+        ranks = {e.meta.key.shard_rank for e in store.catalog.find_records("mw-tp", run_id="tp-run1")}
+        assert ranks == {0, 1}
         report = store.verify()
         assert (report.problems, report.unpublished_packs, report.records_checked) == ((), (), appended)
         w2 = outcomes[1]
@@ -141,7 +149,7 @@ def test_a_record_published_twice_is_counted(writers_done):
         with dmi.open(catalog=uri, packs=packs) as store:
             check = check_writers(store, outcomes)
         assert (check.double_visible, check.lost, check.mismatched, check.unexpected) == (1, 0, 0, 0)
-        assert check.published == 3 * RUNS_PER_WRITER * RECORDS_PER_RUN + 1
+        assert check.published == RUNS_PER_WRITER * sum(RECORDS_PER_RUN.values()) + 1
         assert not check.clean
 
 
