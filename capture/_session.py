@@ -33,6 +33,7 @@ from dmi.storage.errors import (
     CaptureError,
     InvalidArgumentError,
     InvalidIdentifierError,
+    RequestExistsError,
 )
 from dmi.storage.records import GLOBAL_LAYER
 
@@ -110,7 +111,8 @@ class CaptureSession:
     def __init__(self, model, arch: Architecture, selection: Selection, geometry: ModelGeometry,
                  *, model_id: str, run_id: str, schedule: Schedule, ring: Ring, drain: Drain,
                  publisher=None, tp_rank: int = 0, tp_size: int = 1, capture_enabled: bool = True,
-                 emitted_hooks: dict[str, tuple[int, ...]] | None = None, compiled: bool = False):
+                 emitted_hooks: dict[str, tuple[int, ...]] | None = None, compiled: bool = False,
+                 taken_request_ids: set[str] | None = None):
         self.model = model
         self.arch = arch
         self.selection = selection
@@ -131,7 +133,9 @@ class CaptureSession:
         self._call: _Call | None = None
         self._implicit: _Call | None = None
         self._forwards = 0
-        self._n_requests = 0
+        # request ids this run already holds (published earlier under this scope, or used here)
+        self._used_request_ids = set(taken_request_ids or ())
+        self._n_requests = _next_default_index(run_id, self._used_request_ids)
         self._n_calls = 0
         self._hook_seconds = 0.0  # model-thread time inside DMI's hooks (plan, reserve, copy)
         self._closed = False
@@ -230,17 +234,39 @@ class CaptureSession:
         b = ids.shape[0] * per_prompt
         pads = [pad for pad in left_pads(mask) for _ in range(per_prompt)]
         if request_ids is None:
-            rids = [f"{self.run_id}-{self._n_requests + i:06d}" for i in range(b)]
+            rids = self._default_request_ids(b)
         else:
             rids = [_validate_id("request id", r) for r in request_ids]
             if len(rids) != b or len(set(rids)) != b:
                 raise InvalidArgumentError(f"need {b} distinct request ids (one per returned sequence), got {request_ids!r}")
+            self._refuse_taken(rids)
         call = self._new_call(rids, first_phase)
         call.pads = pads
         self._call = call
         return call
 
+    def _default_request_ids(self, b: int) -> list[str]:
+        """``<run id>-NNNNNN`` from the session's counter on, skipping ids the run already holds."""
+        rids, index = [], self._n_requests
+        while len(rids) < b:
+            rid = f"{self.run_id}-{index:06d}"
+            if rid not in self._used_request_ids:
+                rids.append(rid)
+            index += 1
+        return rids
+
+    def _refuse_taken(self, rids: list[str]) -> None:
+        taken = [r for r in rids if r in self._used_request_ids]
+        if taken:
+            raise RequestExistsError(
+                f"request id(s) {', '.join(map(repr, taken[:5]))}{' ...' if len(taken) > 5 else ''} already "
+                f"hold records in run {self.run_id!r} of model {self.model_id!r} (captured earlier under this "
+                "run id, or earlier in this session); writing them again would show readers every record "
+                "twice: give new request ids, or a new run id"
+            )
+
     def _new_call(self, rids, first_phase) -> _Call:
+        self._used_request_ids.update(rids)
         base = self._n_requests
         self._n_requests += len(rids)
         admitted = [self.schedule.admits_request(base + i) for i in range(len(rids))]
@@ -434,7 +460,7 @@ class CaptureSession:
         prev = self._implicit
         if seen > 0 and prev is not None and len(prev.request_ids) == b:
             return prev
-        rids = [f"{self.run_id}-{self._n_requests + i:06d}" for i in range(b)]
+        rids = self._default_request_ids(b)
         call = self._new_call(rids, "prefill" if cache is not None else "forward")
         self._implicit = call
         return call
@@ -663,7 +689,8 @@ def attach(
     selection = select(arch, hooks, layers, attn_implementation=impl)
     schedule = Schedule.coerce(schedule)
     model_id = _validate_id("model id", model_id if model_id is not None else derive_model_id(model))
-    run_id = _validate_id("run id", run_id if run_id is not None else new_run_id())
+    run_given = run_id is not None
+    run_id = _validate_id("run id", run_id if run_given else new_run_id())
     ranks = resolve_parallel_ranks(model, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, pp_rank=pp_rank)
     tp_rank, tp_size, pp_rank = ranks.tp_rank, ranks.tp_size, ranks.pp_rank
     if compiled:
@@ -681,9 +708,14 @@ def attach(
                                                  texts is not None)
     ctx = KeyContext(model_id, run_id, tp_rank, tp_size, geometry, layout=layout,
                      dp_rank=ranks.dp_rank, pp_rank=pp_rank)
+    publish_scope = publish_scope or default_publish_scope(model_id, run_id, tp_rank, tp_size)
+    # a fresh run id holds nothing yet; a given one may continue a run: its requests are not written twice
+    taken = set()
+    if run_given and catalog is not None:
+        taken = catalog.rank_request_ids(model_id, run_id, shard_rank=tp_rank, dp_rank=ranks.dp_rank, pp_rank=pp_rank)
     pipeline = _PipelineOptions(
         ring_slots=ring_slots, slot_bytes=slot_bytes, ring_timeout=ring_timeout, drop_policy=drop_policy,
-        catalog=catalog, publish_scope=publish_scope or default_publish_scope(model_id, run_id, tp_rank, tp_size),
+        catalog=catalog, publish_scope=publish_scope,
         lease_seconds=lease_seconds, store=store, writer=writer, writer_options=writer_options,
         decode_chunk_steps=decode_chunk_steps, adaptive_codec=adaptive_codec, texts=texts,
         hook_codecs=hook_codecs)
@@ -692,7 +724,7 @@ def attach(
         return CaptureSession(model, arch, selection, geometry, model_id=model_id, run_id=run_id,
                               schedule=schedule, ring=ring, drain=drain, publisher=publisher,
                               tp_rank=tp_rank, tp_size=tp_size, capture_enabled=enabled,
-                              emitted_hooks=emitted, compiled=compiled)
+                              emitted_hooks=emitted, compiled=compiled, taken_request_ids=taken)
 
     # shared by a *ForCausalLM and its inner base model
     with owned_session(arch.layers, type(model).__name__, ctx, pipeline, make_session) as session:
@@ -810,6 +842,13 @@ def _wants_compiled(model, compiled) -> bool:
     if not isinstance(compiled, bool):
         raise InvalidArgumentError(f"compiled must be True, False or None, got {compiled!r}")
     return compiled
+
+
+def _next_default_index(run_id: str, taken: set[str]) -> int:
+    """The first default request index (``<run id>-NNNNNN``) after those the run already holds."""
+    prefix = f"{run_id}-"
+    held = [int(r[len(prefix):]) for r in taken if r.startswith(prefix) and r[len(prefix):].isdigit()]
+    return max(held, default=-1) + 1
 
 
 def default_publish_scope(model_id: str, run_id: str, tp_rank: int, tp_size: int) -> str:

@@ -577,6 +577,20 @@ class Catalog:
         table = self._published_records(where, params, "DISTINCT request_id", "ORDER BY request_id")
         return table.column("request_id").to_pylist()
 
+    def rank_request_ids(self, model_id: str, run_id: str, *, shard_rank: int = 0, dp_rank: int = 0,
+                         pp_rank: int = 0) -> set[str]:
+        """Request ids holding published records of ``model_id``/``run_id`` written by this rank
+        (tensor-, data- and pipeline-parallel): what a capture continuing the run must not write
+        again. Other ranks' requests of the same run are theirs to write."""
+        where, params = self._filters(model_id=model_id, run_id=run_id)
+        for column, value in (("shard_rank", shard_rank), ("dp_rank", dp_rank), ("pp_rank", pp_rank)):
+            if type(value) is not int or value < 0:
+                raise InvalidArgumentError(f"{column} must be a non-negative int, not {value!r}")
+            params[column] = value
+            where += f" AND {column} = %({column})s"
+        table = self._published_records(where, params, "DISTINCT request_id")
+        return set(table.column("request_id").to_pylist())
+
     def request_contents(self, model_id: str, request_id: str, run_id: str | None = None) -> dict[str, HookContents]:
         """Hooks of one request (by name), each with its layers, shard ranks, tokens, dtype and bytes."""
         where, params = self._filters(model_id=model_id, request_id=request_id, run_id=run_id)

@@ -44,6 +44,7 @@ exception types. Builtin mix-ins are added where callers naturally expect them.
     │   │   └── VLLMConfigError (InvalidArgumentError)   a vLLM engine hooks would miss steps in (CUDA graphs, prefix cache)
     │   ├── AttentionImplementationError         attn_pattern needs eager attention
     │   ├── UnsupportedGenerationError (InvalidArgumentError)   beam search: refused before the model runs
+    │   ├── RequestExistsError (InvalidArgumentError)   a request id its run already holds: no record twice
     │   ├── RingFullError (TimeoutError)         producer waited its bound for a free slot
     │   └── DrainError                           the drain thread failed; cause attached
     ├── AuditError                               a capture cannot be audited (no token ids, gaps, TP)
@@ -91,6 +92,7 @@ __all__ = [
     "VLLMConfigError",
     "AttentionImplementationError",
     "UnsupportedGenerationError",
+    "RequestExistsError",
     "RingFullError",
     "DrainError",
     "AuditError",
@@ -268,6 +270,12 @@ class AttentionImplementationError(CaptureError):
 
 class UnsupportedGenerationError(CaptureError, InvalidArgumentError):
     """A ``generate`` mode capture cannot record exactly (beam search); refused before the model runs."""
+
+
+class RequestExistsError(CaptureError, InvalidArgumentError):
+    """A capture was given a request id that its run already holds (published by an earlier
+    capture under the same run id and publishing scope, or used earlier in this session):
+    writing it again would make readers see its records twice."""
 
 
 class RingFullError(CaptureError, TimeoutError):

@@ -14,8 +14,8 @@ every pack each writer published under one of its scope's watermarks), no pack i
 left unpublished, and ``verify`` clean.
 
 Those cases are marked ``cluster`` and ``s3``; under a forced ``DMI_LIVE_SERVER`` (CI) they may
-not skip. The last case (embedded chDB, local disk) is a known gap: a retried writer that reuses
-a published run id.
+not skip. A writer retried under its published run id continues the run without writing any
+record twice: ``tests/test_run_continuation.py``.
 """
 
 from __future__ import annotations
@@ -26,11 +26,9 @@ import uuid
 import pytest
 
 import dmi
-from dmi.capture import attach
 from dmi.reader import read_records
 from dmi.storage import PackWriter
 from tests._cluster import CLUSTER_NAME, ClusterUnavailable, LocalCluster
-from tests._models import left_padded_batch, tiny
 from tests._writers import Writer, check_writers, run_writers
 
 pytestmark = pytest.mark.slow
@@ -149,24 +147,3 @@ def test_a_record_published_twice_is_counted(writers_done):
         assert (check.double_visible, check.lost, check.mismatched, check.unexpected) == (1, 0, 0, 0)
         assert check.published == RUNS_PER_WRITER * sum(RECORDS_PER_RUN.values()) + 1
         assert not check.clean
-
-
-@pytest.mark.xfail(strict=True, reason="known gap: a capture under a model id and run id that are already published "
-                   "is not refused, and its default request ids start again at <run_id>-000000, so every record "
-                   "of the retried run is visible twice")
-def test_a_writer_retried_under_its_published_run_id_publishes_nothing_twice(tmp_path):
-    """A capture node retried with the run id it had (a job restarted with a fixed run id).
-    Either refusing the retry (a named error) or giving it fresh request ids keeps every key
-    visible once; today neither happens (two attaches: 36 rows, 18 distinct keys)."""
-    model = tiny("llama")
-    ids, mask = left_padded_batch(seed=1)
-    with dmi.open(catalog=f"chdb://{tmp_path / 'catalog'}", packs=str(tmp_path / "packs")) as store:
-        for _ in range(2):
-            try:
-                with attach(model, hooks="resid_post", store=store.packs, catalog=store.catalog, model_id="m",
-                            run_id="retried") as cap:
-                    cap.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
-            except dmi.DMIError:
-                pass  # the retry refused: one of the two acceptable outcomes
-        keys = [dataclasses.astuple(e.meta.key) for e in store.catalog.find_records("m")]
-    assert len(keys) == len(set(keys)) and len(keys) in (18, 36)
