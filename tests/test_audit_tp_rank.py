@@ -16,7 +16,8 @@ embedded store, generating from a left-padded batch, then audits per rank on bot
 * ``alone``: one request captured alone on the same ranks, audited with ``exact=True``;
 * ``missing``: transformers' TP with ``tp_ranks=(0,)``: rank 1 wrote nothing;
 * ``single``: an unsharded capture (made in this process before the ranks start), audited
-  per rank with the 2-way model.
+  per rank with the 2-way model;
+* ``solo``: a process group of rank 0 alone; ``differ``: each rank names another request.
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ def _rank_audits(rank: int, world: int, home: str, path: str) -> dict:
             "missing": _outcome(lambda: store.audit("missing", model=hf_tp, per_rank=True, record=False)),
             "single": _outcome(lambda: store.audit("single", model=hf_tp, per_rank=True, record=False)),
             "solo": _outcome(lambda: store.audit("fault", model=hand, per_rank=solo, record=False)),
+            "differ": _outcome(lambda: store.audit("honest", model=hf_tp, per_rank=True, record=False,
+                                                   request_ids=[rids["honest"][rank]])),
         }
     return {"rids": rids, "audits": audits}
 
@@ -258,6 +261,13 @@ def test_a_capture_of_another_tp_size_is_refused(ranks):
     assert [kind for kind, _ in errors] == ["AuditError", "AuditError"]
     assert all("was captured with TP size 1 but the model of this per-rank audit is sharded 2 ways: audit it "
                "without per_rank" in message for _, message in errors)
+
+
+def test_ranks_that_chose_different_requests_refuse_before_re_running(ranks):
+    (kind0, message0), (kind1, message1) = _errors(ranks, "differ")
+    assert kind0 == kind1 == "AuditError"
+    assert message0.startswith("TP rank(s) [1] chose other requests than TP rank 0: every rank must call")
+    assert message1.startswith("TP rank(s) [0] chose other requests than TP rank 1")
 
 
 def test_per_rank_over_a_group_without_this_rank_is_refused(ranks):
