@@ -30,7 +30,6 @@ import torch
 
 import dmi
 from dmi._audit_compare import BATCHED_NOISE, MARGIN
-from dmi._models import byte_tokenizer
 from dmi.storage.errors import AuditError, InvalidArgumentError
 from tests._models import left_padded_batch, tiny
 from tests._tp_harness import RankFailed, hand_layout, run_ranks, shard_llama_by_hand
@@ -130,24 +129,23 @@ def _rank_audits(rank: int, world: int, home: str, path: str) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    """The unsharded capture here, then both ranks once; yields the store, the ranks' results
-    and the request ids of the unsharded capture."""
+    """The unsharded capture here, then both ranks once; yields the store, its home, the
+    ranks' results and the full model."""
     import transformers
 
     root = tmp_path_factory.mktemp("tp-rank-audit")
     path = str(root / "model")
     tiny("llama", num_key_value_heads=4).save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
     home = str(root / "home")
     full = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     ids, mask = left_padded_batch()
     with dmi.open(home=home) as store:
-        single = _capture(store, full, "single", {}, ids, mask)
+        _capture(store, full, "single", {}, ids, mask)
     results = run_ranks(_rank_audits, WORLD, root / "ranks", home, path)
     for r in results:
         assert not isinstance(r, (RankFailed, int)), r
     with dmi.open(home=home) as store:
-        yield dict(store=store, home=home, results=results, full=full, single=single)
+        yield dict(store=store, home=home, results=results, full=full)
 
 
 def _reports(ranks, name: str) -> list[dict]:
