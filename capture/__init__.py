@@ -19,7 +19,7 @@ from ._ring import Ring
 from ._schedule import Schedule
 from ._selection import Selection, layer_numbers, resolve_hooks, resolve_layers
 from ._session import CaptureSession, attach, derive_model_id, new_run_id
-from ._tp import ParallelRanks, resolve_parallel_ranks
+from ._tp import ParallelRanks, resolve_parallel_ranks, tp_mesh_of
 from ._tp_layout import TPReplicated, TPShard
 from ._tp_load import load_tensor_parallel
 from ._token_text import PROMPT_TEXT, TEXT_HOOKS, TOKEN_TEXT, decode_strings
@@ -52,6 +52,7 @@ __all__ = [
     "TPReplicated",
     "ParallelRanks",
     "resolve_parallel_ranks",
+    "tp_mesh_of",
     "load_tensor_parallel",
     "TOKEN_TEXT",
     "PROMPT_TEXT",

@@ -11,7 +11,9 @@ A tensor-parallel capture is audited as the reader returns it: the records of on
 (hook, layer, position) — one per rank for a sharded hook — are merged by their recorded
 geometry (:func:`dmi.reader.assemble`) and the model's full tensor is compared with an
 unsharded re-run under the ``tp`` tolerance. A shard that cannot be merged (a rank
-missing, slices that overlap) is a failure at its position, not an exception.
+missing, slices that overlap) is a failure at its position, not an exception. A model too
+large for one process is audited per rank instead, each TP rank re-running its own shard
+(``per_rank=``, :mod:`dmi._audit_rank`).
 
 A vLLM capture (its packs' writer id starts with ``vllm-``, ``dmi.capture.VLLM_WRITER_PREFIX``;
 found with one catalog query per audit) is re-run through Hugging Face with the same weights
@@ -38,7 +40,9 @@ from dmi._audit_rerun import Reference, rerun_alone
 from dmi.storage.errors import AuditError, InvalidArgumentError, MissingShardError, ReaderError, RecordNotFoundError
 from dmi.storage.records import RecordEntry
 
-__all__ = ["AuditCheck", "AuditReport", "run_audit", "sample_requests", "audit_rows", "request_kind", "vllm_requests"]
+__all__ = ["AuditCheck", "AuditReport", "RequestPlan", "run_audit", "choose_requests", "sample_requests",
+           "plan_request", "check_request", "audit_request", "new_report", "new_audit_id", "audit_rows", "request_kind",
+           "vllm_requests"]
 
 ReadRecords = Callable[[list[RecordEntry]], list[torch.Tensor]]
 
@@ -49,7 +53,9 @@ class AuditCheck:
     ``"noise"`` (within the tolerance ``bound`` of kind ``tolerance``) or ``"fail"``.
 
     A failure says where: ``first_fail`` is the first position beyond the bound (``None``
-    when the failure is structural), ``detail`` what was wrong.
+    when the failure is structural), ``detail`` what was wrong. ``shard_rank``: in a
+    per-rank audit, the TP rank whose own records (and re-run) were checked; ``None`` when
+    the records of every rank were checked together.
     """
 
     run_id: str
@@ -67,6 +73,7 @@ class AuditCheck:
     first_diff: int | None = None
     first_fail: int | None = None
     detail: str = ""
+    shard_rank: int | None = None
 
     @property
     def failed(self) -> bool:
@@ -75,7 +82,8 @@ class AuditCheck:
     def describe(self) -> str:
         """One line naming the request, hook, layer and (on failure) the first bad position."""
         where = "global" if self.layer < 0 else f"layer {self.layer}"
-        text = f"request {self.request_id} {self.hook} {where}: {self.verdict}"
+        rank = "" if self.shard_rank is None else f" on TP rank {self.shard_rank}"
+        text = f"request {self.request_id} {self.hook} {where}{rank}: {self.verdict}"
         if self.verdict != "exact":
             text += f" (max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}, rel L2 {self.rel_l2:.3g}"
             text += f"; {self.tolerance} bound {self.bound:.3g})"
@@ -198,11 +206,40 @@ def _fail(run: str, rid: str, hook: str, layer: int, kind: str, bound: float, en
     return AuditCheck(run, rid, hook, layer, "fail", kind, bound, len(entries), n, first_fail=first, detail=detail)
 
 
-def audit_request(model: Any, run: str, rid: str, entries: list[RecordEntry], read: ReadRecords,
-                  kind: str) -> list[AuditCheck]:
-    """Every check of one request (``entries``: all its records; its token strings, which
-    the model does not compute, are left out) under the tolerance ``kind`` (see
-    :func:`request_kind`)."""
+@dataclass(frozen=True, slots=True)
+class RequestPlan:
+    """What one request's re-run and checks need, found before anything is re-run.
+
+    ``tokens``: its ``token_ids`` records (one rank's copy), ``ids`` the tokens they hold
+    (``None`` when the records do not cover the request: ``token_check`` then says why and
+    nothing is re-run), ``groups`` its other records by ``(hook, layer)``.
+    """
+
+    run: str
+    request_id: str
+    kind: str
+    tokens: tuple[RecordEntry, ...]
+    ids: torch.Tensor | None
+    prompt_len: int
+    generate: bool
+    groups: dict[tuple[str, int], list[RecordEntry]]
+    token_check: AuditCheck
+
+    def rerun(self, model: Any, groups: dict[tuple[str, int], list[RecordEntry]] | None = None) -> Reference:
+        """The request re-run alone through ``model``, keeping ``groups``' hooks (default: all)."""
+        wanted: dict[str, set[int]] = defaultdict(set)
+        for hook, layer in self.groups if groups is None else groups:
+            wanted[hook].add(layer)
+        return rerun_alone(model, self.ids, self.prompt_len, generate=self.generate,
+                           wanted={h: tuple(sorted(l)) for h, l in wanted.items()})
+
+
+def plan_request(model: Any, run: str, rid: str, entries: list[RecordEntry], read: ReadRecords,
+                 kind: str) -> RequestPlan:
+    """One request's plan (``entries``: all its records; its token strings, which the model
+    does not compute, are left out) under the tolerance ``kind`` (see :func:`request_kind`).
+    Raises :class:`AuditError` for a request without token_ids or a model that cannot
+    re-run it."""
     from dmi.capture import TEXT_HOOKS
 
     entries = [e for e in entries if e.meta.key.hook not in TEXT_HOOKS]
@@ -211,26 +248,43 @@ def audit_request(model: Any, run: str, rid: str, entries: list[RecordEntry], re
     if not tokens:
         raise AuditError(f"request {rid} (run {run}) has no token_ids records; an audit re-runs the captured "
                          "tokens: capture with the token_ids hook (e.g. hooks='resid_post token_ids')")
-    problem = _token_problems(tokens)
-    if problem:
-        return [_fail(run, rid, "token_ids", -1, kind, 0.0, tokens, problem)]
-    ids = torch.cat(read(tokens))
-    prompt_len = sum(e.meta.key.n_tokens for e in tokens if e.meta.key.phase != "decode")
-    generate = tokens[0].meta.key.phase == "prefill"
     groups: dict[tuple[str, int], list[RecordEntry]] = defaultdict(list)
     for e in entries:
         if e.meta.key.hook != "token_ids":
             groups[(e.meta.key.hook, e.meta.key.layer)].append(e)
+    problem = _token_problems(tokens)
+    if problem:
+        return RequestPlan(run, rid, kind, tuple(tokens), None, 0, False, dict(groups),
+                           _fail(run, rid, "token_ids", -1, kind, 0.0, tokens, problem))
     _check_model(model, groups, entries)
-    wanted: dict[str, set[int]] = defaultdict(set)
-    for hook, layer in groups:
-        wanted[hook].add(layer)
-    ref = rerun_alone(model, ids, prompt_len, generate=generate, wanted={h: tuple(sorted(l)) for h, l in wanted.items()})
-    checks = [AuditCheck(run, rid, "token_ids", -1, "exact", kind, 0.0, len(tokens), len(ids))]
+    ids = torch.cat(read(tokens))
+    return RequestPlan(run, rid, kind, tuple(tokens), ids,
+                       sum(e.meta.key.n_tokens for e in tokens if e.meta.key.phase != "decode"),
+                       tokens[0].meta.key.phase == "prefill", dict(groups),
+                       AuditCheck(run, rid, "token_ids", -1, "exact", kind, 0.0, len(tokens), len(ids)))
+
+
+def check_request(plan: RequestPlan, ref: Reference, read: ReadRecords,
+                  groups: dict[tuple[str, int], list[RecordEntry]] | None = None, *,
+                  shard_rank: int | None = None) -> list[AuditCheck]:
+    """The checks of ``groups`` (default: all the plan's) against the re-run ``ref``;
+    ``shard_rank``: compare that rank's own records as they are (a per-rank audit) rather
+    than merging every rank's shards."""
+    checks = []
+    groups = plan.groups if groups is None else groups
     for (hook, layer), group in sorted(groups.items(), key=lambda kv: (_hook_rank(kv[0][0]), kv[0][1])):
-        group.sort(key=lambda e: e.meta.key.start_token)
-        checks.append(_check_group(run, rid, hook, layer, group, tokens, len(ids), ref, read, kind))
+        group = sorted(group, key=lambda e: e.meta.key.start_token)
+        checks.append(_check_group(plan, hook, layer, group, ref, read, shard_rank=shard_rank))
     return checks
+
+
+def audit_request(model: Any, run: str, rid: str, entries: list[RecordEntry], read: ReadRecords,
+                  kind: str) -> list[AuditCheck]:
+    """Every check of one request (see :func:`plan_request`), its re-run in this process."""
+    plan = plan_request(model, run, rid, entries, read, kind)
+    if plan.ids is None:
+        return [plan.token_check]
+    return [plan.token_check, *check_request(plan, plan.rerun(model), read)]
 
 
 def request_kind(run: str, rid: str, entries: list[RecordEntry], kind: str, *, vllm: bool = False) -> str:
@@ -289,24 +343,33 @@ def _hook_rank(hook: str) -> int:
     return list(HOOKS).index(hook) if hook in HOOKS else len(HOOKS)
 
 
-def _check_group(run: str, rid: str, hook: str, layer: int, group: list[RecordEntry], tokens: list[RecordEntry],
-                 total: int, ref: Reference, read: ReadRecords, kind: str) -> AuditCheck:
+def _check_group(plan: RequestPlan, hook: str, layer: int, group: list[RecordEntry], ref: Reference,
+                 read: ReadRecords, *, shard_rank: int | None = None) -> AuditCheck:
     """One (hook, layer) of one request: where each chunk (the records of one position)
     sits, then the values of those that sit where their tokens were fed — for a TP capture
-    the shards merged as the reader merges them. The first problem of any kind is named."""
+    the shards merged as the reader merges them, or with ``shard_rank`` that rank's own
+    records as they are (a position other ranks recorded and it did not is a problem).
+    The first problem of any kind is named."""
     problems: list[tuple[int, str]] = []
     placed: list[list[RecordEntry]] = []
+    tokens, total = list(plan.tokens), len(plan.ids)
     for chunk in _chunks(group):
         k = chunk[0].meta.key
-        problem = _chunk_problem(chunk) or next(
+        if shard_rank is not None:
+            chunk = [e for e in chunk if e.meta.key.shard_rank == shard_rank]
+            if not chunk:
+                problems.append((k.start_token, f"TP rank {shard_rank} has no record at position {k.start_token} "
+                                                 "(another rank has)"))
+                continue
+        problem = _chunk_problem(chunk, shard_rank is not None) or next(
             (p for p in (_placement_problem(e, tokens, total) for e in chunk) if p), "")
         if problem:
             problems.append((k.start_token, problem))
         else:
             placed.append(chunk)
     diffs: list[Difference] = []
-    bound = tolerance(kind, _dtype_of(group[0]))
-    for chunk, data in zip(placed, _read_chunks(placed, read)):
+    bound = tolerance(plan.kind, _dtype_of(group[0]))
+    for chunk, data in zip(placed, _read_chunks(placed, read, merge=shard_rank is None)):
         k = chunk[0].meta.key
         if isinstance(data, str):
             problems.append((k.start_token, data))
@@ -318,7 +381,8 @@ def _check_group(run: str, rid: str, hook: str, layer: int, group: list[RecordEn
             continue
         diffs.append(compare(data, want.reshape(data.shape).to(data.dtype),
                              token_axis=1 if hook == "attn_pattern" else 0, start=k.start_token, bound=bound))
-    return _merge(run, rid, hook, layer, kind, bound, group, diffs, sorted(problems))
+    kept = [e for e in group if shard_rank is None or e.meta.key.shard_rank == shard_rank]
+    return _merge(plan, hook, layer, bound, kept, diffs, sorted(problems), shard_rank)
 
 
 def _chunks(group: list[RecordEntry]) -> list[list[RecordEntry]]:
@@ -329,24 +393,25 @@ def _chunks(group: list[RecordEntry]) -> list[list[RecordEntry]]:
     return [sorted(by_start[s], key=lambda e: e.meta.key.shard_rank) for s in sorted(by_start)]
 
 
-def _chunk_problem(chunk: list[RecordEntry]) -> str:
+def _chunk_problem(chunk: list[RecordEntry], one_rank: bool) -> str:
     """Why the records of one position are not one record (TP: one per rank, which the
-    merge checks) — '' when they are."""
+    merge checks; ``one_rank``: the records of one rank) — '' when they are."""
     k = chunk[0].meta.key
-    if len(chunk) > 1 and k.tp_size == 1:
+    if len(chunk) > 1 and (k.tp_size == 1 or one_rank):
         return f"two records start at position {k.start_token}"
     return ""
 
 
-def _read_chunks(chunks: list[list[RecordEntry]], read: ReadRecords) -> list[torch.Tensor | str]:
+def _read_chunks(chunks: list[list[RecordEntry]], read: ReadRecords, *, merge: bool) -> list[torch.Tensor | str]:
     """Each chunk's tensor (records of all chunks read in one go), or why its TP shards do
-    not form the model's tensor."""
+    not form the model's tensor (``merge``: TP chunks are merged; otherwise each chunk is
+    one record, returned as stored)."""
     flat = [e for chunk in chunks for e in chunk]
     tensors = iter(read(flat) if flat else [])
     out: list[torch.Tensor | str] = []
     for chunk in chunks:
         mine = [next(tensors) for _ in chunk]
-        out.append(mine[0] if chunk[0].meta.key.tp_size == 1 else _merged(chunk, mine))
+        out.append(_merged(chunk, mine) if merge and chunk[0].meta.key.tp_size > 1 else mine[0])
     return out
 
 
@@ -370,18 +435,20 @@ def _dtype_of(entry: RecordEntry) -> torch.dtype:
     return getattr(torch, entry.meta.dtype)
 
 
-def _merge(run: str, rid: str, hook: str, layer: int, kind: str, bound: float, group: list[RecordEntry],
-           diffs: list[Difference], problems: list[tuple[int, str]]) -> AuditCheck:
+def _merge(plan: RequestPlan, hook: str, layer: int, bound: float, group: list[RecordEntry],
+           diffs: list[Difference], problems: list[tuple[int, str]], shard_rank: int | None) -> AuditCheck:
+    kind = plan.kind
     fails = [(d.first_fail, f"values differ beyond the {kind} tolerance from position {d.first_fail}")
              for d in diffs if d.first_fail is not None]
     first = min(fails + problems) if fails or problems else None
     firsts = [d.first_diff for d in diffs if d.first_diff is not None] + [p for p, _ in problems]
     verdict = "fail" if first else ("exact" if all(d.exact for d in diffs) else "noise")
     return AuditCheck(
-        run, rid, hook, layer, verdict, kind, bound, len(group), sum(e.meta.key.n_tokens for e in group),
+        plan.run, plan.request_id, hook, layer, verdict, kind, bound, len(group),
+        sum(e.meta.key.n_tokens for e in group),
         max_abs=max((d.max_abs for d in diffs), default=0.0), max_rel=max((d.max_rel for d in diffs), default=0.0),
         rel_l2=max((d.rel_l2 for d in diffs), default=0.0), first_diff=min(firsts) if firsts else None,
-        first_fail=first[0] if first else None, detail=first[1] if first else "",
+        first_fail=first[0] if first else None, detail=first[1] if first else "", shard_rank=shard_rank,
     )
 
 
@@ -391,10 +458,28 @@ def _merge(run: str, rid: str, hook: str, layer: int, kind: str, bound: float, g
 def run_audit(catalog: Any, read: ReadRecords, model_id: str, model: Any, *, model_name: str,
               run_id: str | None = None, requests: int | None = None, request_ids: Sequence[str] | None = None,
               seed: int = 0, exact: bool = False, record: bool = True) -> AuditReport:
-    """Audit ``model_id``'s capture against ``model`` (see ``Store.audit``)."""
+    """Audit ``model_id``'s capture against ``model`` (see ``Store.audit``) in this process
+    (per rank: :func:`dmi._audit_rank.run_rank_audit`)."""
+    kind = "exact" if exact else "batched"
+    entries = choose_requests(catalog, model_id, run_id, requests, request_ids, seed)
+    vllm = vllm_requests(catalog, entries)
+    # every request's tolerance before any re-run: a refusal (exact=True on TP or vLLM) costs nothing
+    request_kinds = {pair: request_kind(*pair, entries[pair], kind, vllm=pair in vllm) for pair in entries}
+    checks: list[AuditCheck] = []
+    for pair in entries:
+        checks.extend(audit_request(model, *pair, entries[pair], read, request_kinds[pair]))
+    report = new_report(model_id, model_name, seed, tuple(entries), checks, kind)
+    if record:
+        catalog.record_audit(audit_rows(report))
+    return report
+
+
+def choose_requests(catalog: Any, model_id: str, run_id: str | None, requests: int | None,
+                    request_ids: Sequence[str] | None, seed: int) -> dict[tuple[str, str], list[RecordEntry]]:
+    """The audited ``(run, request)`` pairs, in order, each with all its records: exactly
+    ``request_ids``, or a seeded sample of ``requests`` (default 8)."""
     if requests is not None and request_ids is not None:
         raise InvalidArgumentError("give requests=N (a sample) or request_ids=[...], not both")
-    kind = "exact" if exact else "batched"
     if request_ids is not None:
         chosen = _named(catalog, model_id, run_id, list(request_ids))
     else:
@@ -403,19 +488,20 @@ def run_audit(catalog: Any, read: ReadRecords, model_id: str, model: Any, *, mod
             raise AuditError(f"model {model_id!r}{'' if run_id is None else f' run {run_id!r}'} has no requests "
                              "with token_ids records to audit (capture with the token_ids hook)")
         chosen = sample_requests(token_entries, 8 if requests is None else requests, seed)
-    entries = {pair: catalog.find_records(model_id, request_id=pair[1], run_id=pair[0]) for pair in chosen}
-    vllm = vllm_requests(catalog, entries)
-    # every request's tolerance before any re-run: a refusal (exact=True on TP or vLLM) costs nothing
-    request_kinds = {pair: request_kind(*pair, entries[pair], kind, vllm=pair in vllm) for pair in chosen}
-    checks: list[AuditCheck] = []
-    for pair in chosen:
-        checks.extend(audit_request(model, *pair, entries[pair], read, request_kinds[pair]))
+    return {pair: catalog.find_records(model_id, request_id=pair[1], run_id=pair[0]) for pair in chosen}
+
+
+def new_report(model_id: str, model_name: str, seed: int, chosen: tuple[tuple[str, str], ...],
+               checks: Sequence[AuditCheck], kind: str, *, audit_id: str | None = None,
+               audited_at: float | None = None) -> AuditReport:
+    """The report of an audit that checked ``chosen`` (a fresh id and time unless given)."""
     kinds = ", ".join(dict.fromkeys(c.tolerance for c in checks)) or kind
-    report = AuditReport(f"audit-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}",
-                         model_id, model_name, seed, kinds, time.time(), tuple(chosen), tuple(checks))
-    if record:
-        catalog.record_audit(audit_rows(report))
-    return report
+    return AuditReport(audit_id or new_audit_id(), model_id, model_name, seed, kinds,
+                       time.time() if audited_at is None else audited_at, chosen, tuple(checks))
+
+
+def new_audit_id() -> str:
+    return f"audit-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
 
 
 def vllm_requests(catalog: Any, entries: dict[tuple[str, str], list[RecordEntry]]) -> set[tuple[str, str]]:
@@ -435,7 +521,9 @@ def vllm_requests(catalog: Any, entries: dict[tuple[str, str], list[RecordEntry]
 
 
 def audit_rows(report: AuditReport) -> list[dict[str, Any]]:
-    """The catalog rows of ``report``: one per check (positions ``-1`` for none)."""
+    """The catalog rows of ``report``: one per check (positions ``-1`` for none). The audits
+    table has no rank column: a per-rank check's rank leads its ``detail`` ("TP rank 1",
+    "TP rank 1: <what failed>")."""
     common = {"audit_id": report.audit_id, "model_id": report.model_id, "model": report.model,
               "seed": report.seed, "audited_at": report.audited_at}
     rows = []
@@ -443,6 +531,8 @@ def audit_rows(report: AuditReport) -> list[dict[str, Any]]:
         row = {**common, **c.as_dict()}
         row["first_diff"] = -1 if c.first_diff is None else c.first_diff
         row["first_fail"] = -1 if c.first_fail is None else c.first_fail
+        if c.shard_rank is not None:
+            row["detail"] = f"TP rank {c.shard_rank}" + (f": {c.detail}" if c.detail else "")
         rows.append(row)
     return rows
 

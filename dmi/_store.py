@@ -445,7 +445,7 @@ class Store:
 
     def audit(self, model_id: str, *, model: Any, run_id: str | None = None, requests: int | None = None,
               request_ids: Any = None, seed: int = 0, exact: bool = False, record: bool = True,
-              model_name: str | None = None) -> Any:
+              model_name: str | None = None, per_rank: Any = False) -> Any:
         """Re-run a seeded sample of ``model_id``'s captured requests alone through ``model`` and
         compare every captured hook and layer with the re-run; see ``docs/audit.md``.
 
@@ -455,26 +455,34 @@ class Store:
         alone on this device, so demand bit-identical values (default: allow the dtype's
         batched-matmul noise). ``record``: write the verdicts to the catalog's audits table.
         ``model_name``: what the audit records as the model (default: the name or class).
+        ``per_rank``: audit a tensor-parallel capture on every rank of its TP group, each
+        rank with its own shard as ``model`` (every rank calls with the same arguments):
+        ``True`` for a model transformers sharded, or the TP ``ProcessGroup`` of a model
+        sharded by hand; each rank's records are checked against its own re-run, under the
+        ``batched`` tolerance (or ``exact``), and every rank returns every rank's checks.
 
         Returns a :class:`dmi.AuditReport` (``passed``, ``failures``, ``checks``). Raises
         ``AuditError`` (no token_ids, ``exact=True`` on a tensor-parallel or vLLM capture — TP
         requests are held to the ``tp`` tolerance against the full model, vLLM ones (packs written
         by ``vllm-`` writers) to the ``vllm`` tolerance against the Hugging Face model of the same
-        weights —, a model that does not fit),
+        weights —, a model that does not fit; ``per_rank`` outside a TP group, on a capture of
+        another TP size, or on a request with no records of this rank — refused on every rank),
         ``RecordNotFoundError``, ``InvalidArgumentError``.
         """
         from dmi._audit import run_audit
-        from dmi.reader import read_records
+        from dmi._audit_rank import run_rank_audit
 
         name = model_name or (model if isinstance(model, str) else type(model).__name__)
         if isinstance(model, str):
             from dmi._models import load_model
 
             model = load_model(model).model
-        return run_audit(self.catalog, lambda entries: read_records(self.packs, entries, cache=self._footers),
-                         model_id, model, model_name=name, run_id=run_id, requests=requests,
-                         request_ids=None if request_ids is None else list(request_ids), seed=seed, exact=exact,
-                         record=record)
+        options = dict(model_name=name, run_id=run_id, requests=requests,
+                       request_ids=None if request_ids is None else list(request_ids), seed=seed, exact=exact,
+                       record=record)
+        if per_rank is not False:
+            return run_rank_audit(self.catalog, self._read, model_id, model, per_rank, **options)
+        return run_audit(self.catalog, self._read, model_id, model, **options)
 
     def _assemble(self, entries: list[RecordEntry], *, shard_rank: int | None, merge_shards: bool) -> torch.Tensor:
         from dmi.reader import assemble, read_records
