@@ -30,7 +30,7 @@ from time import perf_counter
 
 import torch
 
-from dmi.storage.errors import AttachError, CaptureError, InvalidArgumentError, VLLMConfigError
+from dmi.storage.errors import AttachError, CaptureError, InvalidArgumentError, RequestExistsError, VLLMConfigError
 from dmi.storage.records import GLOBAL_LAYER
 
 from ._codec_choice import resolve_codecs
@@ -320,7 +320,10 @@ def attach_vllm(
     schedule = Schedule.coerce(schedule)
     config = vllm_config.model_config
     model_id = _validate_id("model id", model_id if model_id is not None else _vllm_model_id(config.model))
-    run_id = _validate_id("run id", run_id if run_id is not None else new_run_id())
+    run_given = run_id is not None
+    run_id = _validate_id("run id", run_id if run_given else new_run_id())
+    if run_given and catalog is not None:
+        _refuse_a_run_holding_records(catalog, model_id, run_id, tp_rank)
     check_pipeline_arguments("attach_vllm", store=store, writer=writer, decode_chunk_steps=decode_chunk_steps,
                              adaptive_codec=adaptive_codec)
     geometry = ModelGeometry.from_config(model.config, config.dtype)
@@ -345,6 +348,18 @@ def attach_vllm(
 
     with owned_session(model, type(model).__name__, ctx, options, make_session) as session:
         yield session
+
+
+def _refuse_a_run_holding_records(catalog, model_id: str, run_id: str, tp_rank: int) -> None:
+    """vLLM numbers its requests itself, from 0 again in every new engine: a run that already
+    holds records cannot be continued without writing some request ids twice."""
+    held = catalog.rank_request_ids(model_id, run_id, shard_rank=tp_rank)
+    if held:
+        raise RequestExistsError(
+            f"run {run_id!r} of model {model_id!r} already holds {len(held)} request(s) from an earlier "
+            "capture; vLLM names its requests itself (from 0 again in a new engine), so capturing into "
+            "this run could write a request's records twice: give a new run id (or none)"
+        )
 
 
 def _vllm_model_id(name: str) -> str:

