@@ -25,7 +25,16 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-__all__ = ["RankFailed", "run_ranks", "shard_llama_by_hand", "hand_layout"]
+__all__ = ["RankFailed", "run_ranks", "shard_llama_by_hand", "hand_layout", "AUDIT_GEN", "AUDIT_HOOKS", "AUDIT_SHARDED"]
+
+
+AUDIT_GEN = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+"""The audit tests' generation: three new tokens, greedy."""
+AUDIT_HOOKS = ["token_ids", "resid_pre", "attn_q", "attn_k", "attn_v", "attn_z", "attn_out", "mlp_post", "resid_post",
+               "logits"]
+"""What the audit tests capture on each rank: every hook with token rows, sharded and replicated."""
+AUDIT_SHARDED = {"attn_q", "attn_k", "attn_v", "attn_z", "mlp_post"}
+"""The hooks of :data:`AUDIT_HOOKS` each rank holds a shard of."""
 
 
 @dataclass(frozen=True)

@@ -29,14 +29,12 @@ from dmi._audit_compare import MARGIN, TP_NOISE
 from dmi._models import byte_tokenizer
 from dmi.storage.errors import AuditError
 from tests._models import left_padded_batch, tiny
-from tests._tp_harness import RankFailed, hand_layout, run_ranks, shard_llama_by_hand
+from tests._tp_harness import (AUDIT_GEN, AUDIT_HOOKS, AUDIT_SHARDED, RankFailed, hand_layout, run_ranks,
+                               shard_llama_by_hand)
 
 WORLD = 2
 RUN = "tp2"
-GEN = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
-HOOKS = ["token_ids", "resid_pre", "attn_q", "attn_k", "attn_v", "attn_z", "attn_out", "mlp_post", "resid_post",
-         "logits"]
-SHARDED = {"attn_q", "attn_k", "attn_v", "attn_z", "mlp_post"}
+GEN, HOOKS, SHARDED = AUDIT_GEN, AUDIT_HOOKS, AUDIT_SHARDED
 N_LAYERS = 3
 # name: (how the model is sharded, attach options besides the hand layout, the rank whose
 # attn_q offset the hand layout declares: None for its own)
