@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import hashlib
 import json
 import os
 import platform
@@ -70,6 +69,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: tests/ (the tiny models, moto) lives at the root
     sys.path.insert(0, str(ROOT))
+
+from tests._side_file import SideFile, tensor_digest  # noqa: E402
 
 CRASH_AT_ENV = "DMI_CRASH_AT"
 CHILD_PHASES = ("copy", "encode", "seal", "seal-publish", "publish")
@@ -103,26 +104,6 @@ class _Probes:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-class _SideFile:
-    """JSON lines the parent reads after the child is gone (written through, line by line)."""
-
-    def __init__(self, path: str):
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the child's life
-        self._lock = threading.Lock()
-
-    def write(self, **event) -> None:
-        with self._lock:
-            self._file.write(json.dumps(event) + "\n")
-            self._file.flush()  # in the kernel now: a SIGKILL cannot lose it
-
-
-def _digest(tensor) -> str:
-    """SHA-256 of a tensor's bytes (what the pack must give back, bit for bit)."""
-    import torch
-
-    return hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
 def _wrap(owner, name: str, *, before=None, after=None) -> None:
     original = getattr(owner, name)
 
@@ -137,7 +118,7 @@ def _wrap(owner, name: str, *, before=None, after=None) -> None:
     setattr(owner, name, wrapper)
 
 
-def _install_probes(probes: _Probes, side: _SideFile, seal_step: str) -> None:
+def _install_probes(probes: _Probes, side: SideFile, seal_step: str) -> None:
     """The harness's wrappers around the capture path (in the child only)."""
     from dmi.capture import _ring, _session
     from dmi.catalog import _leases
@@ -146,7 +127,7 @@ def _install_probes(probes: _Probes, side: _SideFile, seal_step: str) -> None:
     _wrap(_ring.Ring, "reserve", after=lambda *_a, **_k: probes.reached("copy"))
     _wrap(_writer, "encode", after=lambda *_a, **_k: probes.reached("encode"))
     _wrap(_writer.PackWriter, "append", before=lambda self, key, data, **_: side.write(
-        record=dataclasses.asdict(key), sha256=_digest(data), dtype=str(data.dtype), shape=list(data.shape)))
+        record=dataclasses.asdict(key), sha256=tensor_digest(data), dtype=str(data.dtype), shape=list(data.shape)))
     _wrap(_writer._OpenPack, "__init__", after=lambda _r, self, *_a, **_k: side.write(begun=self.pack_id))
     _wrap(_writer._OpenPack, "seal", after=lambda desc, *_a, **_k: side.write(sealed=desc.pack_id))
     _wrap(_store._LocalPackSink, seal_step, before=lambda *_a, **_k: probes.reached("seal"))
@@ -159,7 +140,7 @@ def _install_probes(probes: _Probes, side: _SideFile, seal_step: str) -> None:
 def child_main(args: argparse.Namespace) -> None:
     """Capture ``args.rounds`` generate calls (one run each); SIGKILLed where DMI_CRASH_AT says."""
     probes = _Probes(os.environ.get(CRASH_AT_ENV, ""))
-    side = _SideFile(args.side)
+    side = SideFile(args.side)
     _install_probes(probes, side, args.seal_step)
     from dmi.capture import attach
     from dmi.catalog import open_catalog
@@ -399,7 +380,7 @@ def _compare(packs, entries, expected) -> tuple[int, list[str]]:
             continue
         for entry, tensor in zip(group, tensors):
             want = expected.get(dataclasses.astuple(entry.meta.key))
-            got = (_digest(tensor), str(tensor.dtype), list(tensor.shape))
+            got = (tensor_digest(tensor), str(tensor.dtype), list(tensor.shape))
             if want != got:
                 bad += 1
                 notes.append(f"{entry.meta.key.describe()}: appended {want}, read back {got}")

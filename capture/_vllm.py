@@ -28,9 +28,7 @@ import contextlib
 import os
 from time import perf_counter
 
-import torch
-
-from dmi.storage.errors import AttachError, CaptureError, InvalidArgumentError, RequestExistsError, VLLMConfigError
+from dmi.storage.errors import CaptureError, InvalidArgumentError, RequestExistsError, VLLMConfigError
 from dmi.storage.records import GLOBAL_LAYER
 
 from ._codec_choice import resolve_codecs

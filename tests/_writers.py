@@ -27,14 +27,14 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import hashlib
 import json
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests._side_file import SideFile, tensor_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = "resid_post attn_q mlp_out token_ids"
@@ -44,30 +44,7 @@ GO_TIMEOUT = 300.0
 # ---------------------------------------------------------------------------------- the child
 
 
-class _SideFile:
-    """JSON lines, written through line by line (the parent reads them after the child exits)."""
-
-    def __init__(self, path: str):
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the child's life
-        self._lock = threading.Lock()
-
-    def write(self, **event) -> None:
-        with self._lock:
-            self._file.write(json.dumps(event) + "\n")
-            self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
-
-
-def tensor_digest(tensor) -> str:
-    """SHA-256 of a tensor's bytes, as stored (what a reader must get back bit for bit)."""
-    import torch
-
-    return hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def _record_appends(side: _SideFile, digest: bool) -> None:
+def _record_appends(side: SideFile, digest: bool) -> None:
     """Wrap ``PackWriter.append`` (in the child only) to report each record before it is appended."""
     from dmi.storage import PackWriter
 
@@ -81,7 +58,7 @@ def _record_appends(side: _SideFile, digest: bool) -> None:
     PackWriter.append = recording_append
 
 
-def _time_publishes(side: _SideFile) -> None:
+def _time_publishes(side: SideFile) -> None:
     """Wrap the publisher lease's ``publish`` (in the child only) to report what it published and
     how long the call took (index rows, lease check, watermark)."""
     from dmi.catalog._leases import Publisher
@@ -110,7 +87,7 @@ def _wait_for(path: Path, timeout: float) -> None:
 
 def child_main(args: argparse.Namespace) -> None:
     """Open the store and catalog, say ready, wait for the go file, capture each run, say done."""
-    side = _SideFile(args.side)
+    side = SideFile(args.side)
     _record_appends(side, digest=not args.no_digest)
     _time_publishes(side)
     from dmi.capture import attach
