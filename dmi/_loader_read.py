@@ -133,7 +133,7 @@ class WindowReader:
                 if lo < hi:
                     rows = np.arange(lo - start, hi - start, dtype=np.int64)
                     picks.append(np.stack([np.full_like(rows, len(sources)), rows], axis=1))
-                sources.append(tensors[e].reshape(n, width))
+                    sources.append(tensors[e].reshape(n, width))
                 start += n
         return sources, np.concatenate(picks)
 

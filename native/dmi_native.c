@@ -34,6 +34,17 @@ static int get_write(PyObject *obj, Py_buffer *view, const char *what) {
     return 0;
 }
 
+/* A read-only source and a writable destination, both held, or neither (an exception set). */
+static int get_src_out(PyObject *src_obj, Py_buffer *src, PyObject *out_obj, Py_buffer *out) {
+    if (get_read(src_obj, src, "src") < 0)
+        return -1;
+    if (get_write(out_obj, out, "out") < 0) {
+        PyBuffer_Release(src);
+        return -1;
+    }
+    return 0;
+}
+
 /* Elements are read and written as whole words and their bytes taken by shifts: the byte order of
  * the numpy code (byte p = value >> 8p), and loops a compiler vectorises. */
 #define SPLIT_WORDS(T, W)                                                                          \
@@ -61,12 +72,8 @@ static PyObject *split_planes(PyObject *self, PyObject *args) {
     if (width != 1 && width != 2 && width != 4 && width != 8)
         return PyErr_Format(PyExc_ValueError, "width must be 1, 2, 4 or 8, got %d", width);
     Py_buffer src, out;
-    if (get_read(src_obj, &src, "src") < 0)
+    if (get_src_out(src_obj, &src, out_obj, &out) < 0)
         return NULL;
-    if (get_write(out_obj, &out, "out") < 0) {
-        PyBuffer_Release(&src);
-        return NULL;
-    }
     PyObject *result = NULL;
     if (src.len != out.len || src.len % width) {
         PyErr_Format(PyExc_ValueError, "src (%zd bytes) and out (%zd bytes) must be equal multiples of %d",
@@ -151,12 +158,8 @@ static PyObject *widen_bf16(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OO:widen_bf16", &src_obj, &out_obj))
         return NULL;
     Py_buffer src, out;
-    if (get_read(src_obj, &src, "src") < 0)
+    if (get_src_out(src_obj, &src, out_obj, &out) < 0)
         return NULL;
-    if (get_write(out_obj, &out, "out") < 0) {
-        PyBuffer_Release(&src);
-        return NULL;
-    }
     PyObject *result = NULL;
     if (src.len % 2 || out.len != 2 * src.len) {
         PyErr_Format(PyExc_ValueError, "out (%zd bytes) must be twice src (%zd bytes, whole bf16 values)",

@@ -37,7 +37,7 @@ def split_planes(raw: np.ndarray, width: int) -> list[np.ndarray]:
         _native_ext.split_planes(raw, width, out)
         n = raw.nbytes // width
         return [out[p * n : (p + 1) * n] for p in range(width)]
-    words = raw.view(_UINT_BY_WIDTH[width])  # vectorised shifts: ~10x faster than strided copies
+    words = raw.view(_UINT_BY_WIDTH[width])  # shifts over whole words, not strided byte copies
     return [(words >> np.array(8 * p, words.dtype)).astype(np.uint8) for p in range(width)]
 
 
@@ -50,7 +50,7 @@ def join_planes(planes: list[np.ndarray], out: np.ndarray) -> None:
     if ACTIVE:
         _native_ext.join_planes(planes, out)
         return
-    words = out.view(_UINT_BY_WIDTH[len(planes)])  # shifts and ors on whole words: ~3x strided stores
+    words = out.view(_UINT_BY_WIDTH[len(planes)])  # shifts and ors over whole words, not strided stores
     np.copyto(words, planes[0], casting="safe")
     wide = np.empty_like(words)
     for p, plane in enumerate(planes[1:], start=1):
