@@ -113,7 +113,8 @@ def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
     last = n_windows(order.total, slot, n_slots, cfg.shuffle_buffer)
     io_pool = ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="dmi-loader-io")
     ahead = ThreadPoolExecutor(cfg.prefetch, thread_name_prefix="dmi-loader-window")
-    reader = WindowReader(ds.plan, ds.packs, cfg.fmt, max_gap=cfg.max_gap, on_error=cfg.on_error, io_pool=io_pool)
+    reader = WindowReader(ds.plan, ds.packs, cfg.fmt, max_gap=cfg.max_gap, on_error=cfg.on_error, io_pool=io_pool,
+                          windows_kept=cfg.prefetch + 2)  # those read ahead, the one consumed, one the loop holds
 
     def read(w: int) -> Window:
         def permutation(n: int):

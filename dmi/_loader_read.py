@@ -19,6 +19,7 @@ import torch
 
 from dmi._loader_plan import Plan, Slice, slice_rows
 from dmi.reader import FooterCache, read_record, read_records
+from dmi._loader_memory import WindowMemory
 from dmi.storage import PackStore, gather_rows, torch_dtype
 from dmi.storage.errors import PackError
 from dmi.storage.records import RecordEntry
@@ -54,7 +55,7 @@ class WindowReader:
     """Reads windows of one plan from one pack store (one footer cache for the reader's life)."""
 
     def __init__(self, plan: Plan, packs: PackStore, fmt: RowFormat, *, max_gap: int, on_error: str,
-                 io_pool: Executor):
+                 io_pool: Executor, windows_kept: int):
         self.plan = plan
         self.packs = packs
         self.fmt = fmt
@@ -62,6 +63,7 @@ class WindowReader:
         self.skip = on_error == "skip"
         self.io_pool = io_pool
         self.cache = FooterCache()
+        self.memory = WindowMemory(windows_kept)
 
     def read(self, slices: list[Slice], permutation: Callable[[int], np.ndarray] | None) -> Window:
         """The rows of ``slices``, damaged units left out (skip mode), reordered by
@@ -106,18 +108,32 @@ class WindowReader:
 
     def _rows(self, slices: list[Slice], tensors: dict[RecordEntry, torch.Tensor],
               order: np.ndarray | None) -> torch.Tensor:
-        """The rows of ``slices`` (in ``order`` when given), each feature gathered in one pass."""
-        per_feature = []
-        for f, feature in enumerate(self.plan.features):
+        """The rows of ``slices`` (in ``order`` when given): each feature gathered in one pass
+        straight into its place in the window (its column block, or its slot of the stack)."""
+        features = self.plan.features
+        stored = [torch_dtype(f.dtype) for f in features]
+        dtype = self.fmt.dtype or stored[0]  # features of several dtypes need dtype= (checked at open)
+        n = sum(s.hi - s.lo for s in slices)
+        widths = [f.width for f in features]
+        window = self.memory.take(n * sum(widths) * dtype.itemsize).view(dtype)
+        if len(features) > 1 and self.fmt.layout == "stack":
+            window = window.view(n, len(features), widths[0])
+            places = [window[:, f] for f in range(len(features))]
+        else:
+            window = window.view(n, sum(widths))
+            edges = np.cumsum([0, *widths])
+            places = [window[:, edges[f] : edges[f + 1]] for f in range(len(features))]
+        for f, (feature, place) in enumerate(zip(features, places)):
             sources, picks = self._picks(f, feature.width, slices, tensors)
             if order is not None:
                 picks = picks[order]
-            out = torch.empty(len(picks), feature.width, dtype=torch_dtype(feature.dtype))
-            gather_rows(sources, picks, out)
-            per_feature.append(self._convert(f, out))
-        if len(per_feature) == 1:
-            return per_feature[0]
-        return torch.stack(per_feature, dim=1) if self.fmt.layout == "stack" else torch.cat(per_feature, dim=1)
+            if self.fmt.scales is None and stored[f] == dtype:
+                gather_rows(sources, picks, place)
+            else:
+                rows = torch.empty(n, feature.width, dtype=stored[f])
+                gather_rows(sources, picks, rows)
+                place.copy_(self._convert(f, rows, dtype))
+        return window
 
     def _picks(self, f: int, width: int, slices: list[Slice],
                tensors: dict[RecordEntry, torch.Tensor]) -> tuple[list[torch.Tensor], np.ndarray]:
@@ -137,8 +153,7 @@ class WindowReader:
                 start += n
         return sources, np.concatenate(picks)
 
-    def _convert(self, f: int, rows: torch.Tensor) -> torch.Tensor:
-        dtype = self.fmt.dtype or rows.dtype
+    def _convert(self, f: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.fmt.scales is None:
             return rows.to(dtype)
         return (rows.to(torch.float32) * self.fmt.scales[f]).to(dtype)

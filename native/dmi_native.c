@@ -6,8 +6,10 @@
  *   split_planes(src, width, out)   out[p * n + i] = src[i * width + p]   (byte planes)
  *   join_planes(planes, out)        the inverse: out[i * width + p] = planes[p][i]
  *   widen_bf16(src, out)            float32 bits = bf16 bits << 16         (exact, for statistics)
- *   gather_rows(sources, picks, out) out row i = row picks[i][1] of sources[picks[i][0]]
- *                                   (the training loader's shuffled windows, one pass)
+ *   gather_rows(sources, picks, row_bytes, out, out_stride)
+ *                                   out row i (out_stride bytes apart) = row picks[i][1] of
+ *                                   sources[picks[i][0]] (the training loader's shuffled
+ *                                   windows, every feature straight into its place, one pass)
  *
  * The results are byte-identical to the numpy and torch code in storage/_native.py
  * (tests/test_native.py compares them); storage/_native.py falls back to that code when this
@@ -184,23 +186,24 @@ static PyObject *widen_bf16(PyObject *self, PyObject *args) {
 
 /* Rows are copied whole (memcpy); a pick outside its source stops the copy and is reported. */
 static Py_ssize_t gather_loop(const uint8_t **src, const Py_ssize_t *src_rows, Py_ssize_t n_src, const int64_t *picks,
-                              Py_ssize_t n, uint8_t *out, Py_ssize_t row_bytes) {
+                              Py_ssize_t n, uint8_t *out, Py_ssize_t row_bytes, Py_ssize_t out_stride) {
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t s = picks[2 * i], r = picks[2 * i + 1];
         if (s < 0 || s >= n_src || r < 0 || r >= src_rows[s])
             return i;
-        memcpy(out + i * row_bytes, src[s] + r * row_bytes, (size_t)row_bytes);
+        memcpy(out + i * out_stride, src[s] + r * row_bytes, (size_t)row_bytes);
     }
     return -1;
 }
 
 static PyObject *gather_rows(PyObject *self, PyObject *args) {
     PyObject *seq_obj, *picks_obj, *out_obj;
-    Py_ssize_t row_bytes;
-    if (!PyArg_ParseTuple(args, "OOnO:gather_rows", &seq_obj, &picks_obj, &row_bytes, &out_obj))
+    Py_ssize_t row_bytes, out_stride;
+    if (!PyArg_ParseTuple(args, "OOnOn:gather_rows", &seq_obj, &picks_obj, &row_bytes, &out_obj, &out_stride))
         return NULL;
-    if (row_bytes <= 0)
-        return PyErr_Format(PyExc_ValueError, "row_bytes must be positive, got %zd", row_bytes);
+    if (row_bytes <= 0 || out_stride < row_bytes)
+        return PyErr_Format(PyExc_ValueError, "row_bytes must be positive and out_stride at least row_bytes, got %zd "
+                            "and %zd", row_bytes, out_stride);
     PyObject *seq = PySequence_Fast(seq_obj, "sources must be a sequence of buffers");
     if (seq == NULL)
         return NULL;
@@ -234,13 +237,13 @@ static PyObject *gather_rows(PyObject *self, PyObject *args) {
         goto done;
     have_out = 1;
     Py_ssize_t n = picks.len / (Py_ssize_t)(2 * sizeof(int64_t));
-    if (picks.len % (Py_ssize_t)(2 * sizeof(int64_t)) || out.len != n * row_bytes) {
+    if (picks.len % (Py_ssize_t)(2 * sizeof(int64_t)) || out.len != (n ? (n - 1) * out_stride + row_bytes : 0)) {
         PyErr_Format(PyExc_ValueError, "picks (%zd bytes) must be int64 (source, row) pairs, one per row of out "
-                     "(%zd bytes of %zd-byte rows)", picks.len, out.len, row_bytes);
+                     "(%zd bytes: %zd-byte rows every %zd bytes)", picks.len, out.len, row_bytes, out_stride);
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    bad = gather_loop(bufs, rows, n_src, (const int64_t *)picks.buf, n, (uint8_t *)out.buf, row_bytes);
+    bad = gather_loop(bufs, rows, n_src, (const int64_t *)picks.buf, n, (uint8_t *)out.buf, row_bytes, out_stride);
     Py_END_ALLOW_THREADS
     if (bad >= 0) {
         const int64_t *p = (const int64_t *)picks.buf + 2 * bad;
@@ -267,7 +270,7 @@ static PyMethodDef methods[] = {
     {"split_planes", split_planes, METH_VARARGS, "split_planes(src, width, out): byte planes of src into out."},
     {"join_planes", join_planes, METH_VARARGS, "join_planes(planes, out): interleave byte planes into out."},
     {"widen_bf16", widen_bf16, METH_VARARGS, "widen_bf16(src, out): bf16 bits into float32 bits (exact)."},
-    {"gather_rows", gather_rows, METH_VARARGS, "gather_rows(sources, picks, row_bytes, out): rows picked from sources."},
+    {"gather_rows", gather_rows, METH_VARARGS, "gather_rows(sources, picks, row_bytes, out, out_stride): rows picked from sources, every out_stride bytes of out."},
     {NULL, NULL, 0, NULL},
 };
 

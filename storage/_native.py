@@ -75,14 +75,18 @@ def gather_rows(sources: Sequence, picks: np.ndarray, out) -> None:
     """``out[i] = sources[picks[i, 0]][picks[i, 1]]`` for 2-D contiguous torch tensors of one dtype
     and width: the training loader's shuffled window in one copy per row.
 
-    ``picks`` is an int64 array of (source, row) pairs; a pair outside its source raises
-    ``IndexError`` naming it (never a row of a neighbouring source).
+    ``out`` may be a view whose rows lie apart (``out.stride(1) == 1``), such as one feature's
+    column block of a window that holds several: each feature lands in place, not in a
+    temporary that is stacked afterwards. ``picks`` is an int64 array of (source, row) pairs; a
+    pair outside its source raises ``IndexError`` naming it (never a row of a neighbouring source).
     """
     import torch
 
     picks = np.ascontiguousarray(picks, dtype=np.int64).reshape(-1, 2)
     if out.dim() != 2 or out.shape[0] != len(picks):
         raise ValueError(f"out must be [{len(picks)}, width], one row per pick; got {list(out.shape)}")
+    if out.shape[0] > 1 and (out.stride(1) != 1 or out.stride(0) < out.shape[1]):
+        raise ValueError(f"out's rows must each be contiguous and apart; got strides {list(out.stride())}")
     for i, t in enumerate(sources):
         if t.dim() != 2 or t.shape[1] != out.shape[1] or t.dtype != out.dtype:
             raise ValueError(f"source {i} is {t.dtype} {list(t.shape)}; out's rows are {out.dtype} [*, {out.shape[1]}]")
@@ -90,7 +94,8 @@ def gather_rows(sources: Sequence, picks: np.ndarray, out) -> None:
         return
     if ACTIVE:
         row_bytes = out.shape[1] * out.element_size()
-        _native_ext.gather_rows([_bytes_of(t) for t in sources], picks, row_bytes, _bytes_of(out))
+        out_stride = out.stride(0) * out.element_size() if len(picks) > 1 else row_bytes
+        _native_ext.gather_rows([_bytes_of(t) for t in sources], picks, row_bytes, _rows_span(out), out_stride)
         return
     rows = np.array([t.shape[0] for t in sources], dtype=np.int64)
     src, row = picks[:, 0], picks[:, 1]
@@ -101,7 +106,23 @@ def gather_rows(sources: Sequence, picks: np.ndarray, out) -> None:
         raise IndexError(f"pick {bad} asks for row {row[bad]} of source {src[bad]}, which does not exist")
     starts = np.concatenate(([0], np.cumsum(rows)[:-1])).astype(np.int64)
     flat = torch.cat(list(sources)) if len(sources) != 1 else sources[0]
-    torch.index_select(flat, 0, torch.from_numpy(starts[src] + row), out=out)
+    index = torch.from_numpy(starts[src] + row)
+    if out.is_contiguous():
+        torch.index_select(flat, 0, index, out=out)
+    else:
+        out.copy_(torch.index_select(flat, 0, index))
+
+
+def _rows_span(out) -> np.ndarray:
+    """The bytes from ``out``'s first element to the end of its last row, as a uint8 array
+    (shared, not copied): what the C loop writes ``out``'s rows into."""
+    import torch
+
+    size = out.element_size()
+    span = ((out.shape[0] - 1) * out.stride(0) + out.shape[1]) * size
+    whole = torch.empty(0, dtype=torch.uint8).set_(out.untyped_storage())
+    start = out.storage_offset() * size
+    return whole[start : start + span].numpy()
 
 
 def _bytes_of(tensor) -> np.ndarray:

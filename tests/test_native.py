@@ -151,6 +151,44 @@ def test_gather_rows_is_identical_to_indexing_and_to_numpy(monkeypatch, dtype):
     assert torch.equal(reference.view(torch.uint8), expected.view(torch.uint8))
 
 
+@pytest.mark.parametrize("layout", ["stack", "concat"])
+def test_gather_rows_writes_one_block_of_a_wider_window_in_place(monkeypatch, layout):
+    """A feature's rows land in their slot of a window holding three features, on both paths;
+    the other features' bytes are left as they were."""
+    sources = _sources()
+    picks = np.array([(2, 16), (0, 4), (3, 0), (2, 3), (1, 0)])
+
+    def gather():
+        window = torch.full((5, 3 * 48), -7.0, dtype=torch.bfloat16)
+        place = window.view(5, 3, 48)[:, 1] if layout == "stack" else window[:, 48:96]
+        _native.gather_rows(sources, picks, place)
+        return window
+
+    native, reference = _both(monkeypatch, gather)
+    expected = torch.full((5, 3 * 48), -7.0, dtype=torch.bfloat16)
+    expected[:, 48:96] = torch.stack([sources[s][r] for s, r in picks])
+    assert torch.equal(native.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(reference.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("active", [True, False])
+def test_gather_rows_refuses_rows_that_overlap_or_are_not_contiguous(monkeypatch, active):
+    monkeypatch.setattr(_native, "ACTIVE", active)
+    base = torch.zeros(4, 96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"contiguous and apart; got strides \[96, 2\]"):
+        _native.gather_rows(_sources(), np.array([(0, 0)] * 4), base[:, ::2])
+    overlapping = base.view(-1).as_strided((4, 48), (24, 1))
+    with pytest.raises(ValueError, match=r"contiguous and apart; got strides \[24, 1\]"):
+        _native.gather_rows(_sources(), np.array([(0, 0)] * 4), overlapping)
+    assert not base.any()
+
+
+def test_the_c_loop_refuses_a_stride_shorter_than_a_row():
+    out = np.zeros(96, np.uint8)
+    with pytest.raises(ValueError, match="out_stride at least row_bytes"):
+        _native._native_ext.gather_rows([np.zeros(96, np.uint8)], np.zeros((1, 2), np.int64), 96, out, 48)
+
+
 @pytest.mark.parametrize("active", [True, False])
 @pytest.mark.parametrize("pick", [(0, 5), (1, 1), (4, 0), (-1, 0), (2, -1)])
 def test_gather_rows_refuses_a_row_its_source_does_not_have(monkeypatch, active, pick):

@@ -1,0 +1,66 @@
+"""Window memory the loader reuses once nothing views it any more.
+
+A window (the shuffle buffer's rows: 256 MiB of bf16 rows of width 2048 by default) used to
+be fresh memory every time, and fresh memory is mapped one 4 KiB page fault at a time as it
+is first written. Those faults cost more than the gather that fills the window
+(``bench/bench_native.py``, rows "gather ... fresh" and "... reused"; numbers in
+docs/loader.md). The loader's batches are views of their window, so a window's memory can
+be handed out again only when the training loop has let go of every batch cut from it and
+the loader of the window itself: torch counts the users of a storage, and a region is
+reused when the pool holds its only reference. A loop that keeps its batches simply gets
+new memory, as before. A region sent to another process (a DataLoader worker's batches
+travel in shared memory: torch moves the whole storage there, in place) is never lent
+again: the other process may still be reading it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+__all__ = ["WindowMemory"]
+
+
+class WindowMemory:
+    """At most ``keep`` regions, each lent again when the pool holds its only reference.
+    Windows are read ahead on several threads: taking a region is atomic."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._regions: list[torch.UntypedStorage] = []
+        self._lock = threading.Lock()
+        self.reused = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of uint8 memory (uninitialised): a free region large enough, else a new one."""
+        with self._lock:
+            return self._take(nbytes)
+
+    def _take(self, nbytes: int) -> torch.Tensor:
+        self._regions = [r for r in self._regions if not r.is_shared()]
+        for region in self._regions:
+            if region.nbytes() >= nbytes and _unused(region):
+                self.reused += 1
+                return _lend(region, nbytes)
+        region = torch.UntypedStorage(nbytes)
+        if len(self._regions) < self.keep:
+            self._regions.append(region)
+        else:
+            self._replace_a_free_smaller_region(region)
+        return _lend(region, nbytes)
+
+    def _replace_a_free_smaller_region(self, region: torch.UntypedStorage) -> None:
+        for i, old in enumerate(self._regions):
+            if old.nbytes() < region.nbytes() and _unused(old):
+                self._regions[i] = region
+                return
+
+
+def _lend(region: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(region, 0, (nbytes,), (1,))
+
+
+def _unused(region: torch.UntypedStorage) -> bool:
+    """Whether the pool's own reference is the only one: no tensor, view or batch uses it."""
+    return torch._C._storage_Use_Count(region._cdata) == 1
