@@ -7,7 +7,9 @@ is first written. Those faults cost more than the gather that fills the window
 docs/loader.md). The loader's batches are views of their window, so a window's memory can
 be handed out again only when the training loop has let go of every batch cut from it and
 the loader of the window itself: torch counts the users of a storage, and a region is
-reused when the pool holds its only reference. A loop that keeps its batches simply gets
+reused when the pool holds its only reference. The records a window is gathered from are
+read the same way, into one region per window (:class:`Arena`), free again once the window
+is assembled. A loop that keeps its batches simply gets
 new memory, as before. A region sent to another process (a DataLoader worker's batches
 travel in shared memory: torch moves the whole storage there, in place) is never lent
 again: the other process may still be reading it.
@@ -19,7 +21,7 @@ import threading
 
 import torch
 
-__all__ = ["WindowMemory"]
+__all__ = ["Arena", "WindowMemory"]
 
 
 class WindowMemory:
@@ -64,3 +66,30 @@ def _lend(region: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
 def _unused(region: torch.UntypedStorage) -> bool:
     """Whether the pool's own reference is the only one: no tensor, view or batch uses it."""
     return torch._C._storage_Use_Count(region._cdata) == 1
+
+
+class Arena:
+    """One lent region cut into consecutive pieces for the reads of one window (range reads and
+    decoded records; reads of several packs run on several threads). A piece starts on a
+    64-byte boundary, so a record's bytes view as its dtype; a request past the end gets new
+    memory, never a piece of another's."""
+
+    ALIGN = 64
+
+    def __init__(self, region: torch.Tensor):
+        self._region = region
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def room_for(cls, sizes) -> int:
+        """The region size that holds pieces of ``sizes`` bytes."""
+        return sum(size + -size % cls.ALIGN for size in sizes)
+
+    def __call__(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            start = self._used
+            if start + nbytes > self._region.numel():
+                return torch.empty(nbytes, dtype=torch.uint8)
+            self._used = start + nbytes + -nbytes % self.ALIGN
+        return self._region[start : start + nbytes]

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from dmi._loader_plan import Plan, Slice, slice_rows
-from dmi.reader import FooterCache, read_record, read_records
-from dmi._loader_memory import WindowMemory
+from dmi.reader import FooterCache, plan_reads, read_record, read_records
+from dmi._loader_memory import Arena, WindowMemory
 from dmi.storage import PackStore, gather_rows, torch_dtype
 from dmi.storage.errors import PackError
 from dmi.storage.records import RecordEntry
@@ -64,6 +64,7 @@ class WindowReader:
         self.io_pool = io_pool
         self.cache = FooterCache()
         self.memory = WindowMemory(windows_kept)
+        self.read_memory = WindowMemory(windows_kept)
 
     def read(self, slices: list[Slice], permutation: Callable[[int], np.ndarray] | None) -> Window:
         """The rows of ``slices``, damaged units left out (skip mode), reordered by
@@ -83,7 +84,8 @@ class WindowReader:
         by_pack: dict[str, list[RecordEntry]] = defaultdict(list)
         for e in entries:
             by_pack[e.pack_id].append(e)
-        futures = [self.io_pool.submit(self._read_pack, group) for group in by_pack.values()]
+        arena = self._arena(entries)
+        futures = [self.io_pool.submit(self._read_pack, group, arena) for group in by_pack.values()]
         tensors: dict[RecordEntry, torch.Tensor] = {}
         bad: dict[RecordEntry, str] = {}
         for future in futures:
@@ -92,9 +94,16 @@ class WindowReader:
             bad.update(failed)
         return tensors, bad
 
-    def _read_pack(self, group: list[RecordEntry]) -> tuple[dict, dict]:
+    def _arena(self, entries: list[RecordEntry]) -> Arena:
+        """Room for every range read of ``entries`` and every record that decodes into memory of its own."""
+        sizes = [p.range.length for p in plan_reads(entries, max_gap=self.max_gap)]
+        sizes += [e.meta.raw_size for e in entries if e.meta.codec != "raw"]
+        return Arena(self.read_memory.take(Arena.room_for(sizes)))
+
+    def _read_pack(self, group: list[RecordEntry], arena: Arena) -> tuple[dict, dict]:
         try:
-            return dict(zip(group, read_records(self.packs, group, max_gap=self.max_gap, cache=self.cache))), {}
+            got = read_records(self.packs, group, max_gap=self.max_gap, cache=self.cache, memory=arena)
+            return dict(zip(group, got)), {}
         except PackError:
             if not self.skip:
                 raise

@@ -14,7 +14,7 @@ by key when no catalog row is at hand.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -94,13 +94,19 @@ def read_records(
     *,
     max_gap: int = DEFAULT_MAX_GAP,
     cache: FooterCache | None = None,
+    memory: Callable[[int], torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """Tensors for ``entries`` (same order), reading exactly ``plan_reads(entries, max_gap=)``."""
+    """Tensors for ``entries`` (same order), reading exactly ``plan_reads(entries, max_gap=)``.
+
+    ``memory(nbytes)`` gives the uint8 buffers that range reads and decoded records go into
+    (default: new ``torch.empty`` buffers), for a caller that reuses its memory: the training
+    loader reads every window into one region it lends again (dmi/_loader_memory.py)."""
+    memory = memory or _new_bytes
     entries = list(entries)
     out: list[torch.Tensor | None] = [None] * len(entries)
     for i, e in enumerate(entries):
         if e.payload.length == 0:
-            out[i] = _decode(e, torch.empty(0, dtype=torch.uint8))
+            out[i] = _decode(e, torch.empty(0, dtype=torch.uint8), memory)
     by_pack: dict[str, list[PlannedRead]] = {}
     for plan in plan_reads(entries, max_gap=max_gap):
         by_pack.setdefault(plan.pack_id, []).append(plan)
@@ -109,21 +115,25 @@ def read_records(
             if cache is not None:
                 _check_against_footer(store, [entries[i] for p in plans for i in p.members], cache, source)
             for plan in plans:
-                buffer = _read_range(source, plan.range, [entries[i] for i in plan.members])
+                buffer = _read_range(source, plan.range, [entries[i] for i in plan.members], memory)
                 for i in plan.members:
                     rel = entries[i].payload.offset - plan.range.offset
-                    out[i] = _decode(entries[i], buffer[rel : rel + entries[i].payload.length])
+                    out[i] = _decode(entries[i], buffer[rel : rel + entries[i].payload.length], memory)
     return out  # type: ignore[return-value]
 
 
 def _read_single(source: PackInput, entry: RecordEntry) -> torch.Tensor:
     if entry.payload.length == 0:
-        return _decode(entry, torch.empty(0, dtype=torch.uint8))
-    return _decode(entry, _read_range(source, entry.payload, [entry]))
+        return _decode(entry, torch.empty(0, dtype=torch.uint8), _new_bytes)
+    return _decode(entry, _read_range(source, entry.payload, [entry], _new_bytes), _new_bytes)
 
 
-def _read_range(source: PackInput, rng, entries: list[RecordEntry]) -> torch.Tensor:
-    buffer = torch.empty(rng.length, dtype=torch.uint8)
+def _new_bytes(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _read_range(source: PackInput, rng, entries: list[RecordEntry], memory: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    buffer = memory(rng.length)
     try:
         source.read_into(rng.offset, buffer.numpy())
     except PackTruncatedError as exc:
@@ -132,7 +142,7 @@ def _read_range(source: PackInput, rng, entries: list[RecordEntry]) -> torch.Ten
     return buffer
 
 
-def _decode(entry: RecordEntry, stored: torch.Tensor) -> torch.Tensor:
+def _decode(entry: RecordEntry, stored: torch.Tensor, memory: Callable[[int], torch.Tensor]) -> torch.Tensor:
     """Verify, then decode ``stored`` (uint8) into the record's tensor."""
     meta = entry.meta
     stored_np = stored.numpy()
@@ -147,7 +157,7 @@ def _decode(entry: RecordEntry, stored: torch.Tensor) -> torch.Tensor:
     if meta.codec == "raw" and stored.storage_offset() % max(dtype.itemsize, 1) == 0 and stored.numel() == meta.raw_size:
         raw = stored
     else:
-        raw = torch.empty(meta.raw_size, dtype=torch.uint8)
+        raw = memory(meta.raw_size)
         try:
             decode(meta.codec, stored_np, raw.numpy(), dtype.itemsize)
         except CodecError as exc:

@@ -65,6 +65,25 @@ def test_every_dtype_round_trips_bit_exact(store, codec):
 
 
 @pytest.mark.parametrize("codec", CODECS)
+def test_read_records_puts_reads_and_decoded_records_in_the_memory_given(store, codec):
+    """``memory=`` (the training loader's reused window memory): every record bit-exact, and
+    every byte it returns lies in the region the caller lent."""
+    from dmi._loader_memory import Arena
+
+    tensors = [random_tensor(torch.bfloat16, (64, 33), seed=i) for i in range(4)]
+    with PackWriter(store, codec=codec) as w:
+        for i, t in enumerate(tensors):
+            w.append(key(layer=i), t)
+        desc = w.seal()
+    region = torch.empty(Arena.room_for([e.payload.length + e.meta.raw_size for e in desc.records]), dtype=torch.uint8)
+    got = read_records(store, desc.records, memory=Arena(region))
+    lo, hi = region.data_ptr(), region.data_ptr() + region.numel()
+    for g, t in zip(got, tensors):
+        assert same_bits(g, t)
+        assert lo <= g.data_ptr() and g.data_ptr() + g.numel() * g.element_size() <= hi
+
+
+@pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize(
     "make",
     [

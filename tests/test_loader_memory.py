@@ -1,0 +1,57 @@
+"""The loader's reused memory (dmi/_loader_memory.py): a region is lent again only when
+nothing uses it, never after it went to another process, and a window's reads get
+disjoint, aligned pieces of one region."""
+
+from __future__ import annotations
+
+import torch
+
+from dmi._loader_memory import Arena, WindowMemory
+
+
+def test_a_region_is_lent_again_only_when_no_tensor_uses_it():
+    memory = WindowMemory(keep=2)
+    first = memory.take(4096)
+    batch = first[1024:2048].view(torch.float32)  # a batch: a view of the window
+    del first
+    second = memory.take(4096)
+    assert second.data_ptr() != batch.data_ptr() - 1024 and memory.reused == 0
+    del batch
+    third = memory.take(1000)  # smaller requests fit in a free larger region
+    assert third.data_ptr() == _start(memory, 0) and memory.reused == 1
+    del second, third
+
+
+def test_a_region_sent_to_another_process_is_never_lent_again():
+    memory = WindowMemory(keep=2)
+    window = memory.take(4096)
+    window.share_memory_()  # what a DataLoader worker's batches go through: the storage moves to shared memory
+    address = window.data_ptr()
+    del window
+    again = memory.take(4096)
+    assert again.data_ptr() != address and memory.reused == 0
+
+
+def test_at_most_keep_regions_are_kept_a_larger_one_replacing_a_free_smaller_one():
+    memory = WindowMemory(keep=1)
+    small = memory.take(100)
+    del small
+    large = memory.take(10_000)  # the free 100-byte region is too small: replaced
+    assert memory._regions[0].nbytes() == 10_000
+    del large
+    assert memory.take(5000).data_ptr() == _start(memory, 0)
+
+
+def test_an_arena_hands_out_aligned_disjoint_pieces_and_new_memory_past_its_end():
+    region = torch.empty(Arena.room_for([100, 30]), dtype=torch.uint8)
+    arena = Arena(region)
+    a, b = arena(100), arena(30)
+    assert a.data_ptr() == region.data_ptr() and b.data_ptr() == region.data_ptr() + 128
+    assert (a.numel(), b.numel()) == (100, 30)
+    c = arena(10)  # no room left: its own memory, not a piece of another's
+    assert not region.data_ptr() <= c.data_ptr() < region.data_ptr() + region.numel()
+    assert c.numel() == 10
+
+
+def _start(memory: WindowMemory, i: int) -> int:
+    return memory._regions[i].data_ptr()
