@@ -15,6 +15,12 @@ are stored with ``fallback_codec`` (``raw``: a copy and a checksum, no compressi
 of the writer's own codec — lossless either way, and each record carries its codec. Every
 switch into the fallback and every record stored with it is counted (:class:`DrainStats`).
 A writer whose ``append`` takes no ``codec=`` (a custom sink) is never switched.
+
+**Encoding threads**: with ``encode_threads=N > 1`` the records of a slot are appended by a
+pool of N threads (the writer encodes outside its lock — statistics, compression, checksum,
+each releasing the GIL — so N records encode at once); the drain thread waits for all of
+them before it frees the slot or seals a pack. Records then reach a pack in the order their
+encoding finished, not the order they were cut (each is found by its key, never by its place).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import inspect
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -89,7 +96,7 @@ class Drain:
                  tick=None, tick_seconds: float = 5.0, decode_chunk_steps: int = 32,
                  decode_chunk_bytes: int = 16 << 20, start=None, fallback_codec: str | None = None,
                  fallback_fill: float = 0.5, name: str = "dmi-drain", texts=None,
-                 hook_codecs: dict[str, str] | None = None):
+                 hook_codecs: dict[str, str] | None = None, encode_threads: int = 1):
         self.ring = ring
         self.texts = texts  # TokenStrings: token_ids records also become token_text / prompt_text records
         self.writer = writer
@@ -113,6 +120,8 @@ class Drain:
         self.lost_keys: list[RecordKey] = []
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        self._encoders = None if encode_threads <= 1 else ThreadPoolExecutor(encode_threads, thread_name_prefix=f"{name}-encode")
+        self._writes: list = []  # appends handed to the encoders and not yet waited for
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -185,10 +194,14 @@ class Drain:
                 continue
             if item is None:
                 try:
+                    self._wait_writes()
                     self.writer.close()
                 except BaseException as exc:  # noqa: BLE001
                     if self.error is None:
                         self.error = exc
+                finally:
+                    if self._encoders is not None:
+                        self._encoders.shutdown(wait=True)
                 return
             if isinstance(item, _Marker):
                 if self.error is None:
@@ -208,7 +221,10 @@ class Drain:
             try:
                 if self.error is None:
                     t0 = time.perf_counter()
-                    self._process(item)
+                    try:
+                        self._process(item)
+                    finally:
+                        self._wait_writes()  # the slot's memory is read until its last record is encoded
                     self._publish_sealed()
                     self.stats.busy_seconds += time.perf_counter() - t0
             except BaseException as exc:  # noqa: BLE001
@@ -219,6 +235,7 @@ class Drain:
     def _seal_and_publish(self) -> None:
         self._choose_codec()
         self._emit_all_staged()
+        self._wait_writes()
         self._flush_losses()
         desc = self.writer.seal()
         if desc is not None and all(d is not desc for d in self.ctx.sealed):
@@ -272,13 +289,13 @@ class Drain:
         spec = HOOKS[hook]
         shard = self._shard(hook, tuple(rec.shape))
         if self._codec is None and hook in self._hook_codecs:
-            self.writer.append(key, rec, shard=shard, token_axis=spec.token_axis, key_axis=spec.key_axis,
-                               codec=self._hook_codecs[hook])
+            self._write(key, rec, shard=shard, token_axis=spec.token_axis, key_axis=spec.key_axis,
+                        codec=self._hook_codecs[hook])
         elif self._codec is None:
-            self.writer.append(key, rec, shard=shard, token_axis=spec.token_axis, key_axis=spec.key_axis)
+            self._write(key, rec, shard=shard, token_axis=spec.token_axis, key_axis=spec.key_axis)
         else:
-            self.writer.append(key, rec, shard=shard, token_axis=spec.token_axis, key_axis=spec.key_axis,
-                               codec=self._codec)
+            self._write(key, rec, shard=shard, token_axis=spec.token_axis, key_axis=spec.key_axis,
+                        codec=self._codec)
             self.stats.records_fallback += 1
         self.stats.records += 1
         if self.texts is not None and hook == "token_ids":
@@ -291,8 +308,27 @@ class Drain:
         if key.phase != "decode":
             texts.append((PROMPT_TEXT, self.texts.prompt_record(ids)))
         for hook, payload in texts:
-            self.writer.append(replace(key, hook=hook), payload)
+            self._write(replace(key, hook=hook), payload)
             self.stats.records += 1
+
+    def _write(self, key: RecordKey, data, **options) -> None:
+        """``writer.append``, here or on an encoding thread (waited for by :meth:`_wait_writes`)."""
+        if self._encoders is None:
+            self.writer.append(key, data, **options)
+        else:
+            self._writes.append(self._encoders.submit(self.writer.append, key, data, **options))
+
+    def _wait_writes(self) -> None:
+        """Wait for every append handed to the encoders; the first failure is raised after all finished."""
+        writes, self._writes = self._writes, []
+        failure = None
+        for write in writes:
+            try:
+                write.result()
+            except BaseException as exc:  # noqa: BLE001 - raised below, once every write is done
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def _choose_codec(self) -> None:
         """The fallback codec while the ring is at least ``fallback_fill`` full, else the

@@ -638,6 +638,7 @@ def attach(
     tp_replicas: str = "rank0",
     tokenizer=None,
     compiled: bool | None = None,
+    encode_threads: int = 1,
 ):
     """Attach capture to ``model``; yields a :class:`CaptureSession`.
 
@@ -660,6 +661,10 @@ def attach(
       for integer hooks with :class:`LossyCodecError` (see ``dmi.capture._codec_choice``).
     * ``decode_chunk_steps``: consecutive decode steps of a call are stored as one record per
       (request, hook, layer) covering up to this many tokens (``1``: one record per step).
+    * ``encode_threads``: how many threads encode the drain's records (statistics,
+      compression, checksum; each releases the GIL). ``1`` (default): the drain thread alone;
+      more pays where the drain falls behind and cores are free (docs/capture.md, "Encoding
+      threads", has the measurements).
     * ``tp_rank`` / ``tp_size``: this process's tensor-parallel shard; by default read from the
       TP device mesh of a model transformers sharded, else rank 0 of 1 — never the global
       ``torch.distributed`` rank (see ``dmi.capture._tp``).
@@ -697,7 +702,7 @@ def attach(
         check_compiled_selection(selection.hooks, tp_size)
     enabled = (tp_ranks is None or tp_rank in set(tp_ranks)) and (pp_ranks is None or pp_rank in set(pp_ranks))
     check_pipeline_arguments("attach", store=store, writer=writer, decode_chunk_steps=decode_chunk_steps,
-                             adaptive_codec=adaptive_codec)
+                             adaptive_codec=adaptive_codec, encode_threads=encode_threads)
     geometry = ModelGeometry.from_config(model.config, _model_dtype(model))
     texts = None if tokenizer is None else TokenStrings(tokenizer)
     if texts is not None:
@@ -718,7 +723,7 @@ def attach(
         catalog=catalog, publish_scope=publish_scope,
         lease_seconds=lease_seconds, store=store, writer=writer, writer_options=writer_options,
         decode_chunk_steps=decode_chunk_steps, adaptive_codec=adaptive_codec, texts=texts,
-        hook_codecs=hook_codecs)
+        hook_codecs=hook_codecs, encode_threads=encode_threads)
 
     def make_session(ring, drain, publisher):
         return CaptureSession(model, arch, selection, geometry, model_id=model_id, run_id=run_id,
@@ -749,6 +754,7 @@ class _PipelineOptions:
     adaptive_codec: float | None
     texts: object
     hook_codecs: dict | None
+    encode_threads: int
 
 
 @contextlib.contextmanager
@@ -782,7 +788,7 @@ def owned_session(owner_key, model_name: str, ctx: KeyContext, options: _Pipelin
                       tick_seconds=o.lease_seconds / 4, decode_chunk_steps=o.decode_chunk_steps,
                       fallback_codec=None if o.adaptive_codec is None else "raw",
                       fallback_fill=1.0 if o.adaptive_codec is None else o.adaptive_codec,
-                      texts=o.texts, hook_codecs=o.hook_codecs)
+                      texts=o.texts, hook_codecs=o.hook_codecs, encode_threads=o.encode_threads)
         session = make_session(ring, drain, publisher)
         ring.connect(drain.submit, stamp=session._copies_done)
         with _OWNERS_LOCK:
@@ -817,11 +823,12 @@ def owned_session(owner_key, model_name: str, ctx: KeyContext, options: _Pipelin
                 _OWNERS.pop(owner_key, None)
 
 
-def check_pipeline_arguments(who: str, *, store, writer, decode_chunk_steps, adaptive_codec) -> None:
+def check_pipeline_arguments(who: str, *, store, writer, decode_chunk_steps, adaptive_codec, encode_threads) -> None:
     """The arguments every attach shares about the drain and the writer, checked before the
     model is touched (:class:`InvalidArgumentError`)."""
-    if isinstance(decode_chunk_steps, bool) or not isinstance(decode_chunk_steps, int) or decode_chunk_steps < 1:
-        raise InvalidArgumentError(f"decode_chunk_steps must be an int >= 1, got {decode_chunk_steps!r}")
+    for name, value in (("decode_chunk_steps", decode_chunk_steps), ("encode_threads", encode_threads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}")
     _check_fill("adaptive_codec", adaptive_codec)
     if writer is None and store is None:
         raise InvalidArgumentError(f"{who} needs a pack store (store=PackStore.local(path))")

@@ -306,6 +306,7 @@ def attach_vllm(
     decode_chunk_steps: int = 32,
     writer=None,
     tp_replicas: str = "rank0",
+    encode_threads: int = 1,
 ):
     """Attach capture to ``engine`` — a ``vllm.LLM`` whose one worker runs in this process, the
     in-process executor of a served engine (``dmi.vllm.CaptureExecutor``), or a worker inside
@@ -323,7 +324,7 @@ def attach_vllm(
     if run_given and catalog is not None:
         _refuse_a_run_holding_records(catalog, model_id, run_id, tp_rank)
     check_pipeline_arguments("attach_vllm", store=store, writer=writer, decode_chunk_steps=decode_chunk_steps,
-                             adaptive_codec=adaptive_codec)
+                             adaptive_codec=adaptive_codec, encode_threads=encode_threads)
     geometry = ModelGeometry.from_config(model.config, config.dtype)
     layout = TPLayout(geometry, tp_rank, tp_size, None)
     emitted = emitted_hooks(selection.hooks, layout, tp_replicas)
@@ -336,7 +337,8 @@ def attach_vllm(
         ring_slots=ring_slots, slot_bytes=slot_bytes, ring_timeout=ring_timeout, drop_policy=drop_policy,
         catalog=catalog, publish_scope=publish_scope or default_publish_scope(model_id, run_id, tp_rank, tp_size),
         lease_seconds=lease_seconds, store=store, writer=writer, writer_options=writer_options,
-        decode_chunk_steps=decode_chunk_steps, adaptive_codec=adaptive_codec, texts=None, hook_codecs=hook_codecs)
+        decode_chunk_steps=decode_chunk_steps, adaptive_codec=adaptive_codec, texts=None, hook_codecs=hook_codecs,
+        encode_threads=encode_threads)
     planner = VLLMPlanner(geometry, dict(emitted), schedule)
 
     def make_session(ring, drain, publisher):

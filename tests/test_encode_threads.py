@@ -1,0 +1,90 @@
+"""``attach(encode_threads=N)``: the drain's records encoded by a pool of threads are the
+records one thread writes — bit-exact, none missing — and a slot's memory is not lent again
+before its last record was encoded; a failing append surfaces as ``DrainError``."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import dmi
+from dmi.capture import attach
+from dmi.storage.errors import DrainError, InvalidArgumentError
+
+from ._models import MemoryWriter, left_padded_batch, tiny
+
+HOOKS = "resid_post mlp_out attn_q token_ids logits"
+
+
+def _records(store, model, ids, mask, threads: int) -> dict:
+    with store.capture(model, hooks=HOOKS, encode_threads=threads) as cap:
+        rids, _ = cap.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                               return_dict_in_generate=True)
+    out = {}
+    for i, rid in enumerate(rids):
+        for hook in HOOKS.split():
+            layers = [None] if hook in ("token_ids", "logits") else range(model.config.num_hidden_layers)
+            for layer in layers:
+                out[(i, hook, layer)] = store.get_internal(cap.model_id, rid, hook, layers=layer, run_id=cap.run_id)
+    return out
+
+
+def test_records_encoded_on_three_threads_are_one_thread_s_records(tmp_path):
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    with dmi.open(home=tmp_path / "home") as store:
+        one = _records(store, model, ids, mask, 1)
+        three = _records(store, model, ids, mask, 3)
+    assert one.keys() == three.keys() and len(one) > 20
+    for key, value in one.items():
+        assert torch.equal(value, three[key]), key
+
+
+class _SlowWriter(MemoryWriter):
+    """Copies each record only after a pause, from an encoding thread: were the slot lent to
+    the next step before every record of it was copied, the copy would hold that step's rows.
+    (A stand-in sink: a real writer's encode is too fast to expose the race reliably.)"""
+
+    def append(self, key, data, **options):
+        time.sleep(0.002)
+        super().append(key, data, **options)
+
+
+def test_a_slot_is_released_only_after_its_last_record_is_encoded():
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                         output_hidden_states=True, return_dict_in_generate=True)
+    writer = _SlowWriter()
+    with attach(model, hooks="resid_post", writer=writer, ring_slots=2, encode_threads=2,
+                decode_chunk_steps=1) as cap:
+        rids, _ = cap.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                               return_dict_in_generate=True)
+    pads = (mask == 0).sum(1).tolist()
+    for i, rid in enumerate(rids):
+        for layer in range(model.config.num_hidden_layers - 1):  # the last hidden state HF returns is normed
+            parts = sorted((k.start_token, d) for k, d, _ in writer.records
+                           if k.request_id == rid and k.hook == "resid_post" and k.layer == layer)
+            got = torch.cat([d for _, d in parts])
+            want = torch.cat([ref.hidden_states[0][layer + 1][i, pads[i]:]]
+                             + [ref.hidden_states[s][layer + 1][i, -1:] for s in range(1, 6)])
+            assert torch.equal(got, want), (rid, layer)
+
+
+def test_a_failing_append_on_an_encoding_thread_is_a_drain_error():
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    with pytest.raises(DrainError, match="disk on fire"):
+        with attach(model, hooks="resid_post", writer=MemoryWriter(fail_after=3), encode_threads=2) as cap:
+            cap.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert not [t for t in threading.enumerate() if "encode" in t.name]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_encode_threads_must_be_a_positive_int(bad):
+    with pytest.raises(InvalidArgumentError, match="encode_threads must be an int >= 1"):
+        with attach(tiny("llama"), writer=MemoryWriter(), encode_threads=bad):
+            pass
