@@ -181,6 +181,13 @@ def _flat(epochs: list) -> list:
 
 
 @pytest.fixture(scope="module")
+def full(home) -> dict:
+    """Each request's rows as ``store.get_internal`` reads them."""
+    with dmi.open(home=home) as store:
+        return {r: store.get_internal("ddp", r, "resid_post", layers=0, run_id="r")[0] for r in LENGTHS}
+
+
+@pytest.fixture(scope="module")
 def ranks(home, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ddp-ranks")
     trained = _ok(run_ranks(_rank_training, WORLD, workdir, home, str(workdir)))
@@ -197,7 +204,7 @@ def test_rank_and_world_come_from_the_process_group(ranks):
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", WORKERS)
 @pytest.mark.parametrize("selection", ["even", "ragged"])
-def test_each_epoch_the_ranks_split_the_selection_exactly_once(ranks, home, selection, workers):
+def test_each_epoch_the_ranks_split_the_selection_exactly_once(ranks, full, selection, workers):
     trained, _ = ranks
     runs = [r[selection, workers] for r in trained]
     for epoch in range(EPOCHS):
@@ -211,8 +218,6 @@ def test_each_epoch_the_ranks_split_the_selection_exactly_once(ranks, home, sele
     lengths = [run["length"] for run in runs]
     # 48 tokens in shares of 24 (12 per worker) are whole batches; 49 leave rank 1 one more
     assert lengths == ([6, 6] if selection == "even" else [6, 7])
-    with dmi.open(home=home) as store:
-        full = {r: store.get_internal("ddp", r, "resid_post", layers=0, run_id="r")[0] for r in LENGTHS}
     for run in runs:
         for x, tokens in _flat(run["epochs"]):
             assert torch.equal(x, torch.stack([full[r][p] for _, r, p in tokens]))
