@@ -110,7 +110,8 @@ def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
     slot, n_slots = ds.rank * ds.slots_per_rank + local, ds.world_size * ds.slots_per_rank
     order = EpochOrder(ds.plan, seed=cfg.seed, epoch=ds.epoch, shuffle=cfg.shuffle)
     first, consumed = ds.cursors[local]
-    last = n_windows(order.total, slot, n_slots, cfg.shuffle_buffer)
+    whole = cfg.batch_size if cfg.drop_last else None
+    last = n_windows(order.total, slot, n_slots, cfg.shuffle_buffer, whole_batches=whole)
     io_pool = ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="dmi-loader-io")
     ahead = ThreadPoolExecutor(cfg.prefetch, thread_name_prefix="dmi-loader-window")
     reader = WindowReader(ds.plan, ds.packs, cfg.fmt, max_gap=cfg.max_gap, on_error=cfg.on_error, io_pool=io_pool,
@@ -120,7 +121,7 @@ def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
         def permutation(n: int):
             return window_permutation(n, seed=cfg.seed, epoch=ds.epoch, slot=slot, w=w, shuffle=True)
 
-        return reader.read(window_slices(order, slot, n_slots, cfg.shuffle_buffer, w),
+        return reader.read(window_slices(order, slot, n_slots, cfg.shuffle_buffer, w, whole_batches=whole),
                            permutation if cfg.shuffle else None)
 
     pending = deque(ahead.submit(read, w) for w in range(first, min(last, first + cfg.prefetch)))
@@ -234,11 +235,11 @@ class TokenLoader:
                                  cursors=tuple(self._cursors), rotation=self._next)
 
     def __len__(self) -> int:
-        n_slots = self.world_size * self.slots_per_rank
-        total = self.plan.n_tokens
-        rounding = math.floor if self.config.drop_last else math.ceil
-        return sum(rounding((hi - lo) / self.config.batch_size) for lo, hi in
-                   (slot_range(total, self.rank * self.slots_per_rank + s, n_slots) for s in range(self.slots_per_rank)))
+        n_slots, batch = self.world_size * self.slots_per_rank, self.config.batch_size
+        whole = batch if self.config.drop_last else None
+        shares = (slot_range(self.plan.n_tokens, self.rank * self.slots_per_rank + s, n_slots, whole_batches=whole)
+                  for s in range(self.slots_per_rank))
+        return sum(-(-(hi - lo) // batch) for lo, hi in shares)
 
     def __iter__(self) -> Iterator[Any]:
         dataset = ActivationDataset(self.plan, self.packs, self.config, epoch=self.epoch, rank=self.rank,

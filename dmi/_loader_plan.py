@@ -188,19 +188,30 @@ class EpochOrder:
         return out
 
 
-def slot_range(total: int, slot: int, n_slots: int) -> tuple[int, int]:
-    """Stream positions of consumer ``slot``: contiguous, disjoint, sizes within one token."""
-    return total * slot // n_slots, total * (slot + 1) // n_slots
+def slot_range(total: int, slot: int, n_slots: int, *, whole_batches: int | None = None) -> tuple[int, int]:
+    """Stream positions of consumer ``slot``: contiguous, disjoint, sizes within one token.
+
+    ``whole_batches=b`` (``drop_last``) keeps, in every slot, as many whole batches of ``b``
+    rows as the smallest share holds (``total // n_slots`` rows) and leaves the rest of the
+    share out of the epoch: every slot, hence every DDP rank, yields the same number of
+    batches, which DDP's lock-step all-reduces need. (Cutting each share to its own whole
+    batches would not do: shares one token apart can hold different numbers of batches.)
+    """
+    lo, hi = total * slot // n_slots, total * (slot + 1) // n_slots
+    if whole_batches is not None:
+        hi = lo + (total // n_slots) // whole_batches * whole_batches
+    return lo, hi
 
 
-def n_windows(total: int, slot: int, n_slots: int, window: int) -> int:
-    lo, hi = slot_range(total, slot, n_slots)
+def n_windows(total: int, slot: int, n_slots: int, window: int, *, whole_batches: int | None = None) -> int:
+    lo, hi = slot_range(total, slot, n_slots, whole_batches=whole_batches)
     return -(-(hi - lo) // window)
 
 
-def window_slices(order: EpochOrder, slot: int, n_slots: int, window: int, w: int) -> list[Slice]:
+def window_slices(order: EpochOrder, slot: int, n_slots: int, window: int, w: int, *,
+                  whole_batches: int | None = None) -> list[Slice]:
     """Unit slices of window ``w`` of ``slot``'s share."""
-    lo, hi = slot_range(order.total, slot, n_slots)
+    lo, hi = slot_range(order.total, slot, n_slots, whole_batches=whole_batches)
     return order.slices(lo + w * window, min(hi, lo + (w + 1) * window))
 
 
