@@ -38,7 +38,11 @@ from dmi.storage.errors import InvalidArgumentError
 
 __all__ = ["TokenLoader", "ActivationDataset", "ShuffleQuality", "open_loader"]
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""2: with ``drop_last``, every share keeps as many whole batches as the smallest share holds
+(equal step counts across DDP ranks). A version-1 state resumes a loader without
+``drop_last`` (nothing else changed) and is refused for one with it: its cursors point into
+the older cut."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,8 +274,12 @@ class TokenLoader:
         Raises ``InvalidArgumentError`` when the state comes from a loader with another
         selection, seed, batch size, shuffle buffer, worker count or rank layout.
         """
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        if not isinstance(state, dict) or state.get("version") not in (1, STATE_VERSION):
             raise InvalidArgumentError(f"not a DMI loader state (version {STATE_VERSION}): {state!r:.200}")
+        if state["version"] == 1 and self.config.drop_last:
+            raise InvalidArgumentError("this state was saved by a loader whose drop_last cut each share on its own "
+                                       "(state version 1); its positions do not apply to this loader's cut: "
+                                       "start the epoch again (set_epoch) instead of loading it")
         mine, theirs = self._fingerprint(), state.get("fingerprint")
         if theirs != mine:
             differ = sorted(k for k in mine if not isinstance(theirs, dict) or theirs.get(k) != mine[k])

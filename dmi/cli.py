@@ -768,7 +768,7 @@ def _build_parser() -> argparse.ArgumentParser:
     rows.add_argument("--with-tokens", action="store_true",
                       help="also write tokens.parquet: each row's run, request and position")
     rows.add_argument("--batch-size", type=int, default=4096, metavar="N", help="rows per shard (default: 4096)")
-    rows.add_argument("--drop-last", action="store_true", help="leave out each share's last partial shard")
+    rows.add_argument("--drop-last", action="store_true", help="every share (rank, worker) keeps as many whole batches as the smallest share holds")
     order = exp.add_argument_group("order and share")
     order.add_argument("--seed", type=int, default=0, help="the shuffle's seed (default: 0)")
     order.add_argument("--no-shuffle", action="store_true", help="in (run, request, position) order")

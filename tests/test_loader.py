@@ -220,6 +220,24 @@ def test_a_state_from_another_loader_is_refused(store):
         other.load_state_dict({"epoch": 3})
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_version_1_state_resumes_only_where_the_cut_did_not_change(store, drop_last):
+    """Version 2 changed what drop_last leaves out (equal batch counts across shares); a
+    version-1 state without drop_last means the same positions and is taken, with it refused."""
+    options = dict(layers=[0], batch_size=4, seed=1, drop_last=drop_last, with_tokens=True)
+    saved = store.loader("m", **options)
+    it = iter(saved)
+    next(it)
+    state = {**saved.state_dict(), "version": 1}
+    resumed = store.loader("m", **options)
+    if drop_last:
+        with pytest.raises(InvalidArgumentError, match="state version 1"):
+            resumed.load_state_dict(state)
+    else:
+        resumed.load_state_dict(state)
+        assert _same(list(resumed), list(it))
+
+
 # ------------------------------------------------------------------------------ selection
 
 
