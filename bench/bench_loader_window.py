@@ -15,7 +15,7 @@ Rows, each the best of ``--rounds`` interleaved rounds, in GB/s of window bytes:
 * ``read ... fresh`` / ``read ... lent``: the window's records read back from raw-codec packs
   in the page cache (``read_records``, one thread, checksums verified) into new buffers, or
   into one region lent again (``Arena``, the loader now).
-* limits: ``memcpy`` into an existing buffer, ``first write of fresh memory`` (``fill_`` of a
+* limits: ``memcpy`` into an existing buffer (one thread, as the gather), ``first write of fresh memory`` (``fill_`` of a
   new ``torch.empty``: the page faults alone).
 
     python bench/bench_loader_window.py
@@ -70,12 +70,11 @@ def cases(feats: list[list[torch.Tensor]], window: int, hidden: int) -> dict:
         for f, sources_f in enumerate(feats):
             gather_rows(sources_f, picks, x[:, f])
 
-    target = torch.empty(window, hidden, dtype=torch.bfloat16)
-    target.zero_()
-    flat = torch.cat(feats[0])[:window]
+    target = np.zeros(window * hidden * 2, np.uint8)
+    flat = torch.cat(feats[0])[:window].contiguous().view(torch.uint8).numpy().reshape(-1)
 
     def memcpy():
-        target.copy_(flat)
+        np.copyto(target, flat)  # one thread, as the gather
 
     def first_write():
         torch.empty(window, hidden, dtype=torch.bfloat16).fill_(1)

@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-__all__ = ["Arena", "WindowMemory"]
+__all__ = ["Arena", "LoaderMemory", "WindowMemory"]
 
 
 class WindowMemory:
@@ -57,6 +57,17 @@ class WindowMemory:
             if old.nbytes() < region.nbytes() and _unused(old):
                 self._regions[i] = region
                 return
+
+
+class LoaderMemory:
+    """A consumer's two pools: windows, and the reads they are gathered from. A loader read
+    in-process keeps one across epochs (a new epoch starts on memory already mapped); a
+    DataLoader worker makes its own."""
+
+    def __init__(self, prefetch: int):
+        kept = prefetch + 2  # the windows read ahead, the one consumed, one whose batches the loop holds
+        self.windows = WindowMemory(kept)
+        self.reads = WindowMemory(kept)
 
 
 def _lend(region: torch.UntypedStorage, nbytes: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 
 from dmi._loader_plan import Plan, Slice, slice_rows
 from dmi.reader import FooterCache, plan_reads, read_record, read_records
-from dmi._loader_memory import Arena, WindowMemory
+from dmi._loader_memory import Arena, LoaderMemory
 from dmi.storage import PackStore, gather_rows, torch_dtype
 from dmi.storage.errors import PackError
 from dmi.storage.records import RecordEntry
@@ -55,7 +55,7 @@ class WindowReader:
     """Reads windows of one plan from one pack store (one footer cache for the reader's life)."""
 
     def __init__(self, plan: Plan, packs: PackStore, fmt: RowFormat, *, max_gap: int, on_error: str,
-                 io_pool: Executor, windows_kept: int):
+                 io_pool: Executor, memory: LoaderMemory):
         self.plan = plan
         self.packs = packs
         self.fmt = fmt
@@ -63,8 +63,7 @@ class WindowReader:
         self.skip = on_error == "skip"
         self.io_pool = io_pool
         self.cache = FooterCache()
-        self.memory = WindowMemory(windows_kept)
-        self.read_memory = WindowMemory(windows_kept)
+        self.memory = memory
 
     def read(self, slices: list[Slice], permutation: Callable[[int], np.ndarray] | None) -> Window:
         """The rows of ``slices``, damaged units left out (skip mode), reordered by
@@ -98,7 +97,7 @@ class WindowReader:
         """Room for every range read of ``entries`` and every record that decodes into memory of its own."""
         sizes = [p.range.length for p in plan_reads(entries, max_gap=self.max_gap)]
         sizes += [e.meta.raw_size for e in entries if e.meta.codec != "raw"]
-        return Arena(self.read_memory.take(Arena.room_for(sizes)))
+        return Arena(self.memory.reads.take(Arena.room_for(sizes)))
 
     def _read_pack(self, group: list[RecordEntry], arena: Arena) -> tuple[dict, dict]:
         try:
@@ -124,7 +123,7 @@ class WindowReader:
         dtype = self.fmt.dtype or stored[0]  # features of several dtypes need dtype= (checked at open)
         n = sum(s.hi - s.lo for s in slices)
         widths = [f.width for f in features]
-        window = self.memory.take(n * sum(widths) * dtype.itemsize).view(dtype)
+        window = self.memory.windows.take(n * sum(widths) * dtype.itemsize).view(dtype)
         if len(features) > 1 and self.fmt.layout == "stack":
             window = window.view(n, len(features), widths[0])
             places = [window[:, f] for f in range(len(features))]
