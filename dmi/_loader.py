@@ -85,7 +85,7 @@ class ActivationDataset(IterableDataset):
 
     def __init__(self, plan: Plan, packs: PackStore, config: LoaderConfig, *, epoch: int, rank: int,
                  world_size: int, num_workers: int, cursors: tuple[tuple[int, int], ...] | None = None,
-                 rotation: int = 0, bookkeeping: bool = False, memory: LoaderMemory | None = None):
+                 rotation: int = 0, bookkeeping: bool = False):
         super().__init__()
         self.plan, self.packs, self.config = plan, packs, config
         self.epoch, self.rank, self.world_size = epoch, rank, world_size
@@ -93,7 +93,6 @@ class ActivationDataset(IterableDataset):
         self.cursors = cursors or ((0, 0),) * self.slots_per_rank
         self.rotation = rotation
         self.bookkeeping = bookkeeping
-        self.memory = memory  # a loader read in-process lends its memory across epochs; None: per iteration
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
@@ -121,7 +120,7 @@ def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
     io_pool = ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="dmi-loader-io")
     ahead = ThreadPoolExecutor(cfg.prefetch, thread_name_prefix="dmi-loader-window")
     reader = WindowReader(ds.plan, ds.packs, cfg.fmt, max_gap=cfg.max_gap, on_error=cfg.on_error, io_pool=io_pool,
-                          memory=ds.memory if ds.memory is not None else LoaderMemory(cfg.prefetch))
+                          memory=LoaderMemory(cfg.prefetch))
 
     def read(w: int) -> Window:
         def permutation(n: int):
@@ -212,7 +211,6 @@ class TokenLoader:
         self.scales = None if config.fmt.scales is None else dict(zip(self.features, config.fmt.scales))
         self.damaged_records: list[str] = []
         self.skipped_rows = 0
-        self._memory = LoaderMemory(config.prefetch)
         self.set_epoch(0)
 
     @property
@@ -251,8 +249,7 @@ class TokenLoader:
     def __iter__(self) -> Iterator[Any]:
         dataset = ActivationDataset(self.plan, self.packs, self.config, epoch=self.epoch, rank=self.rank,
                                     world_size=self.world_size, num_workers=self.num_workers,
-                                    cursors=tuple(self._cursors), rotation=self._next, bookkeeping=True,
-                                    memory=self._memory if self.num_workers == 0 else None)
+                                    cursors=tuple(self._cursors), rotation=self._next, bookkeeping=True)
         if self.num_workers == 0:
             items = iter(dataset)
         else:

@@ -3,14 +3,12 @@
 A window (the shuffle buffer's rows: 256 MiB of bf16 rows of width 2048 by default) used to
 be fresh memory every time, and fresh memory is mapped one 4 KiB page fault at a time as it
 is first written. Those faults cost more than the gather that fills the window
-(``bench/bench_native.py``, rows "gather ... fresh" and "... reused"; numbers in
-docs/loader.md). The loader's batches are views of their window, so a window's memory can
+(``bench/bench_loader_window.py``; numbers in docs/benchmarks.md). The loader's batches are views of their window, so a window's memory can
 be handed out again only when the training loop has let go of every batch cut from it and
 the loader of the window itself: torch counts the users of a storage, and a region is
 reused when the pool holds its only reference. The records a window is gathered from are
 read the same way, into one region per window (:class:`Arena`), free again once the window
-is assembled. A loop that keeps its batches simply gets
-new memory, as before. A region sent to another process (a DataLoader worker's batches
+is assembled. A loop that keeps its batches simply gets new memory, as before. A region sent to another process (a DataLoader worker's batches
 travel in shared memory: torch moves the whole storage there, in place) is never lent
 again: the other process may still be reading it.
 """
@@ -60,14 +58,13 @@ class WindowMemory:
 
 
 class LoaderMemory:
-    """A consumer's two pools: windows, and the reads they are gathered from. A loader read
-    in-process keeps one across epochs (a new epoch starts on memory already mapped); a
-    DataLoader worker makes its own."""
+    """One consumer's pools for one epoch (freed with it: a loader between epochs holds no
+    memory): windows — those read ahead, the one consumed, one whose batches the loop still
+    holds — and the reads of the windows being read ahead."""
 
     def __init__(self, prefetch: int):
-        kept = prefetch + 2  # the windows read ahead, the one consumed, one whose batches the loop holds
-        self.windows = WindowMemory(kept)
-        self.reads = WindowMemory(kept)
+        self.windows = WindowMemory(prefetch + 2)
+        self.reads = WindowMemory(prefetch)
 
 
 def _lend(region: torch.UntypedStorage, nbytes: int) -> torch.Tensor:

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dmi._loader_memory import Arena, LoaderMemory
 from dmi._loader_plan import Plan, Slice, slice_rows
 from dmi.reader import FooterCache, plan_reads, read_record, read_records
-from dmi._loader_memory import Arena, LoaderMemory
 from dmi.storage import PackStore, gather_rows, torch_dtype
 from dmi.storage.errors import PackError
 from dmi.storage.records import RecordEntry
