@@ -71,9 +71,13 @@ def _lend(region: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(region, 0, (nbytes,), (1,))
 
 
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+"""torch's count of a storage's users (private; where a torch lacks it, nothing is lent again)."""
+
+
 def _unused(region: torch.UntypedStorage) -> bool:
     """Whether the pool's own reference is the only one: no tensor, view or batch uses it."""
-    return torch._C._storage_Use_Count(region._cdata) == 1
+    return _USE_COUNT is not None and _USE_COUNT(region._cdata) == 1
 
 
 class Arena:

@@ -53,5 +53,16 @@ def test_an_arena_hands_out_aligned_disjoint_pieces_and_new_memory_past_its_end(
     assert c.numel() == 10
 
 
+def test_without_torch_s_use_count_nothing_is_lent_again(monkeypatch):
+    import dmi._loader_memory as loader_memory
+
+    monkeypatch.setattr(loader_memory, "_USE_COUNT", None)
+    memory = WindowMemory(keep=2)
+    first = memory.take(4096)
+    address = first.data_ptr()
+    del first
+    assert memory.take(4096).data_ptr() != address and memory.reused == 0
+
+
 def _start(memory: WindowMemory, i: int) -> int:
     return memory._regions[i].data_ptr()
