@@ -1,8 +1,9 @@
 """``vllm serve --tensor-parallel-size 2`` with ``dmi.vllm.CaptureMultiprocExecutor``: two worker
 processes, each capturing its shard; requests over HTTP on loopback, read back from this process
 by the id the server returned — merged over both ranks, while the server keeps running (the idle
-publish) — and every rank's lease released when the server stops. And the executor's refusals,
-made before any worker process starts.
+publish) — and every rank's lease released when the server stops. And the executors' refusals,
+made before any worker process starts; the executor's calls into the workers one at a time; the
+idle publisher's one publish per stretch of steps.
 
 One real server for the module (a real vLLM OpenAI server on the tiny Llama of
 ``tests/_vllm.py``, one core per rank, gloo on CPU; the embedded catalog shared by taking turns).
@@ -15,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -180,3 +182,69 @@ def test_the_single_process_executor_refuses_a_sharded_engine(tmp_path):
     with pytest.raises(VLLMConfigError, match=r"--tensor-parallel-size 2.*"
                                               r"--distributed-executor-backend dmi.vllm.CaptureMultiprocExecutor"):
         CaptureExecutor(config)
+
+
+def test_calls_into_the_workers_are_made_one_at_a_time(monkeypatch):
+    """vLLM's queue to the workers has one writer, and answers are read in the order calls were
+    queued: the idle publisher's thread must never be inside ``collective_rpc`` while the engine's
+    thread is. vLLM's ``collective_rpc`` is replaced by a stand-in that holds the engine's call
+    open and counts the callers inside (two real threads do not race on demand)."""
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    from dmi.vllm import CaptureMultiprocExecutor
+
+    inside, seen = [0], []
+    entered, release = threading.Event(), threading.Event()
+
+    def queue_call(self, method, *args, **kwargs):
+        inside[0] += 1
+        seen.append((method, inside[0]))
+        if method == "execute_model":
+            entered.set()
+            release.wait(10)
+        inside[0] -= 1
+        return method
+
+    monkeypatch.setattr(MultiprocExecutor, "collective_rpc", queue_call)
+    executor = object.__new__(CaptureMultiprocExecutor)  # only its calls: no engine, no worker
+    executor._dmi_rpc_lock = threading.RLock()
+    step = threading.Thread(target=executor.collective_rpc, args=("execute_model",))
+    step.start()
+    assert entered.wait(10)
+    publish = threading.Thread(target=executor.collective_rpc, args=("dmi_publish_buffered",))
+    publish.start()
+    publish.join(0.5)  # time for it to get in, were the engine's call not holding the lock
+    release.set()
+    step.join(10)
+    publish.join(10)
+    assert seen == [("execute_model", 1), ("dmi_publish_buffered", 1)]
+
+
+def test_the_idle_publisher_publishes_once_per_stretch_of_steps():
+    """Idle after a step: one publish; idle on: no further call (with workers in other processes
+    each is a call to every worker); before any step: none."""
+    from dmi.vllm import _IdlePublisher
+
+    calls, called = [], threading.Event()
+
+    def publish():
+        calls.append(1)
+        called.set()
+
+    idle = _IdlePublisher(publish, 0.01)
+    try:
+        time.sleep(0.2)
+        assert calls == []
+        with idle.step():
+            pass
+        assert called.wait(10)
+        time.sleep(0.2)  # twenty idle periods
+        assert calls == [1]
+        with idle.step():
+            pass
+        deadline = time.monotonic() + 10
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calls == [1, 1]
+    finally:
+        idle.stop()
