@@ -175,8 +175,8 @@ class CaptureMultiprocExecutor(MultiprocExecutor):
 
     def _dmi_publish_buffered(self) -> None:
         """Queue a publish in every worker, behind the steps already sent, without waiting: the
-        engine's thread reads the answers in order with its next step's (a failure is logged by
-        the worker and surfaces there)."""
+        engine's thread reads the answers, in order, with its next call's. A worker logs a failed
+        call with its traceback; a failed drain also fails that worker's next step and its detach."""
         if not self.is_failed and not getattr(self, "shutting_down", False):
             self.collective_rpc("dmi_publish_buffered", non_block=True)
 
