@@ -1,26 +1,43 @@
 """Capture from vLLM engines whose model runs in other processes: a served engine (``vllm
-serve MODEL --distributed-executor-backend dmi.vllm.CaptureExecutor``), and an ``LLM`` whose
-workers run apart — the default engine process, or one process per tensor-parallel rank
-(``LLM(..., worker_extension_cls="dmi.vllm.CaptureWorkerExtension")``, then
+serve MODEL --distributed-executor-backend dmi.vllm.CaptureMultiprocExecutor``, any
+``--tensor-parallel-size``; or ``dmi.vllm.CaptureExecutor`` for one worker in the engine process;
+both with ``--enforce-eager --no-enable-prefix-caching --shutdown-timeout N``),
+and an ``LLM`` whose workers run apart — the default engine process, or one process per
+tensor-parallel rank (``LLM(..., worker_extension_cls="dmi.vllm.CaptureWorkerExtension")``, then
 ``dmi.capture_vllm(llm)`` as usual).
 
 vLLM builds its executor from a class named on its command line (a supported extension
-point: no vLLM source is patched). :class:`CaptureExecutor` is vLLM's single-process executor
-that, once the model is loaded, attaches ``dmi.capture.attach_vllm`` to its own worker and
-keeps it attached until the server shuts down:
+point: no vLLM source is patched). Two executors attach ``dmi.capture.attach_vllm`` once the
+model is loaded and keep it attached until the server shuts down:
+
+* :class:`CaptureExecutor`, vLLM's single-process executor: its one worker runs in the engine
+  process, which attaches to it directly.
+* :class:`CaptureMultiprocExecutor`, vLLM's multiprocess executor: one worker process per
+  tensor-parallel rank. It names :class:`CaptureWorkerExtension` as the workers' extension
+  before they start (no extra flag), then every worker attaches in its own process — one run id
+  for all ranks, each rank writing its shard under its own publisher lease — and detaches at
+  shutdown (drained, sealed, published, lease released) before the workers stop.
+
+Common to both:
 
 * **What to capture**: ``DMI_VLLM_CAPTURE``, a JSON object of ``attach_vllm`` keywords
   (``{"hooks": "resid_post", "layers": [0, 4, 8]}``; default: ``resid_post`` of every
   layer). **Where**: the store ``dmi.open()`` opens (``DMI_HOME``, ``DMI_CATALOG``,
-  ``DMI_PACKS``) — the embedded catalog lets a reader in another process take turns with
-  the server; a ClickHouse server is the choice at scale.
-* **Refusals**: the engine must run eagerly without prefix caching (``--enforce-eager
-  --no-enable-prefix-caching``); otherwise the server does not start and the log names the
-  flag (:class:`~dmi.VLLMConfigError`). A bad ``DMI_VLLM_CAPTURE`` stops it the same way.
+  ``DMI_PACKS``; the workers inherit the engine's environment) — the embedded catalog lets a
+  reader in another process take turns with the server; a ClickHouse server is the choice at scale.
+* **Refusals**: the engine must run eagerly without prefix caching or pipeline stages
+  (``--enforce-eager --no-enable-prefix-caching``), and stop gracefully (``--shutdown-timeout
+  N``, N > 0: vLLM's default kills the engine and its workers at once, before DMI could seal,
+  publish and release its leases); otherwise the server does not start and the log names the
+  flag (:class:`~dmi.VLLMConfigError`), before any worker is started. A bad
+  ``DMI_VLLM_CAPTURE`` stops it the same way.
 * **Publishing**: a finished request's records are sealed and published at the next engine
   step, or, when the engine goes idle, after :data:`IDLE_PUBLISH_SECONDS` — a client that got
   its response can read its records by the id the server returned (``cmpl-...-<prompt
-  index>`` for ``/v1/completions``, the response ``id`` for ``/v1/chat/completions``).
+  index>`` for ``/v1/completions``, the response ``id`` for ``/v1/chat/completions``). With
+  workers in other processes the idle publish is a ``dmi_publish_buffered`` call to every
+  worker, queued behind the steps already sent: each worker runs its calls one at a time, in
+  order, so the publish never runs inside a step.
 """
 
 from __future__ import annotations
@@ -31,11 +48,13 @@ import os
 import threading
 import time
 
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
-from dmi.storage.errors import InvalidArgumentError
+from dmi.storage.errors import AttachError, InvalidArgumentError, VLLMConfigError
 
-__all__ = ["CaptureExecutor", "CaptureWorkerExtension", "WorkerCapture", "CAPTURE_ENV", "IDLE_PUBLISH_SECONDS"]
+__all__ = ["CaptureExecutor", "CaptureMultiprocExecutor", "CaptureWorkerExtension", "WorkerCapture", "CAPTURE_ENV",
+           "IDLE_PUBLISH_SECONDS"]
 
 CAPTURE_ENV = "DMI_VLLM_CAPTURE"
 """The environment variable holding the served capture's ``attach_vllm`` keywords (JSON)."""
@@ -70,9 +89,18 @@ def capture_options(environ=os.environ) -> dict:
 
 
 class CaptureExecutor(UniProcExecutor):
-    """vLLM's single-process executor with DMI capture attached for the engine's lifetime."""
+    """vLLM's single-process executor with DMI capture attached for the engine's lifetime (one
+    worker, in the engine process; a sharded engine: :class:`CaptureMultiprocExecutor`)."""
 
     def _init_executor(self) -> None:
+        _require_a_graceful_shutdown(self.vllm_config)
+        tp = self.parallel_config.tensor_parallel_size
+        if tp != 1:
+            raise VLLMConfigError(
+                f"dmi.vllm.CaptureExecutor runs one worker in the engine process, but this engine is sharded "
+                f"(--tensor-parallel-size {tp}); serve it with --distributed-executor-backend "
+                f"{_qualname(CaptureMultiprocExecutor)} (one worker process per rank, each capturing its shard)"
+            )
         super()._init_executor()
         import dmi
 
@@ -84,7 +112,7 @@ class CaptureExecutor(UniProcExecutor):
         except BaseException:
             self._dmi_stack.close()
             raise
-        self._dmi_idle = _IdlePublisher(self._dmi_session, IDLE_PUBLISH_SECONDS)
+        self._dmi_idle = _IdlePublisher(self._dmi_session.publish_buffered, IDLE_PUBLISH_SECONDS)
 
     def execute_model(self, scheduler_output, non_block: bool = False):
         with self._dmi_idle.step(), self._dmi_session.stepping():
@@ -104,13 +132,102 @@ class CaptureExecutor(UniProcExecutor):
             super().shutdown()
 
 
+class CaptureMultiprocExecutor(MultiprocExecutor):
+    """vLLM's multiprocess executor (one worker process per tensor-parallel rank) with DMI capture
+    attached in every worker for the engine's lifetime.
+
+    Before the workers start it refuses an engine that would skip hooks (as ``attach_vllm``
+    does) and names :class:`CaptureWorkerExtension` as their extension; once the model is
+    loaded every worker attaches (``dmi_attach``: the store from the environment, one run id).
+    Calls into the workers go through vLLM's message queue, which has one writer: every call is
+    made under one lock, so the idle publisher's thread and the engine's never interleave.
+    """
+
+    def _init_executor(self) -> None:
+        from dmi.capture import check_engine_config, new_run_id
+
+        check_engine_config(self.vllm_config, sharded_ok=True)  # refused before any worker starts
+        _require_a_graceful_shutdown(self.vllm_config)
+        _name_the_extension(self.parallel_config)
+        options = {"run_id": new_run_id(), **capture_options()}  # one run across every rank
+        self._dmi_rpc_lock = threading.RLock()
+        super()._init_executor()
+        try:
+            self.collective_rpc("dmi_attach", args=(None, None, options))
+        except RuntimeError as exc:  # vLLM's report of a worker's error (its log has the traceback)
+            with contextlib.suppress(Exception):
+                self.collective_rpc("dmi_detach")
+            raise AttachError(f"DMI could not attach in every vLLM worker: {exc}") from exc
+        self._dmi_attached = True
+        self._dmi_idle = _IdlePublisher(self._dmi_publish_buffered, IDLE_PUBLISH_SECONDS)
+
+    def collective_rpc(self, *args, **kwargs):
+        with self._dmi_rpc_lock:
+            return super().collective_rpc(*args, **kwargs)
+
+    def execute_model(self, scheduler_output, non_block: bool = False):
+        with self._dmi_idle.step():
+            return super().execute_model(scheduler_output, non_block)
+
+    def sample_tokens(self, grammar_output, non_block: bool = False):
+        with self._dmi_idle.step():
+            return super().sample_tokens(grammar_output, non_block)
+
+    def _dmi_publish_buffered(self) -> None:
+        """Queue a publish in every worker, behind the steps already sent, without waiting: the
+        engine's thread reads the answers, in order, with its next call's. A worker logs a failed
+        call with its traceback; a failed drain also fails that worker's next step and its detach."""
+        if not self.is_failed and not getattr(self, "shutting_down", False):
+            self.collective_rpc("dmi_publish_buffered", non_block=True)
+
+    def shutdown(self) -> None:
+        try:
+            if getattr(self, "_dmi_idle", None) is not None:
+                self._dmi_idle.stop()
+            if self.__dict__.pop("_dmi_attached", False) and not self.is_failed:
+                self.collective_rpc("dmi_detach")  # every worker: drain, seal, publish, release its lease
+        finally:
+            super().shutdown()
+
+
+def _qualname(cls) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _require_a_graceful_shutdown(vllm_config) -> None:
+    """Refuse a server that vLLM stops by killing its engine and workers at once (its default,
+    ``--shutdown-timeout 0``): the executor's shutdown, where what the workers hold is sealed and
+    published and the leases released, would never run."""
+    if not vllm_config.shutdown_timeout:
+        raise VLLMConfigError(
+            "this server would be stopped by killing its engine and worker processes at once "
+            "(--shutdown-timeout 0, vLLM's default): DMI could not seal and publish the last records nor release "
+            "its leases. Serve with --shutdown-timeout N (seconds to finish requests and detach, e.g. 30)"
+        )
+
+
+def _name_the_extension(parallel_config) -> None:
+    """Name :class:`CaptureWorkerExtension` as the workers' extension (the configuration is sent
+    to each worker as it starts); refuse an engine that names another one."""
+    wanted = _qualname(CaptureWorkerExtension)
+    given = parallel_config.worker_extension_cls
+    if given and given != wanted:
+        raise VLLMConfigError(
+            f"this engine names its own worker extension (--worker-extension-cls {given}); DMI's served capture "
+            f"attaches in each worker through {wanted}: drop that flag, or pass --worker-extension-cls {wanted}"
+        )
+    parallel_config.worker_extension_cls = wanted
+
+
 class CaptureWorkerExtension:
     """Methods vLLM adds to every worker (``worker_extension_cls``, a supported extension point),
     called by name through ``collective_rpc`` with plain data — no function is pickled. Each
     worker attaches ``attach_vllm`` to itself in its own process, writing its tensor-parallel
     shard to the same store and run as the others (each rank under its own publisher lease)."""
 
-    def dmi_attach(self, catalog: str, packs: str, options: dict) -> dict:
+    def dmi_attach(self, catalog: str | None, packs: str | None, options: dict) -> dict:
+        """Attach in this worker's process, to the store at ``catalog``/``packs`` (``None``: as
+        ``dmi.open()`` resolves it from the environment)."""
         import dmi
 
         stack = contextlib.ExitStack()
@@ -127,6 +244,11 @@ class CaptureWorkerExtension:
     def dmi_flush(self) -> int:
         """Seal and publish what this worker captured; the number of packs published."""
         return len(self._dmi_capture[1].flush())
+
+    def dmi_publish_buffered(self) -> bool:
+        """Between steps (an idle engine): have what this worker buffered sealed and published,
+        without waiting; whether anything was buffered."""
+        return self._dmi_capture[1].publish_buffered()
 
     def dmi_detach(self) -> dict | None:
         """Detach (drain, seal, publish, release the lease); this worker's statistics (None:
@@ -178,11 +300,10 @@ def capture_in_workers(llm, *, catalog: str, packs: str, options: dict):
     """Attach in every worker of ``llm`` (built with :class:`CaptureWorkerExtension`) for the
     ``with`` block; a worker that fails to attach detaches the others before the error is raised."""
     from dmi.capture import check_engine_config, new_run_id
-    from dmi.storage.errors import VLLMConfigError
 
     config = llm.llm_engine.vllm_config
     check_engine_config(config, sharded_ok=True)  # refused here, with its own error, before any worker
-    wanted = f"{CaptureWorkerExtension.__module__}.{CaptureWorkerExtension.__qualname__}"
+    wanted = _qualname(CaptureWorkerExtension)
     if config.parallel_config.worker_extension_cls != wanted:
         raise VLLMConfigError(
             "this vLLM engine runs its model in other processes; build the LLM with "
@@ -217,12 +338,14 @@ def _plain(options: dict) -> dict:
 
 
 class _IdlePublisher:
-    """A thread that publishes what the session buffered once no step has run for ``idle`` seconds."""
+    """A thread that calls ``publish()`` once no step has run for ``idle`` seconds, once per
+    stretch of steps (an idle engine is not published again and again)."""
 
-    def __init__(self, session, idle: float):
-        self._session = session
+    def __init__(self, publish, idle: float):
+        self._publish = publish
         self._idle = idle
         self._last_step = time.monotonic()
+        self._stepped = False  # a step ran since the last publish
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dmi-vllm-idle", daemon=True)
         self._thread.start()
@@ -233,12 +356,14 @@ class _IdlePublisher:
         try:
             yield
         finally:
+            self._stepped = True
             self._last_step = time.monotonic()
 
     def _run(self) -> None:
         while not self._stop.wait(self._idle):
-            if time.monotonic() - self._last_step >= self._idle:
-                self._session.publish_buffered()
+            if self._stepped and time.monotonic() - self._last_step >= self._idle:
+                self._stepped = False
+                self._publish()
 
     def stop(self) -> None:
         self._stop.set()

@@ -50,7 +50,8 @@ def server(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
          "--host", "127.0.0.1", "--enforce-eager", "--no-enable-prefix-caching", "--dtype", "float32",
-         "--max-model-len", "256", "--distributed-executor-backend", "dmi.vllm.CaptureExecutor"],
+         "--max-model-len", "256", "--shutdown-timeout", "60",
+         "--distributed-executor-backend", "dmi.vllm.CaptureExecutor"],
         env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
