@@ -18,6 +18,8 @@ shared machine hits all of them alike:
                           what the C extension gains end to end
 * ``dmi all_but_patterns 2 encode threads`` the same with ``attach(encode_threads=2)``: the
                           drain's records encoded on a pool of two threads
+* ``dmi resid_post drain_nice=19``, ``dmi all_but_patterns drain_nice=19`` the same with
+                          ``attach(drain_nice=19)``: the drain below the model's threads
 * ``naive resid_post``    forward hooks that copy each output to the CPU (``.clone()``),
                           then one ``torch.save`` + fsync of everything
 * ``naive all_but_patterns`` the same on the same module outputs DMI captures
@@ -117,7 +119,7 @@ def run_baseline(model, ids, mask, args, ctx):
     return time.perf_counter() - t0, {"sequences": out}
 
 
-def run_dmi(hooks, writer_options=None, encode_threads=1):
+def run_dmi(hooks, writer_options=None, encode_threads=1, drain_nice=0):
     def run(model, ids, mask, args, ctx):
         from dmi.capture import attach
 
@@ -125,7 +127,7 @@ def run_dmi(hooks, writer_options=None, encode_threads=1):
         t0 = time.perf_counter()
         with attach(model, hooks=hooks, store=ctx["store"], catalog=ctx["catalog"], model_id="bench-llama",
                     ring_slots=args.ring_slots, slot_bytes=args.slot_mib << 20,
-                    writer_options=writer_options, encode_threads=encode_threads) as cap:
+                    writer_options=writer_options, encode_threads=encode_threads, drain_nice=drain_nice) as cap:
             rids, out = cap.generate(ids, attention_mask=mask, **gen_kwargs(args))
             sync()
             t1 = time.perf_counter()
@@ -242,6 +244,8 @@ CONFIGS = {
     "dmi all_but_patterns raw": run_dmi("all_but_patterns", {"codec": "raw", "stats": False}),
     "dmi all_but_patterns numpy loops": without_native(run_dmi("all_but_patterns")),
     "dmi all_but_patterns 2 encode threads": run_dmi("all_but_patterns", encode_threads=2),
+    "dmi resid_post drain_nice=19": run_dmi("resid_post", drain_nice=19),
+    "dmi all_but_patterns drain_nice=19": run_dmi("all_but_patterns", drain_nice=19),
     "naive resid_post": run_naive("resid_post"),
     "naive all_but_patterns": run_naive("all_but_patterns"),
     "compiled baseline": run_compiled_baseline,

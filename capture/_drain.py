@@ -21,11 +21,17 @@ pool of N threads (the writer encodes outside its lock — statistics, compressi
 each releasing the GIL — so N records encode at once); the drain thread waits for all of
 them before it frees the slot or seals a pack. Records then reach a pack in the order their
 encoding finished, not the order they were cut (each is found by its key, never by its place).
+
+**Priority**: with ``nice=N > 0`` (Linux) the drain thread and its encoding threads run N nice
+levels below the thread that made the drain (at most 19), that is below the model's threads: where the model keeps every core busy (a model on the
+CPU), the drain takes the cycles it leaves idle instead of preempting one of its threads,
+whose partners then wait for it at the next synchronisation.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 import queue
 import threading
 import time
@@ -96,7 +102,7 @@ class Drain:
                  tick=None, tick_seconds: float = 5.0, decode_chunk_steps: int = 32,
                  decode_chunk_bytes: int = 16 << 20, start=None, fallback_codec: str | None = None,
                  fallback_fill: float = 0.5, name: str = "dmi-drain", texts=None,
-                 hook_codecs: dict[str, str] | None = None, encode_threads: int = 1):
+                 hook_codecs: dict[str, str] | None = None, encode_threads: int = 1, nice: int = 0):
         self.ring = ring
         self.texts = texts  # TokenStrings: token_ids records also become token_text / prompt_text records
         self.writer = writer
@@ -120,6 +126,11 @@ class Drain:
         self.lost_keys: list[RecordKey] = []
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        self._nice_level = None  # the nice level of the drain's threads; None: the attaching thread's
+        if nice:
+            own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            self._nice_level = min(19, own + nice)
+        # started by the drain thread as it hands them work, the encoders inherit its nice level
         self._encoders = None if encode_threads <= 1 else ThreadPoolExecutor(encode_threads, thread_name_prefix=f"{name}-encode")
         self._writes: list = []  # appends handed to the encoders and not yet waited for
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -171,7 +182,16 @@ class Drain:
             self.check()  # an error closing the writer
 
     # -- the thread -----------------------------------------------------------------------------
+    def _lower_priority(self) -> None:
+        """This thread at the drain's nice level (Linux sets the level of each thread)."""
+        if self._nice_level is not None:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice_level)
+
     def _run(self) -> None:
+        try:
+            self._lower_priority()
+        except OSError as exc:  # surfaced by check()
+            self.error = exc
         if self._start is not None:
             try:
                 self._start()

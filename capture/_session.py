@@ -18,6 +18,7 @@ import json
 import os
 import re
 import secrets
+import sys
 import threading
 import time
 import weakref
@@ -639,6 +640,7 @@ def attach(
     tokenizer=None,
     compiled: bool | None = None,
     encode_threads: int = 1,
+    drain_nice: int = 0,
 ):
     """Attach capture to ``model``; yields a :class:`CaptureSession`.
 
@@ -665,6 +667,10 @@ def attach(
       compression, checksum; each releases the GIL). ``1`` (default): the drain thread alone;
       more pays where the drain falls behind and cores are free (docs/capture.md, "Encoding
       threads", has the measurements).
+    * ``drain_nice``: run the drain (and its encoding threads) this many nice levels below the
+      model's threads (Linux; ``0``: the same priority). On a host where the model keeps every
+      core busy (a model on the CPU) the drain then works in the cycles the model leaves idle
+      instead of preempting one of its threads (docs/capture.md, "Drain priority").
     * ``tp_rank`` / ``tp_size``: this process's tensor-parallel shard; by default read from the
       TP device mesh of a model transformers sharded, else rank 0 of 1 — never the global
       ``torch.distributed`` rank (see ``dmi.capture._tp``).
@@ -702,7 +708,7 @@ def attach(
         check_compiled_selection(selection.hooks, tp_size)
     enabled = (tp_ranks is None or tp_rank in set(tp_ranks)) and (pp_ranks is None or pp_rank in set(pp_ranks))
     check_pipeline_arguments("attach", store=store, writer=writer, decode_chunk_steps=decode_chunk_steps,
-                             adaptive_codec=adaptive_codec, encode_threads=encode_threads)
+                             adaptive_codec=adaptive_codec, encode_threads=encode_threads, drain_nice=drain_nice)
     geometry = ModelGeometry.from_config(model.config, _model_dtype(model))
     texts = None if tokenizer is None else TokenStrings(tokenizer)
     if texts is not None:
@@ -723,7 +729,7 @@ def attach(
         catalog=catalog, publish_scope=publish_scope,
         lease_seconds=lease_seconds, store=store, writer=writer, writer_options=writer_options,
         decode_chunk_steps=decode_chunk_steps, adaptive_codec=adaptive_codec, texts=texts,
-        hook_codecs=hook_codecs, encode_threads=encode_threads)
+        hook_codecs=hook_codecs, encode_threads=encode_threads, drain_nice=drain_nice)
 
     def make_session(ring, drain, publisher):
         return CaptureSession(model, arch, selection, geometry, model_id=model_id, run_id=run_id,
@@ -755,6 +761,7 @@ class _PipelineOptions:
     texts: object
     hook_codecs: dict | None
     encode_threads: int
+    drain_nice: int
 
 
 @contextlib.contextmanager
@@ -788,7 +795,8 @@ def owned_session(owner_key, model_name: str, ctx: KeyContext, options: _Pipelin
                       tick_seconds=o.lease_seconds / 4, decode_chunk_steps=o.decode_chunk_steps,
                       fallback_codec=None if o.adaptive_codec is None else "raw",
                       fallback_fill=1.0 if o.adaptive_codec is None else o.adaptive_codec,
-                      texts=o.texts, hook_codecs=o.hook_codecs, encode_threads=o.encode_threads)
+                      texts=o.texts, hook_codecs=o.hook_codecs, encode_threads=o.encode_threads,
+                      nice=o.drain_nice)
         session = make_session(ring, drain, publisher)
         ring.connect(drain.submit, stamp=session._copies_done)
         with _OWNERS_LOCK:
@@ -823,12 +831,17 @@ def owned_session(owner_key, model_name: str, ctx: KeyContext, options: _Pipelin
                 _OWNERS.pop(owner_key, None)
 
 
-def check_pipeline_arguments(who: str, *, store, writer, decode_chunk_steps, adaptive_codec, encode_threads) -> None:
+def check_pipeline_arguments(who: str, *, store, writer, decode_chunk_steps, adaptive_codec, encode_threads,
+                             drain_nice) -> None:
     """The arguments every attach shares about the drain and the writer, checked before the
     model is touched (:class:`InvalidArgumentError`)."""
     for name, value in (("decode_chunk_steps", decode_chunk_steps), ("encode_threads", encode_threads)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}")
+    if isinstance(drain_nice, bool) or not isinstance(drain_nice, int) or not 0 <= drain_nice <= 19:
+        raise InvalidArgumentError(f"drain_nice must be an int in 0..19, got {drain_nice!r}")
+    if drain_nice and not sys.platform.startswith("linux"):
+        raise InvalidArgumentError("drain_nice needs Linux, which sets a nice level per thread; leave it 0 here")
     _check_fill("adaptive_codec", adaptive_codec)
     if writer is None and store is None:
         raise InvalidArgumentError(f"{who} needs a pack store (store=PackStore.local(path))")

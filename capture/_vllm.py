@@ -307,6 +307,7 @@ def attach_vllm(
     writer=None,
     tp_replicas: str = "rank0",
     encode_threads: int = 1,
+    drain_nice: int = 0,
 ):
     """Attach capture to ``engine`` — a ``vllm.LLM`` whose one worker runs in this process, the
     in-process executor of a served engine (``dmi.vllm.CaptureExecutor``), or a worker inside
@@ -324,7 +325,7 @@ def attach_vllm(
     if run_given and catalog is not None:
         _refuse_a_run_holding_records(catalog, model_id, run_id, tp_rank)
     check_pipeline_arguments("attach_vllm", store=store, writer=writer, decode_chunk_steps=decode_chunk_steps,
-                             adaptive_codec=adaptive_codec, encode_threads=encode_threads)
+                             adaptive_codec=adaptive_codec, encode_threads=encode_threads, drain_nice=drain_nice)
     geometry = ModelGeometry.from_config(model.config, config.dtype)
     layout = TPLayout(geometry, tp_rank, tp_size, None)
     emitted = emitted_hooks(selection.hooks, layout, tp_replicas)
@@ -338,7 +339,7 @@ def attach_vllm(
         catalog=catalog, publish_scope=publish_scope or default_publish_scope(model_id, run_id, tp_rank, tp_size),
         lease_seconds=lease_seconds, store=store, writer=writer, writer_options=writer_options,
         decode_chunk_steps=decode_chunk_steps, adaptive_codec=adaptive_codec, texts=None, hook_codecs=hook_codecs,
-        encode_threads=encode_threads)
+        encode_threads=encode_threads, drain_nice=drain_nice)
     planner = VLLMPlanner(geometry, dict(emitted), schedule)
 
     def make_session(ring, drain, publisher):

@@ -65,7 +65,7 @@ IDLE_PUBLISH_SECONDS = 0.25
 _ALLOWED = frozenset({
     "hooks", "layers", "model_id", "run_id", "schedule", "ring_slots", "slot_bytes", "ring_timeout",
     "drop_policy", "adaptive_codec", "writer_options", "codec", "publish_scope", "lease_seconds",
-    "decode_chunk_steps", "encode_threads",
+    "decode_chunk_steps", "encode_threads", "drain_nice",
 })
 
 

@@ -4,6 +4,8 @@ before its last record was encoded; a failing append surfaces as ``DrainError``.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 
@@ -87,4 +89,32 @@ def test_a_failing_append_on_an_encoding_thread_is_a_drain_error():
 def test_encode_threads_must_be_a_positive_int(bad):
     with pytest.raises(InvalidArgumentError, match="encode_threads must be an int >= 1"):
         with attach(tiny("llama"), writer=MemoryWriter(), encode_threads=bad):
+            pass
+
+
+def _nice_levels_of_threads(prefix: str) -> list[int]:
+    return [os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice levels are Linux's")
+def test_drain_nice_lowers_the_drain_and_its_encoders_below_the_model():
+    """The drain thread and its encoding threads run 7 nice levels below the attaching thread;
+    the model's thread keeps its own. Records are the same as at full priority."""
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    writer = MemoryWriter()
+    with attach(model, hooks="resid_post", writer=writer, encode_threads=2, drain_nice=7) as cap:
+        cap.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+        cap.flush()
+        levels = _nice_levels_of_threads("dmi-drain")
+    assert len(levels) == 3 and set(levels) == {min(19, own + 7)}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
+    assert {k.hook for k, _, _ in writer.records} == {"resid_post"} and len(writer.records) > 0
+
+
+@pytest.mark.parametrize("bad", [-1, 20, 2.0, True])
+def test_drain_nice_must_be_a_level_in_0_to_19(bad):
+    with pytest.raises(InvalidArgumentError, match="drain_nice must be an int in 0..19"):
+        with attach(tiny("llama"), writer=MemoryWriter(), drain_nice=bad):
             pass
