@@ -79,18 +79,6 @@ class PackStoreConformance:
         for offset, length in [(0, len(data)), (0, 1), (1234, 4321), (len(data) - 1, 1), (len(data), 0)]:
             assert read(store, pack_id, offset, length) == data[offset : offset + length]
 
-    def test_a_read_ahead_hint_changes_no_byte(self, store):
-        """``will_read`` (the reader's hint before several ranges of one pack) is a hint only."""
-        from dmi.storage.records import ByteRange
-
-        pack_id, data = new_id(), body()
-        seal(store, pack_id, data)
-        with store.open_input(pack_id) as source:
-            source.will_read([ByteRange(0, 100), ByteRange(5000, 3000), ByteRange(len(data) - 10, 10)])
-            out = bytearray(3000)
-            source.read_into(5000, out)
-        assert bytes(out) == data[5000:8000]
-
     def test_listing_is_sorted(self, store):
         ids = [new_id() for _ in range(4)]
         for pack_id in ids:
