@@ -15,12 +15,6 @@ Rows, each the best of ``--rounds`` interleaved rounds, in GB/s of window bytes:
 * ``read ... fresh`` / ``read ... lent``: the window's records read back from raw-codec packs
   in the page cache (``read_records``, one thread, checksums verified) into new buffers, or
   into one region lent again (``Arena``, the loader now).
-* ``cold read, no hint`` / ``cold read, read-ahead hint``: the records of one shuffled window
-  (``--window`` rows of whole records picked at random from ``--cold-records`` records in
-  packs of 16) read from disk with the page cache dropped (fsync'd files, then
-  ``POSIX_FADV_DONTNEED``), each pack's records by one of 4 threads as the loader does;
-  without, then with ``PackInput.will_read`` telling the kernel every range of a pack before
-  the first is read (``read_records`` does now).
 * limits: ``memcpy`` into an existing buffer (one thread, as the gather), ``first write of fresh memory`` (``fill_`` of a
   new ``torch.empty``: the page faults alone).
 
@@ -33,23 +27,16 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import sys
 import tempfile
 import time
-from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_loader import drop_cache  # noqa: E402
-
-from dmi._loader_memory import Arena, WindowMemory  # noqa: E402
-from dmi.reader import read_records  # noqa: E402
-from dmi.storage import PackStore, PackWriter, _native, _store, gather_rows  # noqa: E402
-from dmi.storage.records import RecordKey  # noqa: E402
+from dmi._loader_memory import Arena, WindowMemory
+from dmi.reader import read_records
+from dmi.storage import PackStore, PackWriter, _native, gather_rows
+from dmi.storage.records import RecordKey
 
 
 def sources(n_records: int, tokens: int, hidden: int, seed: int) -> list[torch.Tensor]:
@@ -117,49 +104,17 @@ def read_cases(records: list[torch.Tensor], root: str) -> dict:
     return {"read the records, fresh buffers": (fresh, 1), "read the records, one lent region": (lent, 1)}
 
 
-def cold_cases(args, root: str) -> dict:
-    """{row name: fn()}: one shuffled window's records read cold, without and with the hint."""
-    store = PackStore.local(root)
-    entries = []
-    g = torch.Generator().manual_seed(3)
-    with PackWriter(store, codec="raw", max_records=16, on_seal=lambda d: entries.extend(d.records)) as writer:
-        for r in range(args.cold_records):
-            x = torch.randn(args.tokens, args.hidden, generator=g).to(torch.bfloat16)
-            writer.append(RecordKey("bench", "run", f"req-{r:06d}", "resid_post", 0, 0, args.tokens, phase="forward"), x)
-    rng = np.random.default_rng(1)
-    picked = [entries[i] for i in rng.permutation(len(entries))[: max(1, args.window // args.tokens)]]
-    by_pack = defaultdict(list)
-    for e in picked:
-        by_pack[e.pack_id].append(e)
-    hint = _store._LocalPackInput.will_read
-
-    def read(hinted: bool):
-        def run():
-            drop_cache(root)
-            _store._LocalPackInput.will_read = hint if hinted else _store.PackInput.will_read
-            try:
-                with ThreadPoolExecutor(4) as pool:
-                    list(pool.map(lambda group: read_records(store, group), by_pack.values()))
-            finally:
-                _store._LocalPackInput.will_read = hint
-        return run
-
-    return {"cold read, no hint": (read(False), 1), "cold read, read-ahead hint": (read(True), 1)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--window", type=int, default=65536, help="rows per window (the loader's shuffle_buffer)")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--tokens", type=int, default=512, help="rows per record")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--cold-records", type=int, default=512, help="records on disk for the cold rows")
     args = parser.parse_args()
     n_records = max(1, args.window // args.tokens)
     feats = [sources(n_records, args.tokens, args.hidden, seed) for seed in (1, 2)]
     work = tempfile.TemporaryDirectory(prefix="dmi-bench-window-")
-    runs = {**cases(feats, args.window, args.hidden), **read_cases(feats[0], os.path.join(work.name, "warm")),
-            **cold_cases(args, os.path.join(work.name, "cold"))}
+    runs = {**cases(feats, args.window, args.hidden), **read_cases(feats[0], work.name)}
     load_at_start = os.getloadavg()[0]
     best = {name: float("inf") for name in runs}
     for _ in range(args.rounds):

@@ -114,8 +114,6 @@ def read_records(
         with store.open_input(pack_id) as source:
             if cache is not None:
                 _check_against_footer(store, [entries[i] for p in plans for i in p.members], cache, source)
-            if len(plans) > 1:
-                source.will_read([p.range for p in plans])
             for plan in plans:
                 buffer = _read_range(source, plan.range, [entries[i] for i in plan.members], memory)
                 for i in plan.members:

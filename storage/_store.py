@@ -80,11 +80,6 @@ class PackInput:
             raise self._truncated(offset, len(view), len(data))
         view[:] = memoryview(data)
 
-    def will_read(self, ranges) -> None:
-        """A hint that the ``ByteRange`` s ``ranges`` are read next, one after another. Here it
-        does nothing; a local file asks the kernel to start reading them all, so that the disk
-        works on the later ranges while the first are read."""
-
     def arrow_file(self) -> pa.NativeFile:
         """The underlying pyarrow file, for ``pyarrow.ipc.open_file``."""
         return self._file
@@ -134,15 +129,6 @@ class _LocalPackInput(PackInput):
             if n == 0:
                 raise self._truncated(offset, len(view), filled)
             filled += n
-
-    def will_read(self, ranges) -> None:
-        if not hasattr(os, "posix_fadvise"):
-            return
-        for r in ranges:
-            try:
-                os.posix_fadvise(self._fd, r.offset, r.length, os.POSIX_FADV_WILLNEED)
-            except OSError as exc:
-                raise PackError(f"pack {self.pack_id}: read-ahead of {r.length} bytes at {r.offset} failed: {exc}") from exc
 
     def arrow_file(self) -> pa.NativeFile:
         if self._file is None:

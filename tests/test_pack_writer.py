@@ -83,33 +83,6 @@ def test_read_records_puts_reads_and_decoded_records_in_the_memory_given(store, 
         assert lo <= g.data_ptr() and g.data_ptr() + g.numel() * g.element_size() <= hi
 
 
-def test_read_records_tells_a_local_pack_every_range_before_reading_the_first(store, monkeypatch):
-    """Several ranges of one pack: the kernel is asked to read them all ahead (``will_read``),
-    then each is read; one coalesced range needs no hint."""
-    from dmi.storage import _store
-
-    hinted = []
-    hint = _store._LocalPackInput.will_read
-
-    def recording(self, ranges):
-        hinted.append([(r.offset, r.length) for r in ranges])
-        hint(self, ranges)
-
-    monkeypatch.setattr(_store._LocalPackInput, "will_read", recording)
-    tensors = [random_tensor(torch.bfloat16, (64, 33), seed=i) for i in range(4)]
-    with PackWriter(store, codec="raw") as w:
-        for i, t in enumerate(tensors):
-            w.append(key(layer=i), t)
-        desc = w.seal()
-    first, third = desc.records[0], desc.records[2]
-    got = read_records(store, [first, third], max_gap=0)
-    assert hinted == [[(first.payload.offset, first.payload.length), (third.payload.offset, third.payload.length)]]
-    assert same_bits(got[0], tensors[0]) and same_bits(got[1], tensors[2])
-    hinted.clear()
-    assert all(same_bits(g, t) for g, t in zip(read_records(store, desc.records), tensors))
-    assert hinted == []
-
-
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize(
     "make",
