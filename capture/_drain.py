@@ -23,9 +23,10 @@ them before it frees the slot or seals a pack. Records then reach a pack in the 
 encoding finished, not the order they were cut (each is found by its key, never by its place).
 
 **Priority**: with ``nice=N > 0`` (Linux) the drain thread and its encoding threads run N nice
-levels below the thread that made the drain (at most 19), that is below the model's threads: where the model keeps every core busy (a model on the
-CPU), the drain takes the cycles it leaves idle instead of preempting one of its threads,
-whose partners then wait for it at the next synchronisation.
+levels below the thread that made the drain (at most 19), that is below the model's threads:
+where the model keeps every core busy (a model on the CPU), the drain takes the cycles it
+leaves idle instead of preempting one of its threads, whose partners then wait for it at the
+next synchronisation.
 """
 
 from __future__ import annotations

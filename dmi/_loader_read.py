@@ -140,7 +140,9 @@ class WindowReader:
             else:
                 rows = torch.empty(n, feature.width, dtype=stored[f])
                 gather_rows(sources, picks, rows)
-                place.copy_(self._convert(f, rows, dtype))
+                if self.fmt.scales is not None:
+                    rows = rows.to(torch.float32).mul_(self.fmt.scales[f])
+                place.copy_(rows)  # converted to the window's dtype as it is copied in
         return window
 
     def _picks(self, f: int, width: int, slices: list[Slice],
@@ -160,8 +162,3 @@ class WindowReader:
                     sources.append(tensors[e].reshape(n, width))
                 start += n
         return sources, np.concatenate(picks)
-
-    def _convert(self, f: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.fmt.scales is None:
-            return rows.to(dtype)
-        return (rows.to(torch.float32) * self.fmt.scales[f]).to(dtype)
