@@ -696,6 +696,13 @@ def write_report(args, report) -> None:
     print(f"bench_vllm: wrote {stem}.json and {stem}.md", file=sys.stderr)
 
 
+def _records_packs(row) -> str:
+    """A DMI row's records and packs a round (median), or a native row's files."""
+    if "records" in row:
+        return f"{row['records']:,.0f} / {row['packs']:,.0f}"
+    return f"{row['files']:,.0f} files" if "files" in row else ""
+
+
 def markdown(report) -> str:
     c, lim = report["conditions"], report["limits"]
     g = c["geometry"]
@@ -720,12 +727,12 @@ def markdown(report) -> str:
         "",
         "| configuration | generated tok/s (median; min–max) | total tok/s | × none (median) | target | "
         "same tokens | forwards / model tokens | attach / detach s | hook s | drain busy s | ring waits | "
-        "captured bytes |",
-        "|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|",
+        "captured bytes | records / packs |",
+        "|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["rows"]:
         if "not_run" in r:
-            lines.append(f"| {r['configuration']} | not run: {r['not_run']} |" + "  |" * 11)
+            lines.append(f"| {r['configuration']} | not run: {r['not_run']} |" + "  |" * 12)
             continue
         lines.append(
             f"| {r['configuration']} | {r['generated_tok_s']:.1f} ({r['generated_tok_s_min']:.1f}–"
@@ -734,7 +741,7 @@ def markdown(report) -> str:
             f"{_fmt(r.get('attach_s'), '{:.2f}')} / "
             f"{_fmt(r.get('detach_s'), '{:.2f}')} | {_fmt(r.get('hook_s'), '{:.2f}')} | "
             f"{_fmt(r.get('drain_busy_s'), '{:.2f}')} | {_fmt(r.get('ring_waits'), '{:.0f}')} | "
-            f"{_fmt(r.get('captured_bytes'), '{:,.0f}')} |")
+            f"{_fmt(r.get('captured_bytes'), '{:,.0f}')} | {_records_packs(r)} |")
     stopped = [r for r in report["rows"] if "stopped" in r]
     for r in stopped:
         lines.append(f"\n{r['configuration']}: stopped after {r['rounds']} round(s): {r['stopped']}")

@@ -76,10 +76,11 @@ _IDLE = object()
 
 
 class _Marker:
-    __slots__ = ("done", "kind")
+    __slots__ = ("done", "kind", "request_ids")
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, request_ids=None):
         self.kind = kind
+        self.request_ids = request_ids  # a seal for these requests: only their staged rows are stored first
         self.done = threading.Event()
 
 
@@ -118,6 +119,7 @@ class Drain:
         self.decode_chunk_steps = decode_chunk_steps
         self.decode_chunk_bytes = decode_chunk_bytes
         self._staged: dict[tuple[str, int], _Staged] = {}
+        self._last_runs = None  # (steps, runs, plans): the runs last worked out, for the next hook and layer
         self._fallback = fallback_codec if fallback_codec and _switchable(writer, fallback_codec) else None
         self._fallback_fill = fallback_fill
         self._codec: str | None = None  # the fallback while behind, else None (the writer's codec)
@@ -165,11 +167,14 @@ class Drain:
         out, self.published = self.published, []
         return out
 
-    def seal_soon(self) -> None:
+    def seal_soon(self, request_ids=None) -> None:
         """Ask the thread to seal the open pack and publish it once it has processed what was
         submitted before — without waiting (a served request finished: its records should be
-        readable soon, but the model must not stall for it). Errors surface as for ``flush``."""
-        self._q.put(_Marker("seal"))
+        readable soon, but the model must not stall for it). Errors surface as for ``flush``.
+
+        With ``request_ids`` (requests that finished), only their staged decode rows are stored
+        before the seal; other requests' rows keep coalescing into later records."""
+        self._q.put(_Marker("seal", None if request_ids is None else frozenset(request_ids)))
 
     def close(self, timeout: float | None = None) -> list:
         if self._closed:
@@ -227,7 +232,7 @@ class Drain:
             if isinstance(item, _Marker):
                 if self.error is None:
                     try:
-                        self._seal_and_publish()
+                        self._seal_and_publish(item.request_ids)
                     except BaseException as exc:  # noqa: BLE001 - surfaced by check()
                         self.error = exc
                 item.done.set()
@@ -253,9 +258,9 @@ class Drain:
             finally:
                 self.ring.release(item)
 
-    def _seal_and_publish(self) -> None:
+    def _seal_and_publish(self, request_ids=None) -> None:
         self._choose_codec()
-        self._emit_all_staged()
+        self._emit_all_staged(request_ids)
         self._wait_writes()
         self._flush_losses()
         desc = self.writer.seal()
@@ -387,13 +392,13 @@ class Drain:
     # -- decode coalescing: consecutive decode steps of one call become one record per request
     def _stage(self, hook, layer, plan, rows) -> None:
         st = self._staged.get((hook, layer))
-        if st is not None and (st.plan.call_id != plan.call_id or st.last_step + 1 != plan.step
-                               or st.plan.spans != _shifted(st.plan.spans, plan.spans)):
+        if st is not None and (st.call_id != plan.call_id or st.last_step + 1 != plan.step):
             self._emit_staged(hook, layer)
             st = None
         if st is None:
-            st = self._staged[(hook, layer)] = _Staged(plan)
+            st = self._staged[(hook, layer)] = _Staged(plan.call_id)
         st.parts.append(rows.clone())  # the slot is freed after this; keep our own copy
+        st.plans.append(plan)
         st.last_step = plan.step
         st.nbytes += rows.numel() * rows.element_size()
         if len(st.parts) >= self.decode_chunk_steps or st.nbytes >= self.decode_chunk_bytes:
@@ -401,26 +406,108 @@ class Drain:
 
     def _emit_staged(self, hook, layer) -> None:
         st = self._staged.pop((hook, layer), None)
-        if st is None:
-            return
-        k = len(st.parts)
-        stacked = torch.stack(st.parts)  # [steps, rows, features]
-        tail = HOOKS[hook].token_shape(stacked.shape[2], self.ctx.geometry)
-        for s in st.plan.spans:
-            rec = stacked[:, s.offset : s.offset + s.n].reshape(k * s.n, *tail)
-            self._append(hook, layer, st.plan, s, rec, n_tokens=k * s.n)
+        if st is not None:
+            self._emit_runs(hook, layer, st, None)
 
-    def _emit_all_staged(self) -> None:
+    def _emit_all_staged(self, request_ids=None) -> None:
+        """Every staged row, or with ``request_ids`` only those requests' rows (requests that
+        left the engine: their records complete; the others keep coalescing)."""
         for hook, layer in list(self._staged):
-            self._emit_staged(hook, layer)
+            if request_ids is None:
+                self._emit_staged(hook, layer)
+            else:
+                self._emit_runs(hook, layer, self._staged[(hook, layer)], request_ids)
+
+    def _emit_runs(self, hook, layer, st: "_Staged", only) -> None:
+        """One record per run of ``st`` (a request's rows at consecutive steps and positions);
+        with ``only``, just those requests' runs, marked as emitted."""
+        tail = HOOKS[hook].token_shape(st.parts[0].shape[1], self.ctx.geometry)
+        if only is None and not st.emitted and _same_spans(st.plans):  # the batch kept its rows: cut a stack
+            k = len(st.parts)
+            stacked = torch.stack(st.parts)  # [steps, rows, features]
+            for s in st.plans[0].spans:
+                rec = stacked[:, s.offset : s.offset + s.n].reshape(k * s.n, *tail)
+                self._append(hook, layer, st.plans[0], s, rec, n_tokens=k * s.n)
+            return
+        rows = torch.cat(st.parts) if len(st.parts) > 1 else st.parts[0]
+        for run in self._runs_of(st, only):
+            rec = rows[run.first : run.first + run.n] if run.index is None else rows.index_select(0, run.index)
+            self._append(hook, layer, run.plan, run.span, rec.reshape(run.n, *tail), n_tokens=run.n)
+        if only is not None:
+            st.emitted |= only
+
+
+    def _runs_of(self, st: "_Staged", only) -> list["_Run"]:
+        """:func:`_runs`, worked out once for every hook and layer staged over the same steps."""
+        key = (tuple(map(id, st.plans)), only, st.emitted)
+        cached = self._last_runs
+        if cached is None or cached[0] != key:
+            cached = self._last_runs = (key, _runs(st, only), list(st.plans))  # the plans keep their ids
+        return cached[1]
 
 
 @dataclass(slots=True)
 class _Staged:
-    plan: object  # the first step's plan: request ids, start positions, step number
-    parts: list = field(default_factory=list)
+    call_id: int
+    parts: list = field(default_factory=list)  # each step's rows, [rows, features]
+    plans: list = field(default_factory=list)  # each step's plan
     last_step: int = -1
     nbytes: int = 0
+    emitted: frozenset = frozenset()  # requests whose staged rows were already stored
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """A request's staged rows at consecutive steps and positions: one record."""
+
+    plan: object  # the plan of its first step
+    span: object  # its span in that step
+    n: int  # tokens
+    first: int  # its first row in the staged rows, stacked step after step
+    index: torch.Tensor | None  # every row, when they are not contiguous
+
+
+def _same_spans(plans) -> bool:
+    first = plans[0].spans
+    return all(p.spans is first or _shifted(first, p.spans) is not None for p in plans[1:])
+
+
+def _runs(st: _Staged, only) -> list[_Run]:
+    """The runs of the staged steps, in order of first row: a request continues its run when
+    it is in the next step at the next position; otherwise a new run (a new record) starts."""
+    open_runs: dict[str, _OpenRun] = {}
+    closed: list[_OpenRun] = []
+    base = 0
+    for i, plan in enumerate(st.plans):
+        for s in plan.spans:
+            rid = s.request_id
+            if rid in st.emitted or (only is not None and rid not in only):
+                continue
+            run = open_runs.get(rid)
+            if run is None or run.last_part != i - 1 or run.next_position != s.start:
+                if run is not None:
+                    closed.append(run)
+                run = open_runs[rid] = _OpenRun(plan, s)
+            run.rows.extend(range(base + s.offset, base + s.offset + s.n))
+            run.last_part, run.next_position = i, s.start + s.n
+        base += st.parts[i].shape[0]
+    closed.extend(open_runs.values())
+    return sorted((r.finished() for r in closed), key=lambda r: r.first)
+
+
+@dataclass(slots=True)
+class _OpenRun:
+    plan: object
+    span: object
+    rows: list = field(default_factory=list)
+    last_part: int = -1
+    next_position: int = 0
+
+    def finished(self) -> _Run:
+        first, n = self.rows[0], len(self.rows)
+        contiguous = self.rows[-1] - first == n - 1
+        index = None if contiguous else torch.tensor(self.rows, dtype=torch.long)
+        return _Run(self.plan, self.span, n, first, index)
 
 
 def _switchable(writer, codec: str) -> bool:

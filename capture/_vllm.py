@@ -277,10 +277,11 @@ class VLLMCaptureSession(CaptureSession):
         gone = [rid for rid in self._live if rid not in known]
         self._live = set(known)
         if gone:
+            finished = [self.planner.request_ids[rid] for rid in gone if rid in self.planner.request_ids]
             self.planner.forget(gone)
             self._buffered = False
             self.ring.submit()
-            self.drain.seal_soon()
+            self.drain.seal_soon(finished)
 
 
 @contextlib.contextmanager

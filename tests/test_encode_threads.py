@@ -92,8 +92,11 @@ def test_encode_threads_must_be_a_positive_int(bad):
             pass
 
 
-def _nice_levels_of_threads(prefix: str) -> list[int]:
-    return [os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threading.enumerate() if t.name.startswith(prefix)]
+def _nice_levels_of_threads(prefix: str, running_before: set) -> list[int]:
+    """Nice levels of the live threads named ``prefix...`` that are not in ``running_before``
+    (an earlier test's drain thread may still be finishing)."""
+    return [os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threading.enumerate()
+            if t.name.startswith(prefix) and t not in running_before]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice levels are Linux's")
@@ -104,10 +107,11 @@ def test_drain_nice_lowers_the_drain_and_its_encoders_below_the_model():
     ids, mask = left_padded_batch()
     own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     writer = MemoryWriter()
+    before = set(threading.enumerate())
     with attach(model, hooks="resid_post", writer=writer, encode_threads=2, drain_nice=7) as cap:
         cap.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
         cap.flush()
-        levels = _nice_levels_of_threads("dmi-drain")
+        levels = _nice_levels_of_threads("dmi-drain", before)
     assert len(levels) == 3 and set(levels) == {min(19, own + 7)}
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
     assert {k.hook for k, _, _ in writer.records} == {"resid_post"} and len(writer.records) > 0

@@ -69,6 +69,15 @@ def test_every_request_gets_its_own_tokens_and_the_models_values(llm, hf, model_
             torch.testing.assert_close(post, ref.hidden_states[layer + 1][0], atol=ATOL, rtol=0)
         norm = store.get_internal(model_id, out.request_id, "final_norm")
         torch.testing.assert_close(norm.reshape(len(fed), -1), ref.hidden_states[n_layers][0], atol=ATOL, rtol=0)
+    # the batch changed between decode steps (the long prompt's request joined, the others left),
+    # yet each request's decode tokens are one record per hook and layer
+    ids = ", ".join(f"'{o.request_id}'" for o in outs)
+    decode_records = store.sql(
+        f"SELECT request_id, hook, layer, count() AS n FROM {store.tables['records']} WHERE model_id = '{model_id}' "
+        f"AND request_id IN ({ids}) AND phase = 'decode' GROUP BY request_id, hook, layer"
+    ).to_pylist()
+    assert {r["request_id"] for r in decode_records} == {o.request_id for o in outs}
+    assert [r for r in decode_records if r["n"] != 1] == []
 
 
 def test_other_hooks_equal_the_hugging_face_capture(llm, hf, model_dir, store, tmp_path):
