@@ -33,6 +33,10 @@ interleaved round by round so that drift on a shared machine hits all of them al
                               records of the same requests (largest difference 4.5e-8).
                               Its "draft" token is the token just sampled, accepted whenever
                               the next token repeats it: such a step yields two tokens.
+                              Its files are kept until the run ends, as DMI's packs are:
+                              deleting each round's files let the next round write into
+                              page-cache pages just freed, many times faster to write on a VM
+                              that returns free memory to its host (``bench_page_cache.py``).
 
 ``none`` and the DMI rows share one engine (DMI attaches before, detaches after its timed
 ``cap.generate``; both reported, untimed); the native row has its own engine (speculative
@@ -315,7 +319,7 @@ class _Engine:
         return steps
 
     def _native_files(self, outs) -> tuple[int, int]:
-        """Check every request's file holds (tokens, layers, hidden) rows; return (files, bytes); remove them."""
+        """Check every request's file holds (tokens, layers, hidden) rows; return (files, bytes)."""
         from safetensors import safe_open
 
         size = 0
@@ -330,10 +334,7 @@ class _Engine:
             if shape[:2] != (fed, layers):
                 raise BenchError(f"native: request {out.request_id} file holds {shape}, "
                                  f"expected ({fed}, {layers}, hidden)")
-            size += os.path.getsize(path)
-            for p in (path, path + ".lock"):  # the disk holds one round's files at most
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(p)
+            size += os.path.getsize(path)  # kept until the run ends, as DMI's packs are (module docstring)
         return len(outs), size
 
 
