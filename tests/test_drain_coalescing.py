@@ -60,25 +60,30 @@ def _stage(drain, steps):
         drain._stage("resid_post", 0, _plan(step, requests), _rows(requests))
 
 
+def _records_of(steps, chunk=32) -> _Records:
+    """What the drain stores from ``steps`` staged one after another, then everything emitted."""
+    writer = _Records()
+    drain = _drain(writer, chunk)
+    try:
+        _stage(drain, steps)
+        drain._emit_all_staged()
+    finally:
+        drain.close(5)
+    return writer
+
+
 def _expected(rid: str, positions: range) -> torch.Tensor:
     return torch.cat([_rows([(rid, p)]) for p in positions])
 
 
 def test_requests_joining_and_leaving_the_batch_keep_one_record_each():
-    writer = _Records()
-    drain = _drain(writer)
-    try:
-        # a decodes throughout; b joins at step 11 (after its prompt) in front of a; c leaves after step 11
-        _stage(drain, [
-            (10, [("a", 5), ("c", 40)]),
-            (11, [("b", 7), ("a", 6), ("c", 41)]),
-            (12, [("b", 8), ("a", 7)]),
-            (13, [("a", 8), ("b", 9)]),  # rows reordered
-        ])
-        drain._emit_all_staged()
-    finally:
-        drain.close(5)
-    got = writer.by_request()
+    # a decodes throughout; b joins at step 11 (after its prompt) in front of a; c leaves after step 11
+    got = _records_of([
+        (10, [("a", 5), ("c", 40)]),
+        (11, [("b", 7), ("a", 6), ("c", 41)]),
+        (12, [("b", 8), ("a", 7)]),
+        (13, [("a", 8), ("b", 9)]),  # rows reordered
+    ]).by_request()
     assert {rid: len(recs) for rid, recs in got.items()} == {"a": 1, "b": 1, "c": 1}
     (ka, va), = got["a"]
     assert (ka.start_token, ka.n_tokens, ka.step, ka.phase) == (5, 4, 10, "decode")
@@ -92,18 +97,11 @@ def test_requests_joining_and_leaving_the_batch_keep_one_record_each():
 
 
 def test_a_request_missing_from_a_step_starts_a_new_record():
-    writer = _Records()
-    drain = _drain(writer)
-    try:
-        _stage(drain, [
-            (20, [("a", 1), ("b", 3)]),
-            (21, [("b", 4)]),  # a not scheduled this step
-            (22, [("a", 2), ("b", 5)]),
-        ])
-        drain._emit_all_staged()
-    finally:
-        drain.close(5)
-    got = writer.by_request()
+    got = _records_of([
+        (20, [("a", 1), ("b", 3)]),
+        (21, [("b", 4)]),  # a not scheduled this step
+        (22, [("a", 2), ("b", 5)]),
+    ]).by_request()
     a_keys = [(k.start_token, k.n_tokens, k.step) for k, _ in got["a"]]
     assert a_keys == [(1, 1, 20), (2, 1, 22)]  # each record's step + offset is the step that fed the token
     (kb, vb), = got["b"]
@@ -130,12 +128,6 @@ def test_a_seal_for_finished_requests_stores_theirs_and_the_others_keep_coalesci
 
 
 def test_the_chunk_bound_still_cuts_a_changing_batch():
-    writer = _Records()
-    drain = _drain(writer, chunk=2)
-    try:
-        _stage(drain, [(1, [("a", 0)]), (2, [("b", 0), ("a", 1)]), (3, [("a", 2), ("b", 1)])])
-        drain._emit_all_staged()
-    finally:
-        drain.close(5)
+    writer = _records_of([(1, [("a", 0)]), (2, [("b", 0), ("a", 1)]), (3, [("a", 2), ("b", 1)])], chunk=2)
     keys = sorted((k.request_id, k.start_token, k.n_tokens, k.step) for k, _ in writer.records)
     assert keys == [("a", 0, 2, 1), ("a", 2, 1, 3), ("b", 0, 1, 2), ("b", 1, 1, 3)]
