@@ -397,11 +397,10 @@ class Drain:
             st = None
         if st is None:
             st = self._staged[(hook, layer)] = _Staged(plan.call_id)
-        st.parts.append(rows.clone())  # the slot is freed after this; keep our own copy
+        st.add(rows, self.decode_chunk_steps)  # copied: the slot is freed after this
         st.plans.append(plan)
         st.last_step = plan.step
-        st.nbytes += rows.numel() * rows.element_size()
-        if len(st.parts) >= self.decode_chunk_steps or st.nbytes >= self.decode_chunk_bytes:
+        if len(st.plans) >= self.decode_chunk_steps or st.nbytes >= self.decode_chunk_bytes:
             self._emit_staged(hook, layer)
 
     def _emit_staged(self, hook, layer) -> None:
@@ -421,21 +420,20 @@ class Drain:
     def _emit_runs(self, hook, layer, st: "_Staged", only) -> None:
         """One record per run of ``st`` (a request's rows at consecutive steps and positions);
         with ``only``, just those requests' runs, marked as emitted."""
-        tail = HOOKS[hook].token_shape(st.parts[0].shape[1], self.ctx.geometry)
-        if only is None and not st.emitted and _same_spans(st.plans):  # the batch kept its rows: cut a stack
-            k = len(st.parts)
-            stacked = torch.stack(st.parts)  # [steps, rows, features]
+        rows = st.rows()
+        tail = HOOKS[hook].token_shape(rows.shape[1], self.ctx.geometry)
+        if only is None and not st.emitted and _same_spans(st.plans):  # the batch kept its rows: cut the steps
+            k = len(st.plans)
+            steps = rows.view(k, -1, rows.shape[1])  # [steps, rows, features]
             for s in st.plans[0].spans:
-                rec = stacked[:, s.offset : s.offset + s.n].reshape(k * s.n, *tail)
+                rec = steps[:, s.offset : s.offset + s.n].reshape(k * s.n, *tail)
                 self._append(hook, layer, st.plans[0], s, rec, n_tokens=k * s.n)
             return
-        rows = torch.cat(st.parts) if len(st.parts) > 1 else st.parts[0]
         for run in self._runs_of(st, only):
             rec = rows[run.first : run.first + run.n] if run.index is None else rows.index_select(0, run.index)
             self._append(hook, layer, run.plan, run.span, rec.reshape(run.n, *tail), n_tokens=run.n)
         if only is not None:
             st.emitted |= only
-
 
     def _runs_of(self, st: "_Staged", only) -> list["_Run"]:
         """:func:`_runs`, worked out once for every hook and layer staged over the same steps."""
@@ -448,12 +446,36 @@ class Drain:
 
 @dataclass(slots=True)
 class _Staged:
+    """One hook and layer's decode rows, step after step, in one buffer of their own."""
+
     call_id: int
-    parts: list = field(default_factory=list)  # each step's rows, [rows, features]
     plans: list = field(default_factory=list)  # each step's plan
+    part_rows: list = field(default_factory=list)  # each step's row count
     last_step: int = -1
-    nbytes: int = 0
     emitted: frozenset = frozenset()  # requests whose staged rows were already stored
+    _buffer: torch.Tensor | None = None
+    _used: int = 0  # rows staged
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else self._used * self._buffer.shape[1] * self._buffer.element_size()
+
+    def add(self, rows: torch.Tensor, steps: int) -> None:
+        """Copy one step's ``rows`` after the others (room for ``steps`` such steps at first)."""
+        n = rows.shape[0]
+        buf = self._buffer
+        if buf is None or self._used + n > buf.shape[0]:
+            grown = torch.empty((max(n * steps, 2 * self._used + n), rows.shape[1]), dtype=rows.dtype)
+            if buf is not None:
+                grown[: self._used].copy_(buf[: self._used])
+            buf = self._buffer = grown
+        buf[self._used : self._used + n].copy_(rows)
+        self._used += n
+        self.part_rows.append(n)
+
+    def rows(self) -> torch.Tensor:
+        """Every staged row, ``[rows, features]`` (the steps' rows one after another)."""
+        return self._buffer[: self._used]
 
 
 @dataclass(frozen=True, slots=True)
@@ -490,7 +512,7 @@ def _runs(st: _Staged, only) -> list[_Run]:
                 run = open_runs[rid] = _OpenRun(plan, s)
             run.rows.extend(range(base + s.offset, base + s.offset + s.n))
             run.last_part, run.next_position = i, s.start + s.n
-        base += st.parts[i].shape[0]
+        base += st.part_rows[i]
     closed.extend(open_runs.values())
     return sorted((r.finished() for r in closed), key=lambda r: r.first)
 
