@@ -490,8 +490,15 @@ class _Run:
 
 
 def _same_spans(plans) -> bool:
+    """Whether every step holds the same requests in the same rows, each at its next position."""
     first = plans[0].spans
-    return all(p.spans is first or _shifted(first, p.spans) is not None for p in plans[1:])
+    for k, plan in enumerate(plans[1:], start=1):
+        if len(plan.spans) != len(first):
+            return False
+        for a, b in zip(first, plan.spans):
+            if (a.request_id, a.row, a.n, a.offset, a.start + k * a.n) != (b.request_id, b.row, b.n, b.offset, b.start):
+                return False
+    return True
 
 
 def _runs(st: _Staged, only) -> list[_Run]:
@@ -541,16 +548,6 @@ def _switchable(writer, codec: str) -> bool:
     except (TypeError, ValueError):  # a builtin without a signature: assume it takes none
         return False
     return "codec" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
-def _shifted(first, current):
-    """``first``'s spans if ``current`` continues them (same requests, rows and widths)."""
-    if len(first) != len(current):
-        return None
-    for a, b in zip(first, current):
-        if a.request_id != b.request_id or a.row != b.row or a.n != b.n or a.offset != b.offset:
-            return None
-    return first
 
 
 def cuda_event_for_submission(stream) -> object:

@@ -109,6 +109,12 @@ def test_a_request_missing_from_a_step_starts_a_new_record():
     assert torch.equal(vb, _expected("b", range(3, 6)))
 
 
+def test_a_request_whose_position_jumps_starts_a_new_record():
+    got = _records_of([(40, [("a", 3)]), (41, [("a", 9)]), (42, [("a", 10)])]).by_request()
+    assert [(k.start_token, k.n_tokens, k.step) for k, _ in got["a"]] == [(3, 1, 40), (9, 2, 41)]
+    assert torch.equal(got["a"][1][1], _expected("a", range(9, 11)))
+
+
 def test_a_seal_for_finished_requests_stores_theirs_and_the_others_keep_coalescing():
     writer = _Records()
     drain = _drain(writer)
