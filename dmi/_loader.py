@@ -12,6 +12,7 @@ exactly-once, determinism and resume hold. See ``docs/loader.md``.
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -61,6 +62,7 @@ class LoaderConfig:
     prefetch: int
     read_threads: int
     max_gap: int
+    direct_io: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +122,7 @@ def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
     io_pool = ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="dmi-loader-io")
     ahead = ThreadPoolExecutor(cfg.prefetch, thread_name_prefix="dmi-loader-window")
     reader = WindowReader(ds.plan, ds.packs, cfg.fmt, max_gap=cfg.max_gap, on_error=cfg.on_error, io_pool=io_pool,
-                          memory=LoaderMemory(cfg.prefetch))
+                          memory=LoaderMemory(cfg.prefetch), direct_io=cfg.direct_io)
 
     def read(w: int) -> Window:
         def permutation(n: int):
@@ -327,7 +329,8 @@ def open_loader(catalog: Any, packs: PackStore, model_id: str, *, hooks: Any = "
                 seed: int = 0, shuffle_buffer: int = 65536, layout: str = "stack", with_tokens: bool = False,
                 normalize: bool = False, drop_last: bool = False, on_error: str = "raise", num_workers: int = 0,
                 rank: int | None = None, world_size: int | None = None, prefetch: int = 2, read_threads: int = 4,
-                max_gap: int = DEFAULT_MAX_GAP, multiprocessing_context: Any = None) -> TokenLoader:
+                max_gap: int = DEFAULT_MAX_GAP, direct_io: bool | None = None,
+                multiprocessing_context: Any = None) -> TokenLoader:
     """Select, plan and configure a :class:`TokenLoader` (the arguments of ``Store.loader``)."""
     hook_names = _hook_names(hooks)
     for name, value, low in (("batch_size", batch_size, 1), ("shuffle_buffer", shuffle_buffer, 1),
@@ -341,6 +344,8 @@ def open_loader(catalog: Any, packs: PackStore, model_id: str, *, hooks: Any = "
         raise InvalidArgumentError(f"on_error must be one of {ON_ERROR}, not {on_error!r}")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise InvalidArgumentError(f"dtype must be a torch.dtype or None, not {dtype!r}")
+    if direct_io not in (None, True, False):
+        raise InvalidArgumentError(f"direct_io must be True, False or None (decide by size), not {direct_io!r}")
     rank, world_size = _rank_and_world(rank, world_size)
     entries = catalog.select_records(model_id, run_ids=runs, hooks=hook_names, layers=layers, phases=phases,
                                      where=where, params=params)
@@ -348,9 +353,26 @@ def open_loader(catalog: Any, packs: PackStore, model_id: str, *, hooks: Any = "
     _check_layout(plan, layout, dtype)
     scales = _unit_norm_scales(plan) if normalize else None
     config = LoaderConfig(batch_size, bool(shuffle), seed, shuffle_buffer, bool(drop_last), bool(with_tokens),
-                          RowFormat(dtype, scales, layout), on_error, prefetch, read_threads, max_gap)
+                          RowFormat(dtype, scales, layout), on_error, prefetch, read_threads, max_gap,
+                          _wants_direct_io(direct_io, entries))
     return TokenLoader(plan, packs, config, rank=rank, world_size=world_size, num_workers=num_workers,
                        multiprocessing_context=multiprocessing_context)
+
+
+def _wants_direct_io(direct_io: bool | None, entries: Any) -> bool:
+    """``direct_io``, or when unset: whether the selection's bytes exceed half this machine's
+    memory — the page cache cannot keep them for the next epoch, so caching them only costs
+    CPU and evicts what it held (docs/loader.md, "Direct I/O")."""
+    if direct_io is not None:
+        return direct_io
+    return sum(e.payload.length for e in entries) > _physical_memory() // 2
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # no sysconf (Windows): never decide for direct reads
+        return 1 << 62
 
 
 def _hook_names(hooks: Any) -> tuple[str, ...] | None:

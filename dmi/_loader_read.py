@@ -20,7 +20,7 @@ import torch
 from dmi._loader_memory import Arena, LoaderMemory
 from dmi._loader_plan import Plan, Slice, slice_rows
 from dmi.reader import FooterCache, plan_reads, read_record, read_records
-from dmi.storage import PackStore, gather_rows, torch_dtype
+from dmi.storage import DIRECT_ALIGNMENT, PackStore, gather_rows, torch_dtype
 from dmi.storage.errors import PackError
 from dmi.storage.records import RecordEntry
 
@@ -55,7 +55,7 @@ class WindowReader:
     """Reads windows of one plan from one pack store (one footer cache for the reader's life)."""
 
     def __init__(self, plan: Plan, packs: PackStore, fmt: RowFormat, *, max_gap: int, on_error: str,
-                 io_pool: Executor, memory: LoaderMemory):
+                 io_pool: Executor, memory: LoaderMemory, direct_io: bool = False):
         self.plan = plan
         self.packs = packs
         self.fmt = fmt
@@ -64,6 +64,7 @@ class WindowReader:
         self.io_pool = io_pool
         self.cache = FooterCache()
         self.memory = memory
+        self.direct_io = direct_io
 
     def read(self, slices: list[Slice], permutation: Callable[[int], np.ndarray] | None) -> Window:
         """The rows of ``slices``, damaged units left out (skip mode), reordered by
@@ -95,13 +96,15 @@ class WindowReader:
 
     def _arena(self, entries: list[RecordEntry]) -> Arena:
         """Room for every range read of ``entries`` and every record that decodes into memory of its own."""
-        sizes = [p.range.length for p in plan_reads(entries, max_gap=self.max_gap)]
+        widen = 3 * DIRECT_ALIGNMENT if self.direct_io else 0  # see read_records(direct=True)
+        sizes = [p.range.length + widen for p in plan_reads(entries, max_gap=self.max_gap)]
         sizes += [e.meta.raw_size for e in entries if e.meta.codec != "raw"]
         return Arena(self.memory.reads.take(Arena.room_for(sizes)))
 
     def _read_pack(self, group: list[RecordEntry], arena: Arena) -> tuple[dict, dict]:
         try:
-            got = read_records(self.packs, group, max_gap=self.max_gap, cache=self.cache, memory=arena)
+            got = read_records(self.packs, group, max_gap=self.max_gap, cache=self.cache, memory=arena,
+                               direct=self.direct_io)
             return dict(zip(group, got)), {}
         except PackError:
             if not self.skip:

@@ -432,7 +432,7 @@ class Store:
         ``%(name)s``). ``options``: ``batch_size``, ``dtype``, ``shuffle``, ``seed``,
         ``shuffle_buffer``, ``layout``, ``with_tokens``, ``normalize``, ``drop_last``,
         ``on_error``, ``num_workers``, ``rank``/``world_size``, ``prefetch``,
-        ``read_threads``, ``max_gap`` — see ``docs/loader.md``.
+        ``read_threads``, ``max_gap``, ``direct_io`` — see ``docs/loader.md``.
 
         Raises ``RecordNotFoundError`` (nothing selected), ``HookSelectionError``,
         ``InvalidArgumentError``, ``ReaderError`` / ``DuplicateChunkError`` (features that do

@@ -95,12 +95,15 @@ def read_records(
     max_gap: int = DEFAULT_MAX_GAP,
     cache: FooterCache | None = None,
     memory: Callable[[int], torch.Tensor] | None = None,
+    direct: bool = False,
 ) -> list[torch.Tensor]:
     """Tensors for ``entries`` (same order), reading exactly ``plan_reads(entries, max_gap=)``.
 
     ``memory(nbytes)`` gives the uint8 buffers that range reads and decoded records go into
     (default: new ``torch.empty`` buffers), for a caller that reuses its memory: the training
-    loader reads every window into one region it lends again (dmi/_loader_memory.py)."""
+    loader reads every window into one region it lends again (dmi/_loader_memory.py).
+    ``direct``: read around the page cache where the store can; each range is then read
+    widened to the input's ``alignment`` and takes up to ``3 * alignment`` more memory."""
     memory = memory or _new_bytes
     entries = list(entries)
     out: list[torch.Tensor | None] = [None] * len(entries)
@@ -111,7 +114,7 @@ def read_records(
     for plan in plan_reads(entries, max_gap=max_gap):
         by_pack.setdefault(plan.pack_id, []).append(plan)
     for pack_id, plans in by_pack.items():
-        with store.open_input(pack_id) as source:
+        with store.open_input(pack_id, direct=direct) as source:
             if cache is not None:
                 _check_against_footer(store, [entries[i] for p in plans for i in p.members], cache, source)
             for plan in plans:
@@ -133,13 +136,27 @@ def _new_bytes(nbytes: int) -> torch.Tensor:
 
 
 def _read_range(source: PackInput, rng, entries: list[RecordEntry], memory: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    buffer = memory(rng.length)
     try:
+        if source.alignment:
+            return _read_range_direct(source, rng, memory)
+        buffer = memory(rng.length)
         source.read_into(rng.offset, buffer.numpy())
+        return buffer
     except PackTruncatedError as exc:
         names = ", ".join(e.meta.key.describe() for e in entries[:5]) + (" ..." if len(entries) > 5 else "")
         raise PackTruncatedError(f"{exc}; records affected: {names}") from exc
-    return buffer
+
+
+def _read_range_direct(source: PackInput, rng, memory: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """``rng``'s bytes, read as the aligned range around it into an aligned piece of ``memory``."""
+    align = source.alignment
+    start = rng.offset - rng.offset % align
+    end = rng.end + -rng.end % align
+    room = memory(rng.length + 3 * align)  # widened at both ends, started on an aligned address
+    skip = -room.data_ptr() % align
+    region = room[skip : skip + end - start]
+    source.read_direct_into(start, region.numpy(), needed=rng.end - start)
+    return region[rng.offset - start : rng.offset - start + rng.length]
 
 
 def _decode(entry: RecordEntry, stored: torch.Tensor, memory: Callable[[int], torch.Tensor]) -> torch.Tensor:

@@ -33,6 +33,7 @@ _LAZY = {
     "S3PackStore": "_store_s3",
     "PackInput": "_store",
     "PackSink": "_store",
+    "DIRECT_ALIGNMENT": "_store",
     "PackWriter": "_writer",
     "DEFAULT_MAX_RECORDS": "_writer",
     "DEFAULT_MAX_BYTES": "_writer",

@@ -21,7 +21,11 @@ Sealing is an operation of the store, not of the writer, because it differs by b
 
 Range reads go through :class:`PackInput`, which reads straight into caller-owned
 buffers (``os.preadv`` locally, no intermediate copy) and turns short reads into
-:class:`PackTruncatedError`.
+:class:`PackTruncatedError`. ``open_input(pack_id, direct=True)`` asks for reads around the
+page cache (``O_DIRECT``): a local store gives an input whose :attr:`PackInput.alignment`
+is :data:`DIRECT_ALIGNMENT` where its filesystem allows it; every other store, and a
+filesystem that refuses ``O_DIRECT`` (tmpfs), reads through the cache as usual
+(``alignment`` 0). Why and when: docs/loader.md, "Direct I/O".
 """
 
 from __future__ import annotations
@@ -46,7 +50,11 @@ from dmi.storage.errors import (
     PackTruncatedError,
 )
 
-__all__ = ["PackStore", "LocalPackStore", "FileSystemPackStore", "PackInput", "PackSink"]
+__all__ = ["PackStore", "LocalPackStore", "FileSystemPackStore", "PackInput", "PackSink", "DIRECT_ALIGNMENT"]
+
+DIRECT_ALIGNMENT = 4096
+"""Offset, length and buffer address of a direct read are multiples of this: 4 KiB covers
+every logical block size Linux filesystems use for ``O_DIRECT`` (512 B and 4 KiB)."""
 
 
 def _check_pack_id(pack_id: str) -> None:
@@ -60,6 +68,10 @@ def _is_missing(exc: BaseException) -> bool:
 
 class PackInput:
     """A pack opened for range reads. Thread-safe: every read is positional."""
+
+    alignment = 0
+    """0: reads go through the page cache and take any offset and length. Otherwise the input
+    reads around it (:meth:`read_direct_into`), in multiples of ``alignment``."""
 
     def __init__(self, pack_id: str, file: pa.NativeFile):
         self.pack_id = pack_id
@@ -79,6 +91,12 @@ class PackInput:
         if len(data) != len(view):
             raise self._truncated(offset, len(view), len(data))
         view[:] = memoryview(data)
+
+    def read_direct_into(self, offset: int, out, needed: int) -> None:
+        """Fill ``out`` from ``offset`` around the page cache. ``offset``, ``len(out)`` and the
+        address of ``out`` are multiples of :attr:`alignment`; the file may end inside ``out``,
+        but not before its first ``needed`` bytes (else :class:`PackTruncatedError`)."""
+        raise PackError(f"pack {self.pack_id}: this input reads through the page cache only (alignment 0)")
 
     def arrow_file(self) -> pa.NativeFile:
         """The underlying pyarrow file, for ``pyarrow.ipc.open_file``."""
@@ -101,18 +119,35 @@ class PackInput:
 
 
 class _LocalPackInput(PackInput):
-    """Local file: ``os.preadv`` straight into the caller's buffer, GIL released."""
+    """Local file: ``os.preadv`` straight into the caller's buffer, GIL released. With
+    ``direct``, a second descriptor opened ``O_DIRECT`` serves :meth:`read_direct_into`
+    where the filesystem allows it."""
 
-    def __init__(self, pack_id: str, path: str):
-        try:
-            self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            if _is_missing(exc):
-                raise PackNotFoundError(f"pack {pack_id} not found at {path}") from exc
-            raise PackError(f"pack {pack_id}: cannot open {path}: {exc}") from exc
+    def __init__(self, pack_id: str, path: str, *, direct: bool = False):
         self.pack_id = pack_id
         self._path = path
         self._file = None
+        self._fd = self._direct_fd = -1
+        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+        try:
+            self._fd = os.open(path, flags)
+            if direct and hasattr(os, "O_DIRECT"):
+                self._open_direct(flags | os.O_DIRECT)
+        except OSError as exc:
+            self.close()
+            if _is_missing(exc):
+                raise PackNotFoundError(f"pack {pack_id} not found at {path}") from exc
+            raise PackError(f"pack {pack_id}: cannot open {path}: {exc}") from exc
+
+    def _open_direct(self, flags: int) -> None:
+        """The ``O_DIRECT`` descriptor; a filesystem without direct I/O (EINVAL) leaves reads cached."""
+        try:
+            self._direct_fd = os.open(self._path, flags)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            return
+        self.alignment = DIRECT_ALIGNMENT
 
     @property
     def size(self) -> int:
@@ -130,6 +165,20 @@ class _LocalPackInput(PackInput):
                 raise self._truncated(offset, len(view), filled)
             filled += n
 
+    def read_direct_into(self, offset: int, out, needed: int) -> None:
+        view = memoryview(out).cast("B")
+        filled = 0
+        while filled < len(view):
+            try:
+                n = os.preadv(self._direct_fd, [view[filled:]], offset + filled)
+            except OSError as exc:
+                raise PackError(f"pack {self.pack_id}: direct read at {offset + filled} failed: {exc}") from exc
+            if n == 0:
+                break
+            filled += n
+        if filled < needed:
+            raise self._truncated(offset, needed, filled)
+
     def arrow_file(self) -> pa.NativeFile:
         if self._file is None:
             self._file = pa.OSFile(self._path, "rb")
@@ -138,9 +187,10 @@ class _LocalPackInput(PackInput):
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        for fd in (self._fd, self._direct_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._direct_fd = -1
 
 
 class PackSink(ABC):
@@ -301,10 +351,11 @@ class PackStore(ABC):
         _check_pack_id(pack_id)
         return self._exists(pack_id)
 
-    def open_input(self, pack_id: str) -> PackInput:
-        """Open a sealed pack for range reads; :class:`PackNotFoundError` if it is not there."""
+    def open_input(self, pack_id: str, *, direct: bool = False) -> PackInput:
+        """Open a sealed pack for range reads; :class:`PackNotFoundError` if it is not there.
+        ``direct``: read around the page cache where this store can (``PackInput.alignment``)."""
         _check_pack_id(pack_id)
-        return self._open_input(pack_id)
+        return self._open_direct_input(pack_id) if direct else self._open_input(pack_id)
 
     def create(self, pack_id: str) -> PackSink:
         """Start writing a new pack; it becomes visible only when the sink is sealed."""
@@ -334,6 +385,10 @@ class PackStore(ABC):
     @abstractmethod
     def _open_input(self, pack_id: str) -> PackInput:
         """Open a sealed pack; :class:`PackNotFoundError` if there is none."""
+
+    def _open_direct_input(self, pack_id: str) -> PackInput:
+        """A sealed pack for reads around the page cache; stores that have none read through it."""
+        return self._open_input(pack_id)
 
     @abstractmethod
     def _create(self, pack_id: str) -> PackSink:
@@ -383,6 +438,9 @@ class LocalPackStore(PackStore):
 
     def _open_input(self, pack_id: str) -> PackInput:
         return _LocalPackInput(pack_id, self._path(pack_id))
+
+    def _open_direct_input(self, pack_id: str) -> PackInput:
+        return _LocalPackInput(pack_id, self._path(pack_id), direct=True)
 
     def _create(self, pack_id: str) -> PackSink:
         return _LocalPackSink(self, pack_id)  # an existing pack is refused at rename time

@@ -54,9 +54,9 @@ class ReadCounter:
         self.ranges: list[tuple[str, int, int]] = []
         original = packs.open_input
 
-        def open_input(pack_id):
+        def open_input(pack_id, **options):
             self.opens += 1
-            source = original(pack_id)
+            source = original(pack_id, **options)
             read_into = source.read_into
 
             def counted(offset, out):

@@ -22,9 +22,9 @@ class CountingStore:
     def __getattr__(self, name):
         return getattr(self._store, name)
 
-    def open_input(self, pack_id):
+    def open_input(self, pack_id, **options):
         self.opens += 1
-        source = self._store.open_input(pack_id)
+        source = self._store.open_input(pack_id, **options)
         inner = source.read_into
         reads = self.reads
 
