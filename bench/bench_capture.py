@@ -7,7 +7,9 @@ shared machine hits all of them alike:
 
 * ``baseline``            ``model.generate``, nothing attached
 * ``dmi resid_post``      ``attach(hooks="resid_post")``, every layer, packs sealed and
-                          published (embedded chDB catalog) before the clock stops
+                          published (embedded chDB catalog) before the clock stops; on the
+                          CPU the drain runs 19 nice levels below the model (``drain_nice``'s
+                          default there since stop 24)
 * ``dmi all_but_patterns``every hook but ``attn_pattern`` (resid, attn q/k/v/z/out, mlp,
                           logits, token ids)
 * ``dmi all_but_patterns raw`` the same with the pack writer's codec ``raw`` and per-record
@@ -18,8 +20,9 @@ shared machine hits all of them alike:
                           what the C extension gains end to end
 * ``dmi all_but_patterns 2 encode threads`` the same with ``attach(encode_threads=2)``: the
                           drain's records encoded on a pool of two threads
-* ``dmi resid_post drain_nice=19``, ``dmi all_but_patterns drain_nice=19`` the same with
-                          ``attach(drain_nice=19)``: the drain below the model's threads
+* ``dmi resid_post drain_nice=0``, ``dmi all_but_patterns drain_nice=0`` the same with
+                          ``attach(drain_nice=0)``: the drain at the model's priority (the
+                          default before stop 24)
 * ``naive resid_post``    forward hooks that copy each output to the CPU (``.clone()``),
                           then one ``torch.save`` + fsync of everything
 * ``naive all_but_patterns`` the same on the same module outputs DMI captures
@@ -125,7 +128,7 @@ def run_baseline(model, ids, mask, args, ctx):
     return time.perf_counter() - t0, {"sequences": out}
 
 
-def run_dmi(hooks, writer_options=None, encode_threads=1, drain_nice=0):
+def run_dmi(hooks, writer_options=None, encode_threads=1, drain_nice=None):
     def run(model, ids, mask, args, ctx):
         from dmi.capture import attach
 
@@ -249,8 +252,8 @@ CONFIGS = {
     "dmi all_but_patterns raw": run_dmi("all_but_patterns", {"codec": "raw", "stats": False}),
     "dmi all_but_patterns numpy loops": without_native(run_dmi("all_but_patterns")),
     "dmi all_but_patterns 2 encode threads": run_dmi("all_but_patterns", encode_threads=2),
-    "dmi resid_post drain_nice=19": run_dmi("resid_post", drain_nice=19),
-    "dmi all_but_patterns drain_nice=19": run_dmi("all_but_patterns", drain_nice=19),
+    "dmi resid_post drain_nice=0": run_dmi("resid_post", drain_nice=0),
+    "dmi all_but_patterns drain_nice=0": run_dmi("all_but_patterns", drain_nice=0),
     "naive resid_post": run_naive("resid_post"),
     "naive all_but_patterns": run_naive("all_but_patterns"),
     "compiled baseline": run_compiled_baseline,

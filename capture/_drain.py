@@ -129,6 +129,7 @@ class Drain:
         self.lost_keys: list[RecordKey] = []
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        self.nice = nice  # how many levels below the attaching thread the drain's threads run
         self._nice_level = None  # the nice level of the drain's threads; None: the attaching thread's
         if nice:
             own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

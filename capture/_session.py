@@ -211,6 +211,7 @@ class CaptureSession:
             "codec_switches": d.codec_switches,
             "records_fallback_codec": d.records_fallback,
             "hook_seconds": self._hook_seconds,
+            "drain_nice": self.drain.nice,
         }
 
     # -- calls ----------------------------------------------------------------------------------
@@ -640,7 +641,7 @@ def attach(
     tokenizer=None,
     compiled: bool | None = None,
     encode_threads: int = 1,
-    drain_nice: int = 0,
+    drain_nice: int | None = None,
 ):
     """Attach capture to ``model``; yields a :class:`CaptureSession`.
 
@@ -670,7 +671,9 @@ def attach(
     * ``drain_nice``: run the drain (and its encoding threads) this many nice levels below the
       model's threads (Linux; ``0``: the same priority). On a host where the model keeps every
       core busy (a model on the CPU) the drain then works in the cycles the model leaves idle
-      instead of preempting one of its threads (docs/capture.md, "Drain priority").
+      instead of preempting one of its threads (docs/capture.md, "Drain priority"). ``None``
+      (default): :data:`AUTO_DRAIN_NICE` for a model whose parameters are all on the CPU and
+      that waits for the drain (``drop_policy="wait"``) on Linux, else ``0``.
     * ``tp_rank`` / ``tp_size``: this process's tensor-parallel shard; by default read from the
       TP device mesh of a model transformers sharded, else rank 0 of 1 — never the global
       ``torch.distributed`` rank (see ``dmi.capture._tp``).
@@ -707,6 +710,7 @@ def attach(
     if compiled:
         check_compiled_selection(selection.hooks, tp_size)
     enabled = (tp_ranks is None or tp_rank in set(tp_ranks)) and (pp_ranks is None or pp_rank in set(pp_ranks))
+    drain_nice = auto_drain_nice(model, drain_nice, drop_policy)
     check_pipeline_arguments("attach", store=store, writer=writer, decode_chunk_steps=decode_chunk_steps,
                              adaptive_codec=adaptive_codec, encode_threads=encode_threads, drain_nice=drain_nice)
     geometry = ModelGeometry.from_config(model.config, _model_dtype(model))
@@ -829,6 +833,24 @@ def owned_session(owner_key, model_name: str, ctx: KeyContext, options: _Pipelin
         finally:
             with _OWNERS_LOCK:
                 _OWNERS.pop(owner_key, None)
+
+
+AUTO_DRAIN_NICE = 19
+"""The drain's nice level below a model on the CPU when ``drain_nice`` is not given: the lowest
+priority, so the drain takes only the cycles the model leaves (docs/capture.md, "Drain priority")."""
+
+
+def auto_drain_nice(model, drain_nice, drop_policy: str):
+    """``drain_nice``, or when it is ``None``: :data:`AUTO_DRAIN_NICE` where the model computes
+    on the CPU (every parameter there, so it competes with the drain for the same cores), waits
+    for the drain rather than dropping records (a drain below the model would make a dropping
+    ring drop more), and Linux sets per-thread levels; ``0`` elsewhere."""
+    if drain_nice is not None:
+        return drain_nice
+    if drop_policy != "wait" or not sys.platform.startswith("linux"):
+        return 0
+    devices = {p.device.type for p in model.parameters()}
+    return AUTO_DRAIN_NICE if devices == {"cpu"} else 0
 
 
 def check_pipeline_arguments(who: str, *, store, writer, decode_chunk_steps, adaptive_codec, encode_threads,

@@ -173,9 +173,9 @@ class _LocalPackInput(PackInput):
                 n = os.preadv(self._direct_fd, [view[filled:]], offset + filled)
             except OSError as exc:
                 raise PackError(f"pack {self.pack_id}: direct read at {offset + filled} failed: {exc}") from exc
-            if n == 0:
-                break
             filled += n
+            if n == 0 or n % self.alignment:  # the file ended (only its last block comes back short)
+                break
         if filled < needed:
             raise self._truncated(offset, needed, filled)
 

@@ -122,3 +122,30 @@ def test_drain_nice_must_be_a_level_in_0_to_19(bad):
     with pytest.raises(InvalidArgumentError, match="drain_nice must be an int in 0..19"):
         with attach(tiny("llama"), writer=MemoryWriter(), drain_nice=bad):
             pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice levels are Linux's")
+def test_a_model_on_the_cpu_gets_a_drain_below_it_by_default():
+    """Unset, ``drain_nice`` is 19 for a model on the CPU that waits for the drain (the drain
+    threads run there, the stats say so); 0 where the ring drops instead, or when given."""
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    for options, nice in (({}, 19), ({"drop_policy": "drop"}, 0), ({"drain_nice": 0}, 0)):
+        before = set(threading.enumerate())
+        with attach(model, hooks="resid_post", writer=MemoryWriter(), **options) as cap:
+            cap.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+            cap.flush()
+            assert _nice_levels_of_threads("dmi-drain", before) == [min(19, own + nice)]
+            assert cap.stats["drain_nice"] == nice
+
+
+def test_only_a_model_wholly_on_the_cpu_gets_the_lower_drain_by_default():
+    from dmi.capture._session import AUTO_DRAIN_NICE, auto_drain_nice
+
+    model = tiny("llama")
+    assert auto_drain_nice(model, None, "wait") == (AUTO_DRAIN_NICE if sys.platform.startswith("linux") else 0)
+    assert auto_drain_nice(model, None, "drop") == 0
+    assert auto_drain_nice(model, 5, "drop") == 5
+    model.lm_head.to("meta")  # one module elsewhere than the CPU (no accelerator here: the meta device)
+    assert auto_drain_nice(model, None, "wait") == 0
