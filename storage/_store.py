@@ -155,29 +155,29 @@ class _LocalPackInput(PackInput):
 
     def read_into(self, offset: int, out) -> None:
         view = memoryview(out).cast("B")
-        filled = 0
-        while filled < len(view):
-            try:
-                n = os.preadv(self._fd, [view[filled:]], offset + filled)
-            except OSError as exc:
-                raise PackError(f"pack {self.pack_id}: read at {offset + filled} failed: {exc}") from exc
-            if n == 0:
-                raise self._truncated(offset, len(view), filled)
-            filled += n
+        filled = self._fill(self._fd, view, offset, block=0)
+        if filled < len(view):
+            raise self._truncated(offset, len(view), filled)
 
     def read_direct_into(self, offset: int, out, needed: int) -> None:
-        view = memoryview(out).cast("B")
+        filled = self._fill(self._direct_fd, memoryview(out).cast("B"), offset, block=self.alignment)
+        if filled < needed:
+            raise self._truncated(offset, needed, filled)
+
+    def _fill(self, fd: int, view: memoryview, offset: int, *, block: int) -> int:
+        """Bytes read into ``view`` from ``offset`` until it is full or the file ends: a read of
+        0 bytes, or (``block`` > 0, direct reads) one that is not whole blocks — only the file's
+        last block comes back short, and the next offset would not be aligned."""
         filled = 0
         while filled < len(view):
             try:
-                n = os.preadv(self._direct_fd, [view[filled:]], offset + filled)
+                n = os.preadv(fd, [view[filled:]], offset + filled)
             except OSError as exc:
-                raise PackError(f"pack {self.pack_id}: direct read at {offset + filled} failed: {exc}") from exc
+                raise PackError(f"pack {self.pack_id}: read at {offset + filled} failed: {exc}") from exc
             filled += n
-            if n == 0 or n % self.alignment:  # the file ended (only its last block comes back short)
+            if n == 0 or (block and n % block):
                 break
-        if filled < needed:
-            raise self._truncated(offset, needed, filled)
+        return filled
 
     def arrow_file(self) -> pa.NativeFile:
         if self._file is None:
