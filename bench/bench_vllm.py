@@ -253,7 +253,7 @@ class _Engine:
 
     def run(self, name: str) -> dict:
         """One round of configuration ``name``, with the model forwards and tokens it took."""
-        runs = {NONE: self._run_none, NATIVE: self._run_native, **{name: self._run_dmi for name in DMI_HOOKS}}
+        runs = {NONE: self._run_none, NATIVE: self._run_native, **{dmi: self._run_dmi for dmi in DMI_HOOKS}}
         if name not in runs:
             raise BenchError(f"unknown configuration {name!r}")
         forwards, tokens = self.counter.forwards, self.counter.tokens
