@@ -27,6 +27,10 @@ levels below the thread that made the drain (at most 19), that is below the mode
 where the model keeps every core busy (a model on the CPU), the drain takes the cycles it
 leaves idle instead of preempting one of its threads, whose partners then wait for it at the
 next synchronisation.
+
+**One OpenMP thread**: the drain thread and its encoding threads run their torch CPU kernels on
+one OpenMP thread each (:mod:`dmi.capture._omp`): a team of their own would make GNU OpenMP
+cut the model's threads' spin at every barrier short.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from dmi.storage.errors import DrainError
 from dmi.storage.records import RecordKey, ShardGeometry
 
 from ._hooks import HOOKS, ModelGeometry
+from ._omp import one_openmp_thread
 from ._token_text import PROMPT_TEXT, TOKEN_TEXT
 
 __all__ = ["Drain", "DrainStats", "LostRecords"]
@@ -135,7 +140,9 @@ class Drain:
             own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
             self._nice_level = min(19, own + nice)
         # started by the drain thread as it hands them work, the encoders inherit its nice level
-        self._encoders = None if encode_threads <= 1 else ThreadPoolExecutor(encode_threads, thread_name_prefix=f"{name}-encode")
+        self._encoders = None if encode_threads <= 1 else ThreadPoolExecutor(
+            encode_threads, thread_name_prefix=f"{name}-encode", initializer=one_openmp_thread)
+        self.torch_threads: int | None = None  # torch.get_num_threads() on the drain thread, once it runs
         self._writes: list = []  # appends handed to the encoders and not yet waited for
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -195,6 +202,7 @@ class Drain:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice_level)
 
     def _run(self) -> None:
+        self.torch_threads = one_openmp_thread()
         try:
             self._lower_priority()
         except OSError as exc:  # surfaced by check()

@@ -212,6 +212,7 @@ class CaptureSession:
             "records_fallback_codec": d.records_fallback,
             "hook_seconds": self._hook_seconds,
             "drain_nice": self.drain.nice,
+            "drain_torch_threads": self.drain.torch_threads,
         }
 
     # -- calls ----------------------------------------------------------------------------------

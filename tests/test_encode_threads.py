@@ -149,3 +149,55 @@ def test_only_a_model_wholly_on_the_cpu_gets_the_lower_drain_by_default():
     assert auto_drain_nice(model, 5, "drop") == 5
     model.lm_head.to("meta")  # one module elsewhere than the CPU (no accelerator here: the meta device)
     assert auto_drain_nice(model, None, "wait") == 0
+
+
+class _ThreadCountingWriter(MemoryWriter):
+    """Notes ``torch.get_num_threads()`` on the thread that appends each record (the drain
+    thread, or an encoding thread)."""
+
+    def __init__(self):
+        super().__init__()
+        self.torch_threads: list[int] = []
+
+    def append(self, key, data, **options):
+        self.torch_threads.append(torch.get_num_threads())
+        super().append(key, data, **options)
+
+
+@pytest.fixture
+def two_model_threads():
+    """The model's thread runs torch on two OpenMP threads (also on a one-CPU machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenMP runtimes are found through /proc/self/maps")
+@pytest.mark.parametrize("encode_threads", [1, 2])
+def test_the_drain_runs_torch_on_one_openmp_thread_and_the_model_keeps_its_own(two_model_threads, encode_threads):
+    """Every record is appended by a thread whose torch kernels run on one OpenMP thread (a
+    team of the drain's own would shorten the model's barrier spins: ``dmi.capture._omp``);
+    the model's thread still runs on two, and the session reports the drain's count."""
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    writer = _ThreadCountingWriter()
+    with attach(model, hooks="resid_post", writer=writer, encode_threads=encode_threads) as cap:
+        cap.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+        cap.flush()
+        assert cap.stats["drain_torch_threads"] == 1
+    assert len(writer.torch_threads) == len(writer.records) > 0
+    assert set(writer.torch_threads) == {1}
+    assert torch.get_num_threads() == 2
+
+
+def test_one_openmp_thread_changes_only_the_calling_thread(two_model_threads):
+    from dmi.capture._omp import one_openmp_thread
+
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(one_openmp_thread()))
+    worker.start()
+    worker.join()
+    expected = 1 if sys.platform.startswith("linux") else 2
+    assert seen == [expected]
+    assert torch.get_num_threads() == 2
