@@ -44,20 +44,15 @@ class _NullWriter:
         return None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--hooks", default="resid_post")
-    args = parser.parse_args()
+def in_process_engine(prefix: str):
+    """``bench_vllm.py``'s default workload, exactly, on one warmed-up engine in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``(llm, prompts, sampling params, scratch dir)``."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import vllm
 
-    import dmi
-    from dmi.capture import attach_vllm
-
-    workload = bench_vllm.parser().parse_args([])  # bench_vllm.py's default workload, exactly
-    root = tempfile.mkdtemp(prefix="dmi-vllm-breakdown-")
+    workload = bench_vllm.parser().parse_args([])
+    root = tempfile.mkdtemp(prefix=prefix)
     model_dir = bench_vllm.build_model_dir(workload, root)
     llm = vllm.LLM(model=model_dir, enforce_eager=True, dtype=workload.dtype,
                    max_model_len=bench_vllm.max_model_len(workload), max_num_seqs=workload.requests,
@@ -66,6 +61,20 @@ def main() -> None:
     prompts = [{"prompt_token_ids": ids} for ids in bench_vllm.prompts(workload, vocab)]
     params = vllm.SamplingParams(max_tokens=workload.max_tokens, temperature=1.0, ignore_eos=True, detokenize=False)
     llm.generate(prompts, vllm.SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    return llm, prompts, params, root
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--hooks", default="resid_post")
+    args = parser.parse_args()
+    llm, prompts, params, root = in_process_engine("dmi-vllm-breakdown-")
+    import vllm
+
+    import dmi
+    from dmi.capture import attach_vllm
+
     store = dmi.open(home=os.path.join(root, "home"))
 
     def capture(ctx) -> float:

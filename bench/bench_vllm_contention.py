@@ -35,14 +35,12 @@ import argparse
 import hashlib
 import os
 import statistics
-import tempfile
 import threading
 import time
 
 import numpy as np
 
-import bench_vllm
-from bench_vllm_breakdown import _NullWriter
+from bench_vllm_breakdown import _NullWriter, in_process_engine
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -125,22 +123,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--hooks", default="resid_post")
     args = parser.parse_args()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    llm, prompts, params, _ = in_process_engine("dmi-vllm-contention-")
     import vllm
 
     from dmi.capture import attach_vllm
-
-    workload = bench_vllm.parser().parse_args([])  # bench_vllm.py's default workload, exactly
-    root = tempfile.mkdtemp(prefix="dmi-vllm-contention-")
-    model_dir = bench_vllm.build_model_dir(workload, root)
-    llm = vllm.LLM(model=model_dir, enforce_eager=True, dtype=workload.dtype,
-                   max_model_len=bench_vllm.max_model_len(workload), max_num_seqs=workload.requests,
-                   max_num_batched_tokens=workload.max_num_batched_tokens, enable_prefix_caching=False, seed=0)
-    vocab = bench_vllm.prompt_vocab(model_dir, bench_vllm.model_geometry(model_dir))
-    prompts = [{"prompt_token_ids": ids} for ids in bench_vllm.prompts(workload, vocab)]
-    params = vllm.SamplingParams(max_tokens=workload.max_tokens, temperature=1.0, ignore_eos=True, detokenize=False)
-    llm.generate(prompts, vllm.SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
 
     def generate():
         llm.generate(prompts, params, use_tqdm=False)

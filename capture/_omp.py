@@ -5,10 +5,11 @@ starts. GNU OpenMP counts the threads it manages in the whole process; once a se
 (the drain) starts a team of its own, the count exceeds the CPUs and libgomp cuts every
 team's spin at barriers to about a hundred iterations: a model's OpenMP threads, which ran
 from one parallel region to the next without sleeping, then sleep and wake at nearly every
-barrier for as long as the drain thread lives. In vLLM on two CPUs, the drain loop's tenth of a
-second of work a round put the engine's two threads to sleep ~7,000 times a round and cost
-15–25 % of its throughput (``bench/bench_vllm_contention.py``; docs/capture.md, "The drain's
-torch threads").
+barrier for as long as the drain thread lives. In vLLM on two CPUs the drain loop alone, a
+tenth of a second of work a round, put the engine's two threads to sleep ~7,000 times a round
+(``bench/bench_vllm_contention.py``); with the drain on one OpenMP thread, capturing
+``resid_post`` went from 0.66 to 0.81–0.86 of the engine's throughput (docs/capture.md, "The
+drain's torch threads").
 
 The team size is a per-thread setting (``omp_set_num_threads`` sets the calling thread's
 value), so each of DMI's threads sets its own to 1 in every OpenMP runtime loaded in the
