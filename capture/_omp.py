@@ -1,9 +1,10 @@
 """One OpenMP thread for the torch work of DMI's own threads, leaving the model's threads alone.
 
 PyTorch's CPU kernels run their parallel regions on an OpenMP team that the calling thread
-starts. GNU OpenMP counts the threads it manages in the whole process; once a second thread
-(the drain) starts a team of its own, the count exceeds the CPUs and libgomp cuts every
-team's spin at barriers to about a hundred iterations: a model's OpenMP threads, which ran
+starts. GNU OpenMP counts the threads it manages in the whole process; when a model's team
+already uses every CPU and a second thread (the drain) starts a team of its own, the count
+exceeds the CPUs and libgomp cuts every team's spin at barriers to about a hundred
+iterations: a model's OpenMP threads, which ran
 from one parallel region to the next without sleeping, then sleep and wake at nearly every
 barrier for as long as the drain thread lives. In vLLM on two CPUs the drain loop alone, a
 tenth of a second of work a round, put the engine's two threads to sleep ~7,000 times a round
@@ -46,11 +47,10 @@ def _openmp_runtimes() -> tuple:
     other library's: the setting is per thread, so setting it in all of them is harmless).
     Found through ``/proc/self/maps``; none where the system has no such file."""
     try:
-        with open("/proc/self/maps") as f:
-            fields = [line.split(None, 5) for line in f]
+        with open("/proc/self/maps") as f:  # address, perms, offset, device, inode, path
+            paths = {parts[5].strip() for parts in (line.split(None, 5) for line in f) if len(parts) == 6}
     except OSError:
         return ()
-    paths = {parts[5].strip() for parts in fields if len(parts) == 6 and parts[5].startswith("/")}
     found = []
     for path in sorted(p for p in paths if _RUNTIME.match(os.path.basename(p))):
         try:
