@@ -15,6 +15,11 @@ Rows, each the best of ``--rounds`` interleaved rounds, in GB/s of window bytes:
 * ``read ... fresh`` / ``read ... lent``: the window's records read back from raw-codec packs
   in the page cache (``read_records``, one thread, checksums verified) into new buffers, or
   into one region lent again (``Arena``, the loader now).
+* ``read into one lent region, then gathered``: that read followed by the window's gather
+  into reused memory (the loader's whole path for a window); ``gathered from the packs
+  mapped``: the same gather straight from the pack files mapped into memory (``mmap``,
+  populated up front, no checksum), the copy of the read saved — the alternative the
+  loader does not take, measured here.
 * limits: ``memcpy`` into an existing buffer (one thread, as the gather), ``first write of fresh memory`` (``fill_`` of a
   new ``torch.empty``: the page faults alone).
 
@@ -25,6 +30,7 @@ Rows, each the best of ``--rounds`` interleaved rounds, in GB/s of window bytes:
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import platform
 import tempfile
@@ -94,14 +100,40 @@ def read_cases(records: list[torch.Tensor], root: str) -> dict:
     memory = WindowMemory(keep=2)
     room = Arena.room_for([e.payload.length for e in entries])
 
+    rows, hidden = records[0].shape
+    picks = np.stack([np.random.default_rng(1).integers(0, len(records), len(records) * rows),
+                      np.random.default_rng(2).integers(0, rows, len(records) * rows)], axis=1)
+    window = torch.empty(len(picks), hidden, dtype=torch.bfloat16).fill_(0)
+
     def fresh():
         read_records(store, entries)
 
     def lent():
         read_records(store, entries, memory=Arena(memory.take(room)))
 
+    def lent_and_gathered():
+        gather_rows([t.view(rows, hidden) for t in read_records(store, entries, memory=Arena(memory.take(room)))],
+                    picks, window)
+
+    def mapped_and_gathered():
+        gather_rows([mapped(store.location(e.pack_id), e.payload).view(torch.bfloat16).view(rows, hidden)
+                     for e in entries], picks, window)
+
     fresh()  # the page cache holds every pack
-    return {"read the records, fresh buffers": (fresh, 1), "read the records, one lent region": (lent, 1)}
+    return {"read the records, fresh buffers": (fresh, 1), "read the records, one lent region": (lent, 1),
+            "read into one lent region, then gathered": (lent_and_gathered, 1),
+            "gathered from the packs mapped (mmap, populated)": (mapped_and_gathered, 1)}
+
+
+def mapped(path: str, payload) -> torch.Tensor:
+    """A record's payload bytes as a view of its pack file mapped copy-on-write and populated
+    (what a reader that maps instead of reading would gather from); no checksum verified."""
+    start = payload.offset - payload.offset % mmap.ALLOCATIONGRANULARITY
+    with open(path, "rb") as f:
+        region = mmap.mmap(f.fileno(), payload.offset + payload.length - start, offset=start,
+                           flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(region, dtype=torch.uint8)[payload.offset - start:]
 
 
 def main() -> None:
