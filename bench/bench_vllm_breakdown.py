@@ -11,7 +11,10 @@ float32, 16 requests of 128–256 prompt tokens, 64 sampled new tokens,
                     ring copies and the drain loop, nothing encoded, written or published
 * ``no catalog``    capture into packs (zstd, checksums, statistics, fsync'd seals), nothing
                     published
-* ``full``          capture published in the embedded catalog (chDB), as ``dmi.capture_vllm``
+* ``full, publish_interval=0``  published in the embedded catalog (chDB) at every request
+                    finish: one seal and one publish per engine step that saw requests finish
+* ``full``          capture published in the embedded catalog, as ``dmi.capture_vllm`` does by
+                    default (finished requests published together, at most once a second)
 
 Each DMI row's clock stops after ``cap.generate``'s flush (everything sealed; published for
 ``full``). Run in the vLLM environment (``.venv-vllm``); ``--hooks`` to break down another
@@ -77,36 +80,42 @@ def main() -> None:
 
     store = dmi.open(home=os.path.join(root, "home"))
 
-    def capture(ctx) -> float:
+    def capture(ctx) -> tuple[float, int]:
+        """(seconds to the end of the flush, packs sealed)."""
         with ctx as cap:
             t0 = time.perf_counter()
             cap.generate(prompts, params, use_tqdm=False)
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, cap.stats["packs_sealed"]
 
-    def none() -> float:
+    def none() -> tuple[float, None]:
         t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, None
 
     rows = {
         "none": none,
         "null writer": lambda: capture(attach_vllm(llm, hooks=args.hooks, writer=_NullWriter())),
         "no catalog": lambda: capture(attach_vllm(llm, hooks=args.hooks, store=store.packs)),
+        "full, publish_interval=0": lambda: capture(store.capture_vllm(llm, hooks=args.hooks, publish_interval=0)),
         "full": lambda: capture(store.capture_vllm(llm, hooks=args.hooks)),
     }
     load = os.getloadavg()[0]
     seconds: dict[str, list[float]] = {name: [] for name in rows}
+    packs: dict[str, list] = {name: [] for name in rows}
     for _ in range(args.rounds):
         for name, run in rows.items():
-            seconds[name].append(run())
+            elapsed, sealed = run()
+            seconds[name].append(elapsed)
+            packs[name].append(sealed)
     base = statistics.median(seconds["none"])
     print(f"hooks {args.hooks}; {args.rounds} rounds; {os.cpu_count()} CPUs; vLLM {vllm.__version__}; "
           f"load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
-    print("| configuration | seconds a round (median; min–max) | × none (throughput) |")
-    print("|---|---:|---:|")
+    print("| configuration | seconds a round (median; min–max) | × none (throughput) | packs sealed a round |")
+    print("|---|---:|---:|---:|")
     for name, values in seconds.items():
         median = statistics.median(values)
-        print(f"| {name} | {median:.2f} ({min(values):.2f}–{max(values):.2f}) | {base / median:.3f} |")
+        sealed = "" if packs[name][0] is None else f"{statistics.median(packs[name]):g}"
+        print(f"| {name} | {median:.2f} ({min(values):.2f}–{max(values):.2f}) | {base / median:.3f} | {sealed} |")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,15 @@ each releasing the GIL — so N records encode at once); the drain thread waits 
 them before it frees the slot or seals a pack. Records then reach a pack in the order their
 encoding finished, not the order they were cut (each is found by its key, never by its place).
 
+**Publishing at most every ``publish_interval`` seconds**: a seal asked for because requests
+finished (:meth:`Drain.seal_soon`) stores those requests' rows at once, and seals and
+publishes the pack at once only if the last such seal is at least ``publish_interval`` ago;
+otherwise the seal waits for that moment, and every seal asked for meanwhile joins it. A
+server that finishes requests at every step then writes one pack and one catalog publish a
+``publish_interval``, not one per step (each publish is several catalog inserts, and
+ClickHouse wants few, larger inserts). ``flush()`` and ``seal_soon(at_once=True)`` (an idle
+engine) seal at once.
+
 **Priority**: with ``nice=N > 0`` (Linux) the drain thread and its encoding threads run N nice
 levels below the thread that made the drain (at most 19), that is below the model's threads:
 where the model keeps every core busy (a model on the CPU), the drain takes the cycles it
@@ -62,6 +71,7 @@ class DrainStats:
     bytes: int = 0
     packs_sealed: int = 0
     packs_published: int = 0
+    seals_deferred: int = 0  # seals asked for (seal_soon) that waited for publish_interval
     records_lost: int = 0
     busy_seconds: float = 0.0
     codec_switches: int = 0  # times the drain went from the writer's codec to the fallback
@@ -109,7 +119,8 @@ class Drain:
                  tick=None, tick_seconds: float = 5.0, decode_chunk_steps: int = 32,
                  decode_chunk_bytes: int = 16 << 20, start=None, fallback_codec: str | None = None,
                  fallback_fill: float = 0.5, name: str = "dmi-drain", texts=None,
-                 hook_codecs: dict[str, str] | None = None, encode_threads: int = 1, nice: int = 0):
+                 hook_codecs: dict[str, str] | None = None, encode_threads: int = 1, nice: int = 0,
+                 publish_interval: float = 0.0):
         self.ring = ring
         self.texts = texts  # TokenStrings: token_ids records also become token_text / prompt_text records
         self.writer = writer
@@ -133,6 +144,9 @@ class Drain:
         self.published: list = []
         self.lost_keys: list[RecordKey] = []
         self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._publish_interval = publish_interval  # seal_soon seals at most this often (seconds)
+        self._last_seal = float("-inf")  # when seal_soon last sealed (time.monotonic())
+        self._seal_due: float | None = None  # when a seal asked for by seal_soon is to happen
         self._closed = False
         self.nice = nice  # how many levels below the attaching thread the drain's threads run
         self._nice_level = None  # the nice level of the drain's threads; None: the attaching thread's
@@ -175,14 +189,16 @@ class Drain:
         out, self.published = self.published, []
         return out
 
-    def seal_soon(self, request_ids=None) -> None:
+    def seal_soon(self, request_ids=None, *, at_once: bool = False) -> None:
         """Ask the thread to seal the open pack and publish it once it has processed what was
         submitted before — without waiting (a served request finished: its records should be
-        readable soon, but the model must not stall for it). Errors surface as for ``flush``.
+        readable soon, but the model must not stall for it) — and no sooner than
+        ``publish_interval`` after the last such seal, unless ``at_once`` (an idle engine).
+        Errors surface as for ``flush``.
 
         With ``request_ids`` (requests that finished), only their staged decode rows are stored
         before the seal; other requests' rows keep coalescing into later records."""
-        self._q.put(_Marker("seal", None if request_ids is None else frozenset(request_ids)))
+        self._q.put(_Marker("seal now" if at_once else "seal", None if request_ids is None else frozenset(request_ids)))
 
     def close(self, timeout: float | None = None) -> list:
         if self._closed:
@@ -214,9 +230,14 @@ class Drain:
                 self.error = exc
         while True:
             try:
-                item = self._q.get(timeout=self._tick_seconds)
+                item = self._q.get(timeout=self._wait_seconds())
             except queue.Empty:
                 item = _IDLE
+            if self._seal_due is not None and time.monotonic() >= self._seal_due and self.error is None:
+                try:
+                    self._seal_now()
+                except BaseException as exc:  # noqa: BLE001 - surfaced by check()
+                    self.error = exc
             if self._tick is not None and self.error is None and (
                 time.monotonic() - self._last_tick >= self._tick_seconds
             ):
@@ -241,7 +262,10 @@ class Drain:
             if isinstance(item, _Marker):
                 if self.error is None:
                     try:
-                        self._seal_and_publish(item.request_ids)
+                        if item.kind == "seal":
+                            self._seal_soon(item.request_ids)
+                        else:
+                            self._seal_and_publish(item.request_ids)
                     except BaseException as exc:  # noqa: BLE001 - surfaced by check()
                         self.error = exc
                 item.done.set()
@@ -267,15 +291,40 @@ class Drain:
             finally:
                 self.ring.release(item)
 
+    def _wait_seconds(self) -> float:
+        """How long the thread may wait for work: until the next lease tick or a seal due."""
+        if self._seal_due is None:
+            return self._tick_seconds
+        return min(self._tick_seconds, max(0.0, self._seal_due - time.monotonic()))
+
+    def _seal_soon(self, request_ids) -> None:
+        """Store the finished requests' rows now; seal now, or join the seal already due."""
+        self._store_staged(request_ids)
+        if self._seal_due is not None:
+            self.stats.seals_deferred += 1
+        elif time.monotonic() - self._last_seal >= self._publish_interval:
+            self._seal_now()
+        else:
+            self._seal_due = self._last_seal + self._publish_interval
+            self.stats.seals_deferred += 1
+
     def _seal_and_publish(self, request_ids=None) -> None:
+        self._store_staged(request_ids)
+        self._seal_now()
+
+    def _store_staged(self, request_ids) -> None:
         self._choose_codec()
         self._emit_all_staged(request_ids)
         self._wait_writes()
+
+    def _seal_now(self) -> None:
+        self._seal_due = None
         self._flush_losses()
         desc = self.writer.seal()
         if desc is not None and all(d is not desc for d in self.ctx.sealed):
             self.ctx.sealed.append(desc)
         self._publish_sealed()
+        self._last_seal = time.monotonic()
 
     def _publish_sealed(self) -> None:
         sealed = self.ctx.sealed

@@ -207,6 +207,7 @@ class CaptureSession:
             "records_lost": d.records_lost,
             "packs_sealed": d.packs_sealed,
             "packs_published": d.packs_published,
+            "seals_deferred": d.seals_deferred,
             "drain_busy_seconds": d.busy_seconds,
             "codec_switches": d.codec_switches,
             "records_fallback_codec": d.records_fallback,
@@ -767,6 +768,7 @@ class _PipelineOptions:
     hook_codecs: dict | None
     encode_threads: int
     drain_nice: int
+    publish_interval: float = 0.0
 
 
 @contextlib.contextmanager
@@ -801,7 +803,7 @@ def owned_session(owner_key, model_name: str, ctx: KeyContext, options: _Pipelin
                       fallback_codec=None if o.adaptive_codec is None else "raw",
                       fallback_fill=1.0 if o.adaptive_codec is None else o.adaptive_codec,
                       texts=o.texts, hook_codecs=o.hook_codecs, encode_threads=o.encode_threads,
-                      nice=o.drain_nice)
+                      nice=o.drain_nice, publish_interval=o.publish_interval)
         session = make_session(ring, drain, publisher)
         ring.connect(drain.submit, stamp=session._copies_done)
         with _OWNERS_LOCK:

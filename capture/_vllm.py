@@ -18,8 +18,13 @@ whose workers run in other processes given here directly (``dmi.capture_vllm`` r
 through the worker extension).
 
 **Publishing.** When requests leave the runner (finished or aborted), the open slot is handed
-to the drain and the open pack sealed and published without the model waiting; the session's
-``generate`` also flushes before it returns, so every request it returns can be read.
+to the drain, which stores their records and seals and publishes the open pack without the
+model waiting — at once, or, if it last did so less than ``publish_interval`` seconds ago
+(default :data:`PUBLISH_INTERVAL_SECONDS`), at that interval's end, together with every other
+request that finished meanwhile: while the engine is busy, one pack and one catalog publish
+per interval at most, not one per engine step. A served engine that goes idle publishes at
+once (:meth:`VLLMCaptureSession.publish_buffered`), and the session's ``generate`` flushes
+before it returns, so every request it returns can be read.
 """
 
 from __future__ import annotations
@@ -46,6 +51,15 @@ __all__ = ["attach_vllm", "VLLMCaptureSession", "check_engine_config", "engine_i
 
 VLLM_WRITER_PREFIX = "vllm-"
 """How the writer id of every pack a vLLM capture seals begins (``vllm-<run id>``)."""
+
+PUBLISH_INTERVAL_SECONDS = 1.0
+"""How long a finished request's records may wait to be sealed and published with the next
+requests to finish (``attach_vllm(publish_interval=...)``; 0 publishes at every finish)."""
+
+
+def _check_publish_interval(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise InvalidArgumentError(f"publish_interval must be a number of seconds >= 0, got {value!r}")
 
 
 def check_engine_config(vllm_config, *, sharded_ok: bool = False) -> None:
@@ -169,14 +183,15 @@ class VLLMCaptureSession(CaptureSession):
     def publish_buffered(self) -> bool:
         """Between steps (an idle engine): hand what the ring holds to the drain and have the
         open pack sealed and published, without waiting — the last requests a server finished
-        become readable although no further step will notice they left. Returns whether
+        become readable although no further step will notice they left; at once, whatever
+        ``publish_interval`` (an idle engine loses nothing to a publish). Returns whether
         anything was buffered."""
         with self._lock:
             if self._closed or not self._buffered:
                 return False
             self._buffered = False
             self.ring.submit()
-            self.drain.seal_soon()
+            self.drain.seal_soon(at_once=True)  # an idle engine: nothing to spare it from
             return True
 
     def forward(self, *args, **kwargs):
@@ -309,11 +324,14 @@ def attach_vllm(
     tp_replicas: str = "rank0",
     encode_threads: int = 1,
     drain_nice: int = 0,
+    publish_interval: float = PUBLISH_INTERVAL_SECONDS,
 ):
     """Attach capture to ``engine`` — a ``vllm.LLM`` whose one worker runs in this process, the
     in-process executor of a served engine (``dmi.vllm.CaptureExecutor``), or a worker inside
     its own process (``dmi.vllm.CaptureWorkerExtension``); yields a :class:`VLLMCaptureSession`. The options are ``attach``'s; ``model_id`` defaults to the
-    model vLLM was given (its name or absolute directory). See ``docs/vllm.md``."""
+    model vLLM was given (its name or absolute directory); ``publish_interval``: seconds a
+    finished request's records may wait to be published with the next to finish (see
+    Publishing above). See ``docs/vllm.md``."""
     vllm_config, runner, llm, tp_rank, tp_size = _engine_parts(engine)
     model = runner.model
     arch = resolve_vllm_architecture(model)
@@ -327,6 +345,7 @@ def attach_vllm(
         _refuse_a_run_holding_records(catalog, model_id, run_id, tp_rank)
     check_pipeline_arguments("attach_vllm", store=store, writer=writer, decode_chunk_steps=decode_chunk_steps,
                              adaptive_codec=adaptive_codec, encode_threads=encode_threads, drain_nice=drain_nice)
+    _check_publish_interval(publish_interval)
     geometry = ModelGeometry.from_config(model.config, config.dtype)
     layout = TPLayout(geometry, tp_rank, tp_size, None)
     emitted = emitted_hooks(selection.hooks, layout, tp_replicas)
@@ -340,7 +359,7 @@ def attach_vllm(
         catalog=catalog, publish_scope=publish_scope or default_publish_scope(model_id, run_id, tp_rank, tp_size),
         lease_seconds=lease_seconds, store=store, writer=writer, writer_options=writer_options,
         decode_chunk_steps=decode_chunk_steps, adaptive_codec=adaptive_codec, texts=None, hook_codecs=hook_codecs,
-        encode_threads=encode_threads, drain_nice=drain_nice)
+        encode_threads=encode_threads, drain_nice=drain_nice, publish_interval=float(publish_interval))
     planner = VLLMPlanner(geometry, dict(emitted), schedule)
 
     def make_session(ring, drain, publisher):

@@ -39,8 +39,11 @@ So a session is held **per unit of catalog work**, not per process (:class:`_Emb
 * **One unit of work at a time per process.** Every use holds one process-wide lock, so
   many threads can share a catalog (parameterised queries on one shared session are not
   otherwise safe to interleave).
-* Arrow inserts use chDB's ``Python(<name>)`` table function, which reads a pyarrow table
-  from the calling frame's local variables without copying it through SQL text.
+* Arrow inserts run on one thread, in one of two ways (``bench/bench_chdb_inserts.py``): a
+  small table (a capture's publish: tens to thousands of rows) is streamed to chDB as Arrow
+  IPC bytes (``send_insert`` with the ``ArrowStream`` input format), which costs less per
+  statement; a large one goes through chDB's ``Python(<name>)`` table function, which reads
+  the pyarrow table from the calling frame's local variables and costs less per row.
 """
 
 from __future__ import annotations
@@ -82,6 +85,13 @@ LOCK_TIMEOUT_SECONDS = 60.0
 #: How often a waiting process tries the lock again.
 POLL_SECONDS = 0.005
 
+#: Settings of every insert: on one thread an insert of up to thousands of rows costs less CPU
+#: than with ClickHouse's default team, a larger one about the same (``bench/bench_chdb_inserts.py``).
+INSERT_SETTINGS = "SETTINGS max_threads = 1, max_insert_threads = 1"
+#: Inserts of at most this many rows are streamed as Arrow IPC bytes, larger ones read
+#: through ``Python()``: the stream's statement costs less, its rows cost more.
+STREAM_INSERT_MAX_ROWS = 32_768
+
 LOCK_FILE = "dmi.lock"
 WAITING_FILE = "dmi.waiting"
 
@@ -91,7 +101,7 @@ def _import_chdb():
         from chdb import _chdb  # the C extension: its query() sees our frame's locals
     except ImportError as exc:  # pragma: no cover - exercised only without chdb
         raise BackendNotInstalledError(
-            "the embedded catalog needs chDB: pip install 'chdb>=3.0' "
+            "the embedded catalog needs chDB: pip install 'chdb>=4.4' "
             "(or open a server catalog with open_catalog('clickhouse://user:password@host:port/db'))"
         ) from exc
     return _chdb
@@ -345,6 +355,32 @@ os.register_at_fork(after_in_child=_SESSION.forget)
 atexit.register(_SESSION.close_now)  # chDB crashes at exit with a session still open
 
 
+def _arrow_stream(data: pa.Table) -> bytes:
+    """``data`` as Arrow IPC stream bytes, the input chDB's streaming insert parses."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, data.schema) as writer:
+        writer.write_table(data)
+    return sink.getvalue().to_pybytes()
+
+
+def stream_insert(conn, sql: str, payload: bytes) -> None:
+    """Run ``sql`` (an INSERT without data) on ``conn`` with ``payload`` (Arrow IPC stream bytes).
+
+    An insert left open blocks every other statement on the connection, so one interrupted
+    before it finished (an exception, ``KeyboardInterrupt``) is cancelled; chDB closes one
+    that failed itself."""
+    inserter = conn.send_insert(sql, "ArrowStream")
+    try:
+        conn.insert_append(inserter, payload)
+        conn.insert_done(inserter)
+    except BaseException:
+        try:
+            conn.insert_cancel(inserter)
+        except RuntimeError:
+            pass  # chDB already closed the insert that failed; the failure is what is raised
+        raise
+
+
 class ChdbBackend(CatalogBackend):
     kind = "chdb"
 
@@ -392,11 +428,26 @@ class ChdbBackend(CatalogBackend):
         if data.num_rows == 0:
             return
         columns = ", ".join(quote_identifier(name, "column name") for name in data.column_names)
+        if data.num_rows > STREAM_INSERT_MAX_ROWS:
+            self._insert_by_reference(table, columns, data)
+        else:
+            self._insert_streamed(table, columns, data)
+
+    def _insert_by_reference(self, table: str, columns: str, data: pa.Table) -> None:
+        """chDB's ``Python()`` table function reads ``data`` from this frame: no copy."""
         dmi_arrow_input = data  # noqa: F841 - read by chDB's Python() table function
-        sql = f"INSERT INTO {table} ({columns}) SELECT {columns} FROM Python(dmi_arrow_input)"
+        sql = f"INSERT INTO {table} ({columns}) SELECT {columns} FROM Python(dmi_arrow_input) {INSERT_SETTINGS}"
         with self.session() as conn:
             try:
                 conn.query(sql, "CSV", params={})
+            except RuntimeError as exc:
+                raise server_error_from_message(str(exc)) from None
+
+    def _insert_streamed(self, table: str, columns: str, data: pa.Table) -> None:
+        payload = _arrow_stream(data)
+        with self.session() as conn:
+            try:
+                stream_insert(conn, f"INSERT INTO {table} ({columns}) {INSERT_SETTINGS}", payload)
             except RuntimeError as exc:
                 raise server_error_from_message(str(exc)) from None
 

@@ -31,8 +31,10 @@ Common to both:
   publish and release its leases); otherwise the server does not start and the log names the
   flag (:class:`~dmi.VLLMConfigError`), before any worker is started. A bad
   ``DMI_VLLM_CAPTURE`` stops it the same way.
-* **Publishing**: a finished request's records are sealed and published at the next engine
-  step, or, when the engine goes idle, after :data:`IDLE_PUBLISH_SECONDS` — a client that got
+* **Publishing**: a finished request's records are sealed and published when the next engine
+  step notices it left, or, when the engine goes idle, after :data:`IDLE_PUBLISH_SECONDS` — at
+  most one publish per ``publish_interval`` (``attach_vllm``'s, default 1 s), which the
+  requests finishing within it share — a client that got
   its response can read its records by the id the server returned (``cmpl-...-<prompt
   index>`` for ``/v1/completions``, the response ``id`` for ``/v1/chat/completions``). With
   workers in other processes the idle publish is a ``dmi_publish_buffered`` call to every
@@ -65,7 +67,7 @@ IDLE_PUBLISH_SECONDS = 0.25
 _ALLOWED = frozenset({
     "hooks", "layers", "model_id", "run_id", "schedule", "ring_slots", "slot_bytes", "ring_timeout",
     "drop_policy", "adaptive_codec", "writer_options", "codec", "publish_scope", "lease_seconds",
-    "decode_chunk_steps", "encode_threads", "drain_nice",
+    "decode_chunk_steps", "encode_threads", "drain_nice", "publish_interval",
 })
 
 

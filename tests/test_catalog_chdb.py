@@ -235,3 +235,70 @@ def test_an_idle_holder_gives_its_session_up_when_another_process_waits(tmp_path
         holder.kill()
         holder.communicate()
     assert out.stdout.strip() == "OPENED", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("stream_max_rows", [0, 1 << 20], ids=["by-reference", "streamed"])
+def test_both_insert_paths_store_the_same_rows(tmp_path, monkeypatch, stream_max_rows):
+    """Small inserts are streamed as Arrow IPC bytes, large ones read through ``Python()``
+    (``STREAM_INSERT_MAX_ROWS``): either way a publish's index rows come back as written."""
+    from dmi.catalog import _chdb
+
+    monkeypatch.setattr(_chdb, "STREAM_INSERT_MAX_ROWS", stream_max_rows)
+    published = pack(request="r-paths")
+    with open_catalog(f"chdb://{tmp_path / 'c'}") as catalog:
+        with catalog.publisher("paths") as publisher:
+            publisher.publish([published])
+        found = catalog.find_records("gpt2", request_id="r-paths", layers=[0, 1, 2])
+    assert found == list(published.records)
+
+
+def test_a_refused_insert_is_a_server_error_and_the_session_goes_on(tmp_path):
+    """An insert chDB refuses — into a table that does not exist, or a streamed one whose values
+    the column cannot hold (``Python()`` would have stored 0) — raises ``ServerError`` with
+    ClickHouse's code, writes nothing, and the next statement runs."""
+    import pyarrow as pa
+
+    from dmi.storage import ServerError
+
+    with open_catalog(f"chdb://{tmp_path / 'c'}") as catalog:
+        backend = catalog._backend
+        with pytest.raises(ServerError, match="ClickHouse error 60 UNKNOWN_TABLE") as caught:
+            backend.insert("`dmi`.`no_such_table`", pa.table({"a": [1, 2]}))
+        assert caught.value.code == 60
+        backend.command("CREATE TABLE `dmi`.`numbers` (a UInt64) ENGINE = MergeTree ORDER BY a")
+        with pytest.raises(ServerError, match="ClickHouse error 6 CANNOT_PARSE_TEXT"):
+            backend.insert("`dmi`.`numbers`", pa.table({"a": ["one", "two"]}))
+        backend.insert("`dmi`.`numbers`", pa.table({"a": pa.array([7], pa.uint64())}))
+        assert backend.query("SELECT a FROM `dmi`.`numbers`").column("a").to_pylist() == [7]
+
+
+def test_an_interrupted_streamed_insert_is_cancelled(tmp_path):
+    """An insert left open blocks every later statement on the connection, so one interrupted
+    between its data and its end is cancelled. The interrupt is the one fake here: a
+    ``KeyboardInterrupt`` raised, through a wrapper of the real connection, where chDB would
+    have finished the insert (nothing real arrives at that moment on demand)."""
+    import pyarrow as pa
+
+    from dmi.catalog._chdb import _arrow_stream, stream_insert
+
+    class _InterruptedAtTheEnd:
+        def __init__(self, conn):
+            self._conn = conn
+
+        def __getattr__(self, name):
+            return getattr(self._conn, name)
+
+        def insert_done(self, inserter):
+            raise KeyboardInterrupt
+
+    with open_catalog(f"chdb://{tmp_path / 'c'}") as catalog:
+        backend = catalog._backend
+        backend.command("CREATE TABLE `dmi`.`numbers` (a UInt64) ENGINE = MergeTree ORDER BY a")
+        with backend.session() as conn:
+            with pytest.raises(KeyboardInterrupt) as caught:
+                stream_insert(_InterruptedAtTheEnd(conn), "INSERT INTO `dmi`.`numbers` (a)",
+                              _arrow_stream(pa.table({"a": pa.array([5], pa.uint64())})))
+        # the traceback keeps the insert's handle alive (chDB cancels an insert whose handle is
+        # freed), as a caller that logs or re-raises the interrupt would
+        assert caught.tb is not None
+        assert backend.query("SELECT count() AS n FROM `dmi`.`numbers`").column("n").to_pylist() == [0]

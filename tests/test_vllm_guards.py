@@ -1,6 +1,6 @@
 """Guards of DMI's vLLM capture, each pinned by a test that fails without it: engines split into
 pipeline stages or decoding speculatively are refused; ``attach_vllm`` checks the pipeline
-arguments it shares with ``attach``; ``DMI_VLLM_CAPTURE`` is parsed strictly; a second logits
+arguments it shares with ``attach`` and its own ``publish_interval``; ``DMI_VLLM_CAPTURE`` is parsed strictly; a second logits
 computation in one step is counted, not captured; a run id that already holds records is refused
 (vLLM would reuse its request ids in it).
 
@@ -67,6 +67,17 @@ def test_attach_vllm_refuses_a_bad_adaptive_codec(llm, store, bad):
     model = llm.collective_rpc(lambda w: w.model_runner.model)[0]
     with pytest.raises(InvalidArgumentError, match=r"adaptive_codec must be a fraction in \(0, 1\] or None"):
         with store.capture_vllm(llm, adaptive_codec=bad):
+            pass  # pragma: no cover - refused before the block runs
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+@pytest.mark.parametrize("bad", [-1, float("inf"), float("nan"), True, "1"])
+def test_attach_vllm_refuses_a_bad_publish_interval(llm, store, bad):
+    """``publish_interval`` is a finite number of seconds >= 0; refused by name before a hook
+    is installed."""
+    model = llm.collective_rpc(lambda w: w.model_runner.model)[0]
+    with pytest.raises(InvalidArgumentError, match=r"publish_interval must be a number of seconds >= 0"):
+        with store.capture_vllm(llm, publish_interval=bad):
             pass  # pragma: no cover - refused before the block runs
     assert not model._forward_pre_hooks and not model._forward_hooks
 

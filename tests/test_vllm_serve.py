@@ -88,16 +88,19 @@ def _complete(url: str, model: str, prompt: str, max_tokens: int) -> dict:
         return json.loads(resp.read())
 
 
-def _read_when_published(home, model_id: str, request_id: str, hook: str, **kw):
-    """The engine process seals on its own thread once idle: wait for the record, bounded."""
+def _read_when_published(home, model_id: str, request_id: str, hook: str, n_tokens: int, **kw):
+    """The engine process seals on its own thread: wait, bounded, until the request's records
+    cover its ``n_tokens`` tokens — they can arrive in more than one publish (docs/vllm.md)."""
     deadline = time.monotonic() + 120
     while True:
         with dmi.open(home=home) as store:
             try:
-                return store.get_internal(model_id, request_id, hook, **kw)
+                values = store.get_internal(model_id, request_id, hook, **kw)
+                if (values.numel() if hook == "token_ids" else values.shape[-2]) >= n_tokens:
+                    return values
             except dmi.RecordNotFoundError:
-                if time.monotonic() > deadline:
-                    raise
+                pass
+        assert time.monotonic() < deadline, f"{request_id}'s {hook} records never covered {n_tokens} tokens"
         time.sleep(0.2)
 
 
@@ -107,9 +110,9 @@ def test_a_served_request_is_read_back_by_the_id_the_server_returned(server):
     choice = answer["choices"][0]
     request_id = f"{answer['id']}-0"  # /v1/completions: the response id and the prompt's index
     fed = list(choice["prompt_token_ids"]) + list(choice["token_ids"][:-1])
-    tokens = _read_when_published(home, os.path.realpath(model), request_id, "token_ids")
+    tokens = _read_when_published(home, os.path.realpath(model), request_id, "token_ids", len(fed))
     assert tokens.flatten().tolist() == fed
-    resid = _read_when_published(home, os.path.realpath(model), request_id, "resid_post", layers=[0, 2])
+    resid = _read_when_published(home, os.path.realpath(model), request_id, "resid_post", len(fed), layers=[0, 2])
     assert resid.shape == (2, len(fed), 128)
 
 
@@ -119,5 +122,5 @@ def test_requests_served_one_after_another_each_have_their_own_records(server):
     for answer in answers:
         choice = answer["choices"][0]
         fed = list(choice["prompt_token_ids"]) + list(choice["token_ids"][:-1])
-        tokens = _read_when_published(home, os.path.realpath(model), f"{answer['id']}-0", "token_ids")
+        tokens = _read_when_published(home, os.path.realpath(model), f"{answer['id']}-0", "token_ids", len(fed))
         assert tokens.flatten().tolist() == fed
