@@ -43,7 +43,14 @@ import torch
 
 import dmi
 from dmi.catalog import _schema
-from dmi.catalog._chdb import STREAM_INSERT_MAX_ROWS, ChdbBackend, server_error_from_message
+from dmi.catalog._chdb import (
+    INSERT_SETTINGS,
+    STREAM_INSERT_MAX_ROWS,
+    ChdbBackend,
+    _arrow_stream,
+    server_error_from_message,
+    stream_insert,
+)
 from dmi.catalog._sql import quote_identifier
 from dmi.storage import PackStore, PackWriter, RecordKey
 
@@ -78,15 +85,11 @@ def python_insert(backend: ChdbBackend, table: str, data: pa.Table, settings: st
             raise server_error_from_message(str(exc)) from None
 
 
-def stream_insert(backend: ChdbBackend, table: str, data: pa.Table, settings: str = "") -> None:
+def arrow_stream_insert(backend: ChdbBackend, table: str, data: pa.Table, settings: str = "") -> None:
+    """``data`` sent as Arrow IPC stream bytes through the catalog's own streamed insert."""
     columns = ", ".join(quote_identifier(n, "column name") for n in data.column_names)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, data.schema) as writer:
-        writer.write_table(data)
     with backend.session() as conn:
-        inserter = conn.send_insert(f"INSERT INTO {table} ({columns}) {settings}", "ArrowStream")
-        conn.insert_append(inserter, sink.getvalue().to_pybytes())
-        conn.insert_done(inserter)
+        stream_insert(conn, f"INSERT INTO {table} ({columns}) {settings}", _arrow_stream(data))
 
 
 def timed(run) -> tuple[float, float]:
@@ -104,7 +107,7 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(n) for n in args.records.split(",")]
     publish_sizes = [int(n) for n in args.publish_records.split(",")]
-    one = "SETTINGS max_threads = 1, max_insert_threads = 1"
+    one = INSERT_SETTINGS
     root = tempfile.mkdtemp(prefix="dmi-bench-chdb-inserts-")
     store = dmi.open(home=root)
     catalog = store.catalog
@@ -123,11 +126,11 @@ def main() -> None:
     rows: dict[str, tuple] = {"SELECT 1": (lambda: backend.query("SELECT 1"), args.repeats)}
     for n in sizes:
         t, limit = tables[n], args.repeats if n <= 4096 else big_repeats
-        rows[f"{n} rows: insert into a Memory table (floor)"] = (lambda t=t: stream_insert(backend, memory, t, one), limit)
+        rows[f"{n} rows: insert into a Memory table (floor)"] = (lambda t=t: arrow_stream_insert(backend, memory, t, one), limit)
         rows[f"{n} rows: Python() table function"] = (lambda t=t: python_insert(backend, records, t), limit)
         rows[f"{n} rows: Python(), one thread"] = (lambda t=t: python_insert(backend, records, t, one), limit)
-        rows[f"{n} rows: ArrowStream"] = (lambda t=t: stream_insert(backend, records, t), limit)
-        rows[f"{n} rows: ArrowStream, one thread"] = (lambda t=t: stream_insert(backend, records, t, one), limit)
+        rows[f"{n} rows: ArrowStream"] = (lambda t=t: arrow_stream_insert(backend, records, t), limit)
+        rows[f"{n} rows: ArrowStream, one thread"] = (lambda t=t: arrow_stream_insert(backend, records, t, one), limit)
         rows[f"{n} rows: DMI"] = (lambda t=t: new_insert(records, t), limit)
     publishes = {}
     for n in publish_sizes:  # each publish needs a fresh pack: the old and new halves share one iterator
