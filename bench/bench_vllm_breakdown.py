@@ -17,8 +17,9 @@ float32, 16 requests of 128–256 prompt tokens, 64 sampled new tokens,
                     default (finished requests published together, at most once a second)
 
 Each DMI row's clock stops after ``cap.generate``'s flush (everything sealed; published for
-``full``). Run in the vLLM environment (``.venv-vllm``); ``--hooks`` to break down another
-selection.
+``full``). Beside each DMI row, the CPU seconds its drain thread used in a round (median; from
+``/proc``, Linux only): on a CPU engine that is time the model's cores did not get. Run in the
+vLLM environment (``.venv-vllm``); ``--hooks`` to break down another selection.
 
     .venv-vllm/bin/python bench/bench_vllm_breakdown.py [--rounds 3] [--hooks resid_post]
 """
@@ -32,6 +33,16 @@ import tempfile
 import time
 
 import bench_vllm
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def drain_cpu(cap) -> float:
+    """The CPU seconds the session's drain thread has used so far (Linux ``/proc``)."""
+    with open(f"/proc/self/task/{cap.drain._thread.native_id}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 class _NullWriter:
@@ -80,17 +91,17 @@ def main() -> None:
 
     store = dmi.open(home=os.path.join(root, "home"))
 
-    def capture(ctx) -> tuple[float, int]:
-        """(seconds to the end of the flush, packs sealed)."""
+    def capture(ctx) -> tuple[float, int, float]:
+        """(seconds to the end of the flush, packs sealed, drain thread CPU seconds)."""
         with ctx as cap:
             t0 = time.perf_counter()
             cap.generate(prompts, params, use_tqdm=False)
-            return time.perf_counter() - t0, cap.stats["packs_sealed"]
+            return time.perf_counter() - t0, cap.stats["packs_sealed"], drain_cpu(cap)
 
-    def none() -> tuple[float, None]:
+    def none() -> tuple[float, None, None]:
         t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - t0, None
+        return time.perf_counter() - t0, None, None
 
     rows = {
         "none": none,
@@ -102,20 +113,24 @@ def main() -> None:
     load = os.getloadavg()[0]
     seconds: dict[str, list[float]] = {name: [] for name in rows}
     packs: dict[str, list] = {name: [] for name in rows}
+    drain: dict[str, list] = {name: [] for name in rows}
     for _ in range(args.rounds):
         for name, run in rows.items():
-            elapsed, sealed = run()
+            elapsed, sealed, cpu = run()
             seconds[name].append(elapsed)
             packs[name].append(sealed)
+            drain[name].append(cpu)
     base = statistics.median(seconds["none"])
     print(f"hooks {args.hooks}; {args.rounds} rounds; {os.cpu_count()} CPUs; vLLM {vllm.__version__}; "
           f"load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
-    print("| configuration | seconds a round (median; min–max) | × none (throughput) | packs sealed a round |")
-    print("|---|---:|---:|---:|")
+    print("| configuration | seconds a round (median; min–max) | × none (throughput) | packs sealed a round "
+          "| drain thread CPU s a round |")
+    print("|---|---:|---:|---:|---:|")
     for name, values in seconds.items():
         median = statistics.median(values)
         sealed = "" if packs[name][0] is None else f"{statistics.median(packs[name]):g}"
-        print(f"| {name} | {median:.2f} ({min(values):.2f}–{max(values):.2f}) | {base / median:.3f} | {sealed} |")
+        cpu = "" if drain[name][0] is None else f"{statistics.median(drain[name]):.2f}"
+        print(f"| {name} | {median:.2f} ({min(values):.2f}–{max(values):.2f}) | {base / median:.3f} | {sealed} | {cpu} |")
 
 
 if __name__ == "__main__":

@@ -40,9 +40,7 @@ import time
 
 import numpy as np
 
-from bench_vllm_breakdown import _NullWriter, in_process_engine
-
-_TICKS = os.sysconf("SC_CLK_TCK")
+from bench_vllm_breakdown import _TICKS, _NullWriter, drain_cpu, in_process_engine
 
 
 def thread_stats() -> dict[int, tuple[float, int]]:
@@ -109,13 +107,6 @@ def hasher():
         time.sleep(0.040)
 
     return work
-
-
-def drain_cpu(cap) -> float:
-    """The CPU seconds the session's drain thread has used so far."""
-    with open(f"/proc/self/task/{cap.drain._thread.native_id}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 def main() -> None:

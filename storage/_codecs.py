@@ -59,7 +59,8 @@ _PLANE_ZSTD = 1
 _HEADER = struct.Struct("<BB")  # format tag, number of planes
 _PLANE_ENTRY = struct.Struct("<BQ")  # plane codec, stored length
 _SPLIT_TAG = 1
-_SAMPLE = 64 * 1024
+_SAMPLE_ABOVE = 64 * 1024  # planes up to this size are compressed whole, without a sample
+_SAMPLE = 8 * 1024  # the prefix of a larger plane that decides whether zstd runs on it
 _SAMPLE_MIN_GAIN = 0.90  # keep a plane raw unless its sample shrinks below 90 %
 
 
@@ -159,7 +160,12 @@ def _encode_split(raw: np.ndarray, itemsize: int) -> bytes:
 
 
 def _worth_compressing(compressor, plane: np.ndarray) -> bool:
-    if plane.nbytes <= _SAMPLE:
+    """Whether zstd may pay on ``plane``, judged from its first bytes.
+
+    The sample's compression is work thrown away when the plane compresses, so it is kept
+    small: on activations a plane is either close to random or compresses throughout, and
+    8 KiB tells the two apart (docs/pack-format.md)."""
+    if plane.nbytes <= _SAMPLE_ABOVE:
         return plane.nbytes > 0
     sample = plane[:_SAMPLE]
     return len(compressor.compress(sample)) < _SAMPLE_MIN_GAIN * _SAMPLE

@@ -11,9 +11,10 @@ is the suite every store passes.
 Sealing is an operation of the store, not of the writer, because it differs by backend:
 
 * :class:`LocalPackStore` (a local directory, the default) writes to a hidden temporary
-  name, fsyncs the file, renames it to ``<pack_id>.arrow`` and fsyncs the directory. A
-  crash at any point leaves either the sealed pack or a temporary file that
-  :meth:`PackStore.list_packs` never reports and no pack id can name.
+  name (starting the disk's writeback as it grows: ``_writeback.py``), fsyncs the file,
+  renames it to ``<pack_id>.arrow`` and fsyncs the directory. A crash at any point leaves
+  either the sealed pack or a temporary file that :meth:`PackStore.list_packs` never
+  reports and no pack id can name.
 * :class:`FileSystemPackStore` (any other ``pyarrow.fs`` filesystem) writes the final key
   directly: object stores have no atomic rename, and a multipart upload becomes visible
   only when it completes. ``s3://`` URIs get :class:`~dmi.storage.S3PackStore` instead
@@ -42,6 +43,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from dmi.storage._pack_names import PACK_SUFFIX, is_pack_id
+from dmi.storage._writeback import WRITEBACK_BYTES, start_writeback
 from dmi.storage.errors import (
     InvalidArgumentError,
     PackError,
@@ -216,6 +218,10 @@ class PackSink(ABC):
     def abort(self) -> None:
         """Give up: nothing under this pack id becomes (or stays) visible."""
 
+    def written(self) -> None:
+        """Bytes were just added to :attr:`stream`: a sink may start making them durable now,
+        so :meth:`seal` waits less. Raises :class:`OSError` if the bytes cannot be stored."""
+
 
 class _FileSystemPackSink(PackSink):
     """Writes the final key directly; closing the stream completes the upload."""
@@ -252,6 +258,17 @@ class _LocalPackSink(PackSink):
             self.stream = pa.OSFile(self.temp_path, "wb")
         except OSError as exc:
             raise PackSealError(f"pack {pack_id}: cannot create {self.temp_path}: {exc}") from exc
+        self._writeback_from: int | None = 0  # None: this file cannot take an early writeback
+
+    def written(self) -> None:
+        """Start the disk on every :data:`WRITEBACK_BYTES` written (``_writeback.py``)."""
+        start = self._writeback_from
+        if start is None:
+            return
+        end = self.stream.tell()
+        if end - start >= WRITEBACK_BYTES:
+            started = start_writeback(self.stream.fileno(), start, end - start)
+            self._writeback_from = end if started else None
 
     def seal(self) -> int:
         try:

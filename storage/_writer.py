@@ -387,6 +387,7 @@ class _OpenPack:
         """
         total = sum(e.length for e in batch)
         self.ipc.write_batch(_record_batch(batch, total))
+        self.sink.written()
         data_start = self.sink.stream.tell() - _pad(total)
         pos = data_start
         for e in batch:

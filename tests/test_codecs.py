@@ -53,6 +53,28 @@ def test_split_keeps_random_planes_raw():
     assert kinds == [_codecs._PLANE_RAW, _codecs._PLANE_ZSTD]
 
 
+def _plane_kinds(raw: np.ndarray, itemsize: int) -> list[int]:
+    stored = memoryview(encode("split-zstd", raw, itemsize))
+    return [stored[_codecs._HEADER.size + p * _codecs._PLANE_ENTRY.size] for p in range(itemsize)]
+
+
+def test_large_plane_is_judged_by_its_sample():
+    """Above _SAMPLE_ABOVE bytes a plane is compressed only if its first _SAMPLE bytes compress:
+    random first bytes keep a plane raw even though the rest would compress."""
+    n = 2 * _codecs._SAMPLE_ABOVE
+    plane = np.zeros(n, np.uint8)
+    plane[: _codecs._SAMPLE] = np.random.default_rng(0).integers(0, 256, _codecs._SAMPLE, dtype=np.uint8)
+    assert _plane_kinds(plane, 1) == [_codecs._PLANE_RAW]
+    assert _plane_kinds(plane[::-1].copy(), 1) == [_codecs._PLANE_ZSTD]
+
+
+def test_small_plane_is_compressed_whole():
+    """Up to _SAMPLE_ABOVE bytes there is no sample: the whole plane is tried."""
+    plane = np.zeros(_codecs._SAMPLE_ABOVE, np.uint8)
+    plane[: _codecs._SAMPLE] = np.random.default_rng(0).integers(0, 256, _codecs._SAMPLE, dtype=np.uint8)
+    assert _plane_kinds(plane, 1) == [_codecs._PLANE_ZSTD]
+
+
 @pytest.mark.parametrize("codec", ["zstd", "split-zstd", "raw"])
 def test_wrong_size_refused(codec):
     raw = raw_of(activation_like(tokens=8))
