@@ -31,7 +31,7 @@ def _bind():
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         call = libc.sync_file_range
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # no C library of this process, or no such call
         return None
     call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     call.restype = ctypes.c_int

@@ -9,6 +9,7 @@ contract: list, open for ranged reads, create → seal once, abort, delete.
 
 from __future__ import annotations
 
+import random
 import secrets
 
 import pytest
@@ -78,6 +79,18 @@ class PackStoreConformance:
             assert source.size == len(data)
         for offset, length in [(0, len(data)), (0, 1), (1234, 4321), (len(data) - 1, 1), (len(data), 0)]:
             assert read(store, pack_id, offset, length) == data[offset : offset + length]
+
+    def test_written_between_writes_keeps_every_byte(self, store):
+        """The writer calls ``sink.written()`` after each batch; whatever a store starts there,
+        the sealed pack holds exactly the bytes written, in order."""
+        step = 4 * 1024 * 1024  # past the local store's writeback step within a few writes
+        pack_id, data = new_id(), random.Random(0).randbytes(5 * step + 17)
+        sink = store.create(pack_id)
+        for start in range(0, len(data), step):
+            sink.stream.write(data[start : start + step])
+            sink.written()
+        assert sink.seal() == len(data)
+        assert read(store, pack_id, 0, len(data)) == data
 
     def test_listing_is_sorted(self, store):
         ids = [new_id() for _ in range(4)]
