@@ -8,7 +8,7 @@ rounds; each figure is its best round, in GB/s of the records' raw bytes:
 
 * ``split planes``      the byte planes the default codec compresses
 * ``join planes``       their inverse, on every read of a split-zstd record
-* ``statistics``        a record's L2 norm / mean / absmax (bf16 is widened to float32 first)
+* ``statistics``        a record's L2 norm / mean / absmax (one pass in C; numpy widens to float64)
 * ``encode``            what the drain does per record: statistics + split-zstd + xxh3
 * ``decode``            what a read does per record: split-zstd decode
 

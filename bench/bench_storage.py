@@ -40,10 +40,14 @@ tokens (windows of a fixed English text, ``bench/_real_model.py``) with ``--real
 tokens, captured by DMI with every hook but ``attn_pattern`` and read back; one record = one
 (request, hook, layer) over all its tokens, prompt and decode (``logits``: the decode steps, 49152
 wide). The capture happens before any clock starts. A second table gives each DMI codec's
-ratio per hook and its compress / decode speed over all records.
+ratio per hook and its compress / decode speed over all records, and under it the speed of
+what every DMI write adds whatever its codec: the record statistics and the checksum.
 
 Prints a markdown table; each figure also as a ratio to the machine limit and to the best
-peer (best of torch.save / safetensors / parquet / arrow for that column).
+peer (best of torch.save / safetensors / parquet / arrow for that column). ``write CPU s`` is
+the process's CPU time (user + system, every thread) during the durable write: the cores a
+method takes from whatever else runs (a model, during capture), a figure the disk's
+round-to-round swings do not reach the way they reach the write's wall time.
 """
 
 from __future__ import annotations
@@ -117,9 +121,11 @@ def real_activations(model_name: str, dtype: torch.dtype, requests: int, prompt:
 
 
 def hook_codec_table(data: dict, hooks: dict, dtype_name: str) -> str:
-    """Each DMI codec on every record: ratio per hook, and compress / decode GB/s over all records."""
+    """Each DMI codec on every record: ratio per hook, and compress / decode GB/s over all records;
+    then what every DMI write adds whatever the codec: the record statistics and the checksum."""
     from dmi.storage import CODECS
-    from dmi.storage._codecs import decode, encode
+    from dmi.storage._codecs import checksum, decode, encode
+    from dmi.storage._writer import _stats
 
     raws = {k: t.view(torch.uint8).reshape(-1).numpy() for k, t in data.items()}
     width = next(iter(data.values())).element_size()
@@ -138,6 +144,10 @@ def hook_codec_table(data: dict, hooks: dict, dtype_name: str) -> str:
                      + f" | {total / sum(sizes.values()):.3f} | "
                      + ("- (stored as is)" if codec == "raw" else f"{total / t_c / 1e9:.2f}")
                      + f" | {total / t_d / 1e9:.2f} |")
+    t_stats, _ = timed(lambda: [_stats(t) for t in data.values()])
+    t_sum, _ = timed(lambda: [checksum(r) for r in raws.values()])
+    lines += ["", f"Every record, one thread: statistics {total / t_stats / 1e9:.2f} GB/s ({t_stats:.3f} s), "
+              f"xxh3 checksum {total / t_sum / 1e9:.2f} GB/s ({t_sum:.3f} s)."]
     return "\n".join(lines)
 
 
@@ -449,7 +459,9 @@ def limits(root, data, raw_bytes):
 
 def run_method(m, root, data, raw_bytes, sample, check):
     os.makedirs(root)
+    cpu_start = time.process_time()
     t_write, _ = timed(lambda: m.write(root, data))
+    cpu_write = time.process_time() - cpu_start
     paths = files_under(root)
     size = disk_bytes(root)
     drop_cache(paths)
@@ -469,6 +481,7 @@ def run_method(m, root, data, raw_bytes, sample, check):
         warm.append(dt)
     return {
         "write": raw_bytes / t_write,
+        "write cpu": cpu_write,
         "read cold": raw_bytes / t_cold,
         "read warm": raw_bytes / t_warm,
         "one cold p50": _pct(cold, 50),
@@ -486,7 +499,7 @@ def best_of(a: dict | None, b: dict) -> dict:
     """Per figure, the better of two measurements: lower for times (``ms`` keys), higher otherwise."""
     if a is None:
         return b
-    lower_is_better = {k for k in b if k.startswith("one ")}
+    lower_is_better = {k for k in b if k.startswith("one ") or k == "write cpu"}
     return {k: (min if k in lower_is_better else max)(a[k], b[k]) for k in b}
 
 
@@ -541,12 +554,13 @@ def report(dtype_name, shape_desc, lim, results):
     lines = [
         f"### {dtype_name}: {shape_desc}",
         "",
-        "| method | durable write GB/s | read-all cold GB/s | read-all warm GB/s | one record cold p50 / p99 ms | one record warm p50 / p99 ms | bytes on disk | ratio | error: max abs / rel L2 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | durable write GB/s | write CPU s | read-all cold GB/s | read-all warm GB/s | one record cold p50 / p99 ms | one record warm p50 / p99 ms | bytes on disk | ratio | error: max abs / rel L2 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         lines.append(
             f"| {name} | {r['write'] / gb:.2f} ({r['write'] / lim['write+fsync']:.2f}x lim, {r['write'] / best_peer['write']:.2f}x peer)"
+            f" | {r['write cpu']:.2f}"
             f" | {r['read cold'] / gb:.2f} ({r['read cold'] / lim['cold read']:.2f}x lim, {r['read cold'] / best_peer['read cold']:.2f}x peer)"
             f" | {r['read warm'] / gb:.2f} ({r['read warm'] / lim['memcpy']:.2f}x memcpy, {r['read warm'] / best_peer['read warm']:.2f}x peer)"
             f" | {r['one cold p50'] * 1e3:.2f} / {r['one cold p99'] * 1e3:.2f}"

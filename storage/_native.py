@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,7 +19,7 @@ try:
 except ImportError:  # built without a compiler: the numpy loops below serve
     _native_ext = None
 
-__all__ = ["ACTIVE", "BUILT", "split_planes", "join_planes", "widen_bf16", "gather_rows"]
+__all__ = ["ACTIVE", "BUILT", "MOMENT_LANES", "Moments", "split_planes", "join_planes", "moments", "gather_rows"]
 
 BUILT = _native_ext is not None
 """Whether the C extension was built for this install."""
@@ -59,16 +60,53 @@ def join_planes(planes: list[np.ndarray], out: np.ndarray) -> None:
         words |= wide
 
 
-def widen_bf16(bits: np.ndarray) -> np.ndarray:
+MOMENT_LANES = 64
+"""Lanes of :func:`moments` (the C loop's ``LANES``; ``tests/test_native.py`` holds them equal)."""
+
+_MOMENT_KINDS = {np.dtype(np.float32): "f", np.dtype(np.float64): "d"}
+
+
+@dataclass(frozen=True, slots=True)
+class Moments:
+    """What a record's statistics are made from: per-lane sums and sums of squares (float64;
+    lane ``j`` adds elements ``j``, ``j + MOMENT_LANES``, ... in that order), and the smallest and
+    largest value (NaN skipped: it shows as a NaN sum of squares)."""
+
+    sums: np.ndarray
+    squares: np.ndarray
+    low: float
+    high: float
+
+
+def moments(values: np.ndarray, *, bf16: bool = False) -> Moments:
+    """:class:`Moments` of the non-empty numeric array ``values`` (bf16 as its uint16 bits, with
+    ``bf16=True``): one pass in C for bf16, float32 and float64, numpy column sums otherwise."""
+    values = np.ascontiguousarray(values).reshape(-1)
+    kind = "b" if bf16 else _MOMENT_KINDS.get(values.dtype)
+    if ACTIVE and kind is not None:
+        out = np.empty(2 * MOMENT_LANES + 2, np.float64)
+        _native_ext.moments(values, kind, out)
+        return Moments(out[:MOMENT_LANES], out[MOMENT_LANES : 2 * MOMENT_LANES], float(out[-2]), float(out[-1]))
+    with np.errstate(all="ignore"):  # inf and NaN inputs give inf and NaN sums, by design
+        narrow = _widen_bf16(values) if bf16 else values
+        low, high = float(np.fmin.reduce(narrow)), float(np.fmax.reduce(narrow))  # NaN skipped
+        low, high = (np.inf, -np.inf) if np.isnan(low) else (low, high)  # nothing but NaN
+        wide = narrow.astype(np.float64)  # a copy of our own: squared in place below
+        rows = wide.size // MOMENT_LANES
+        body, tail = wide[: rows * MOMENT_LANES].reshape(rows, MOMENT_LANES), wide[rows * MOMENT_LANES :]
+        sums = body.sum(axis=0)  # along the slow axis: each lane in order, as the C loop adds it
+        sums[: tail.size] += tail
+        np.multiply(wide, wide, out=wide)
+        squares = body.sum(axis=0)
+        squares[: tail.size] += tail
+    return Moments(sums, squares, low, high)
+
+
+def _widen_bf16(bits: np.ndarray) -> np.ndarray:
     """bf16 values (their uint16 bits) as float32, exactly: bf16 is the top half of a float32."""
-    bits = np.ascontiguousarray(bits)
-    if ACTIVE:
-        out = np.empty(bits.size, np.float32)
-        _native_ext.widen_bf16(bits, out)
-        return out
-    halves = np.zeros((bits.size, 2), dtype=np.uint16)
-    halves[:, 1] = bits.reshape(-1)
-    return halves.view(np.float32).reshape(-1)
+    words = bits.astype(np.uint32)
+    words <<= 16
+    return words.view(np.float32)
 
 
 def gather_rows(sources: Sequence, picks: np.ndarray, out) -> None:

@@ -24,7 +24,7 @@ import pyarrow as pa
 import torch
 
 from dmi.storage._codecs import CODECS, DEFAULT_CODEC, LOSSY_CODECS, checksum, encode, encode_lossy
-from dmi.storage._native import widen_bf16
+from dmi.storage._native import moments
 from dmi.storage.record_schema import field_columns
 from dmi.storage._pack_format import PACK_ROW_SCHEMA, FORMAT_VERSION, dtype_name, encode_index, schema_with_metadata, torch_dtype
 from dmi.storage._store import PackSink, PackStore
@@ -264,23 +264,31 @@ def _as_bytes(data, dtype, shape):
 def _stats(tensor: torch.Tensor) -> RecordStats | None:
     """L2 norm, mean and absmax, or ``None`` (empty tensor, or a dtype with no float view).
 
-    Computed with numpy on one thread: torch reductions would use the intra-op thread pool,
-    which the model's own forward needs (and which collapses when cores are oversubscribed).
-    Accumulation is float64 for 64-bit inputs, float32 otherwise (BLAS dot for the sum of
-    squares, numpy's pairwise summation for the mean).
+    One pass on the calling thread (:func:`moments`: C for bf16/float32/float64, numpy
+    otherwise), not torch's reductions, which would use the intra-op thread pool the model's own
+    forward needs. Sums are float64 in ``MOMENT_LANES`` lanes, each added in element order (so
+    the C loop and numpy agree to the bit), then the lanes summed exactly (``math.fsum``).
     """
     if tensor.numel() == 0:
         return None
-    values = _as_numpy_numbers(tensor)
-    if values is None:
+    numbers = _as_numpy_numbers(tensor)
+    if numbers is None:
         return None
-    acc = np.float64 if values.dtype.itemsize == 8 else np.float32
-    values = values.reshape(-1).astype(acc, copy=False)  # ints, bools, float16: widened once
-    with np.errstate(all="ignore"):  # inf/nan inputs give inf/nan statistics, by design
-        l2 = math.sqrt(float(np.dot(values, values)))  # one pass, no temporary of squares
-        mean = float(values.sum(dtype=acc)) / values.size
-        absmax = max(abs(float(values.min())), abs(float(values.max())))
-    return RecordStats(l2_norm=l2, mean=mean, absmax=absmax)
+    values, bf16 = numbers
+    m = moments(values, bf16=bf16)
+    squares = _lane_total(m.squares)
+    mean = _lane_total(m.sums) / tensor.numel()
+    absmax = math.nan if math.isnan(squares) else max(abs(m.low), abs(m.high))  # NaN only shows in the squares
+    return RecordStats(l2_norm=math.sqrt(squares), mean=mean, absmax=absmax)
+
+
+def _lane_total(lanes: np.ndarray) -> float:
+    """The lanes' exact sum, rounded once; inf and NaN as IEEE addition gives them."""
+    try:
+        return math.fsum(lanes.tolist())
+    except (ValueError, OverflowError):  # inf + -inf, or finite lanes whose sum passes float64
+        with np.errstate(all="ignore"):
+            return float(np.add.reduce(lanes))
 
 
 _NUMPY_NATIVE = {
@@ -289,18 +297,19 @@ _NUMPY_NATIVE = {
 }
 
 
-def _as_numpy_numbers(tensor: torch.Tensor) -> np.ndarray | None:
-    """Real values as a numpy array: magnitudes for complex, float32 for bf16 and float8."""
-    if tensor.dtype == torch.bfloat16:  # bf16 is the top half of a little-endian float32
-        return widen_bf16(tensor.view(torch.uint16).numpy())
+def _as_numpy_numbers(tensor: torch.Tensor) -> tuple[np.ndarray, bool] | None:
+    """(real values as a numpy array, whether they are bf16 bits): magnitudes for complex,
+    float32 for float8; ``None`` for a dtype with no float view."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.uint16).numpy(), True
     if tensor.dtype in _NUMPY_NATIVE:
-        return tensor.numpy()
+        return tensor.numpy(), False
     if tensor.dtype in (torch.complex64, torch.complex128):
-        return np.abs(tensor.numpy())
+        return np.abs(tensor.numpy()), False
     try:  # float8 and other narrow types torch can widen; None where it cannot
         if tensor.is_complex():
-            return np.abs(torch.view_as_real(tensor).to(torch.float32).numpy().view(np.complex64))
-        return tensor.to(torch.float32).numpy()
+            return np.abs(torch.view_as_real(tensor).to(torch.float32).numpy().view(np.complex64)), False
+        return tensor.to(torch.float32).numpy(), False
     except (RuntimeError, TypeError, NotImplementedError):
         return None
 

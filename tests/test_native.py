@@ -62,12 +62,71 @@ def test_split_and_join_are_byte_identical_to_numpy(monkeypatch, width, elements
     assert np.array_equal(joined_numpy, raw)
 
 
-def test_widen_bf16_is_bit_exact_for_every_bf16_value(monkeypatch):
+def test_moment_lanes_are_the_c_loops():
+    assert _native._native_ext.MOMENT_LANES == _native.MOMENT_LANES
+
+
+def _same_floats(a, b) -> bool:
+    """Bit for bit (the sign of zero included), a NaN matching any NaN: which NaN an addition
+    gives depends on operand order in the hardware, and no statistic tells NaNs apart."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    nan = np.isnan(a)
+    return np.array_equal(nan, np.isnan(b)) and np.array_equal(a[~nan].view(np.uint64), b[~nan].view(np.uint64))
+
+
+def _same_moments(a: _native.Moments, b: _native.Moments) -> bool:
+    return _same_floats(a.sums, b.sums) and _same_floats(a.squares, b.squares) and _same_floats([a.low, a.high], [b.low, b.high])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("elements", [1, 7, 63, 64, 65, 4099, 250_001])
+def test_moments_are_bit_identical_to_numpy(monkeypatch, dtype, elements):
+    rng = np.random.default_rng(elements)
+    values = (rng.standard_normal(elements) * np.exp(rng.standard_normal(elements) * 8)).astype(dtype)
+    native, reference = _both(monkeypatch, lambda: _native.moments(values))
+    assert _same_moments(native, reference)
+    assert (native.low, native.high) == (values.min(), values.max())
+
+
+def test_moments_of_every_bf16_value_are_bit_identical_to_numpy(monkeypatch):
     bits = np.arange(1 << 16, dtype=np.uint16)  # all of them: NaNs, infinities, subnormals, -0
-    native, reference = _both(monkeypatch, lambda: _native.widen_bf16(bits))
-    assert native.dtype == reference.dtype == np.float32
-    assert np.array_equal(native.view(np.uint32), reference.view(np.uint32))
-    assert np.array_equal(native.view(np.uint32), bits.astype(np.uint32) << 16)
+    finite = bits[np.isfinite(torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float().numpy())]
+    for values in (bits, finite, finite[::-1].copy()):
+        native, reference = _both(monkeypatch, lambda: _native.moments(values, bf16=True))
+        assert _same_moments(native, reference)
+    as_float = torch.from_numpy(finite.view(np.int16)).view(torch.bfloat16).double()
+    assert (native.low, native.high) == (as_float.min().item(), as_float.max().item())
+
+
+def test_numpy_lanes_add_each_lane_in_order(numpy_loops):
+    """The C loop's order, written out: lane j is ((0 + x[j]) + x[j + L]) + ... — not pairwise."""
+    lanes = _native.MOMENT_LANES
+    values = np.random.default_rng(1).standard_normal(lanes * 300 + 5) * 1e6
+    values[::7] *= 1e12  # large and small mixed: any other order rounds differently
+    expected_sums, expected_squares = [0.0] * lanes, [0.0] * lanes
+    for i, v in enumerate(values.tolist()):
+        expected_sums[i % lanes] += v
+        expected_squares[i % lanes] += v * v
+    got = _native.moments(values)
+    assert got.sums.tolist() == expected_sums
+    assert got.squares.tolist() == expected_squares
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "values",
+    [
+        [1.5, float("nan"), -3.0],
+        [float("inf"), float("-inf"), 2.0],
+        [-0.0] * 200,
+        [3e38, 3e38, -1.0],
+    ],
+    ids=["nan", "inf-minus-inf", "negative-zeros", "near-max"],
+)
+def test_record_statistics_of_special_values_are_identical(monkeypatch, dtype, values):
+    tensor = torch.tensor(values * 3, dtype=torch.float32).to(dtype)
+    native, reference = _both(monkeypatch, lambda: _writer._stats(tensor))
+    assert _same_floats([native.l2_norm, native.mean, native.absmax], [reference.l2_norm, reference.mean, reference.absmax])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64])
@@ -88,12 +147,15 @@ def test_split_zstd_payloads_and_decodes_are_identical(monkeypatch, dtype):
     assert np.array_equal(decoded_numpy, raw)
 
 
-def test_bf16_record_statistics_are_identical(monkeypatch):
-    tensor = (torch.randn(32, 577, generator=torch.Generator().manual_seed(5)) * 7).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_record_statistics_are_identical(monkeypatch, dtype):
+    tensor = (torch.randn(32, 577, generator=torch.Generator().manual_seed(5)) * 7).to(dtype)
     native, reference = _both(monkeypatch, lambda: _writer._stats(tensor))
     assert native == reference
     exact = tensor.to(torch.float64)
     assert native.absmax == exact.abs().max().item()
+    assert native.l2_norm == pytest.approx(exact.norm().item(), rel=1e-12)
+    assert native.mean == pytest.approx(exact.mean().item(), rel=1e-9)
 
 
 @pytest.mark.parametrize(
@@ -105,7 +167,9 @@ def test_bf16_record_statistics_are_identical(monkeypatch):
         (lambda ext: ext.join_planes([np.zeros(3, np.uint8)] * 3, np.zeros(9, np.uint8)), "1, 2, 4 or 8 planes"),
         (lambda ext: ext.join_planes([np.zeros(4, np.uint8), np.zeros(3, np.uint8)], np.zeros(8, np.uint8)), "plane 1 holds 3 bytes"),
         (lambda ext: ext.join_planes([np.zeros(4, np.uint8)] * 2, np.zeros(7, np.uint8)), "not a multiple of 2 planes"),
-        (lambda ext: ext.widen_bf16(np.zeros(4, np.uint16), np.zeros(3, np.float32)), "twice src"),
+        (lambda ext: ext.moments(np.zeros(3, np.uint8), "b", np.zeros(130)), "whole 2-byte values"),
+        (lambda ext: ext.moments(np.zeros(4, np.float32), "f", np.zeros(129)), "130 float64"),
+        (lambda ext: ext.moments(np.zeros(4, np.float32), "h", np.zeros(130)), "kind must be"),
     ],
 )
 def test_sizes_that_do_not_fit_are_refused_not_overrun(call, message):
