@@ -75,8 +75,9 @@ class ShardGeometry:
 class RecordStats:
     """Summary statistics computed at write time over the record's values.
 
-    Stored as float64; accumulated in float64 for 64-bit dtypes and in float32 (pairwise
-    summation) otherwise, with magnitudes for complex values.
+    Stored as float64; accumulated in float64 (64 lanes, each in element order, then summed
+    exactly), with magnitudes for complex values. Records written before stop 29 accumulated
+    narrower dtypes in float32.
     """
 
     l2_norm: float
