@@ -41,7 +41,8 @@ tokens, captured by DMI with every hook but ``attn_pattern`` and read back; one 
 (request, hook, layer) over all its tokens, prompt and decode (``logits``: the decode steps, 49152
 wide). The capture happens before any clock starts. A second table gives each DMI codec's
 ratio per hook and its compress / decode speed over all records, and under it the speed of
-what every DMI write adds whatever its codec: the record statistics and the checksum.
+what every DMI write adds whatever its codec: the record statistics and the checksum, and what
+every record batch adds whatever it holds (its framing).
 
 Prints a markdown table; each figure also as a ratio to the machine limit and to the best
 peer (best of torch.save / safetensors / parquet / arrow for that column). ``write CPU s`` is
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import platform
 import random
@@ -147,8 +149,30 @@ def hook_codec_table(data: dict, hooks: dict, dtype_name: str) -> str:
     t_stats, _ = timed(lambda: [_stats(t) for t in data.values()])
     t_sum, _ = timed(lambda: [checksum(r) for r in raws.values()])
     lines += ["", f"Every record, one thread: statistics {total / t_stats / 1e9:.2f} GB/s ({t_stats:.3f} s), "
-              f"xxh3 checksum {total / t_sum / 1e9:.2f} GB/s ({t_sum:.3f} s)."]
+              f"xxh3 checksum {total / t_sum / 1e9:.2f} GB/s ({t_sum:.3f} s); one record batch's framing "
+              f"{batch_framing_seconds() * 1e3:.3f} ms."]
     return "\n".join(lines)
+
+
+def batch_framing_seconds(rows: int = 8, repeat: int = 200) -> float:
+    """Best of 5: seconds to build and write (into memory) one record batch of ``rows`` records
+    with empty payloads — the column arrays and their framing, what the pack writer pays per
+    record batch whatever its records hold."""
+    from dmi.storage._pack_format import PACK_ROW_SCHEMA
+    from dmi.storage._writer import _record_batch
+    from dmi.storage.records import RecordMeta, RecordStats
+
+    metas = [RecordMeta(key=key_of(0, i, 128), dtype="bfloat16", shape=(128, 576), codec="raw", raw_size=0,
+                        checksum=0, shard=None, stats=RecordStats(1.0, 0.0, 1.0)) for i in range(rows)]
+    writer = pa.ipc.new_file(pa.BufferOutputStream(), PACK_ROW_SCHEMA)
+    empty = np.empty(0, dtype=np.uint8)
+    best = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            writer.write_batch(_record_batch(metas, [0] * rows, empty))
+        best = min(best, (time.perf_counter() - t0) / repeat)
+    return best
 
 
 def key_of(r: int, layer: int, tokens: int) -> RecordKey:

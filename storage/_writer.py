@@ -3,8 +3,10 @@
 ``append`` encodes a record (checksum, statistics, compression — all outside the GIL and
 outside the writer's lock, so several threads can encode at once), then adds it to the
 open pack. Records of at least ``batch_bytes`` are written at once as their own record
-batch, straight from the caller's memory; smaller ones are gathered (copied) into one
-batch so that per-batch overhead stays small. The pack seals at ``max_records`` records,
+batch, straight from the caller's memory; smaller ones are copied, once, into a shared batch
+of at most ``batch_bytes`` (the caller may reuse its memory as soon as ``append`` returns),
+so that the fixed cost of a record batch (its metadata columns and its write) is not paid
+per record. The pack seals at ``max_records`` records,
 before it would pass ``max_bytes`` stored bytes, on :meth:`PackWriter.seal`, and on
 :meth:`PackWriter.close`.
 """
@@ -25,7 +27,7 @@ import torch
 
 from dmi.storage._codecs import CODECS, DEFAULT_CODEC, LOSSY_CODECS, checksum, encode, encode_lossy
 from dmi.storage._native import moments
-from dmi.storage.record_schema import field_columns
+from dmi.storage.record_schema import field_columns, unstorable
 from dmi.storage._pack_format import PACK_ROW_SCHEMA, FORMAT_VERSION, dtype_name, encode_index, schema_with_metadata, torch_dtype
 from dmi.storage._store import PackSink, PackStore
 from dmi.storage.errors import InvalidArgumentError, LossyCodecError, PackError, PackSealError, UnsupportedDtypeError
@@ -35,7 +37,8 @@ __all__ = ["PackWriter", "DEFAULT_MAX_RECORDS", "DEFAULT_MAX_BYTES", "DEFAULT_BA
 
 DEFAULT_MAX_RECORDS = 10_000
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
-DEFAULT_BATCH_BYTES = 1024 * 1024
+DEFAULT_BATCH_BYTES = 2 * 1024 * 1024  # the lowest writer CPU of 0.25–4 MiB (docs/benchmarks.md, stop 30)
+_GATHER_START = 64 * 1024 * 1024  # a gathered batch's first buffer at most (batch_bytes may be far larger)
 _IPC_ALIGNMENT = 8  # Arrow IPC pads every body buffer to a multiple of 8 bytes
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression=None)
 
@@ -55,6 +58,9 @@ class PackWriter:
     Thread-safe. ``on_seal(descriptor)`` runs, under the writer's lock, after each pack
     is sealed (automatically or on demand); if it raises, the pack stays sealed and the
     exception reaches whoever triggered the seal.
+
+    ``batch_bytes``: a record at least this big is a record batch of its own, written from
+    the caller's memory; smaller records share batches of at most this many payload bytes.
     """
 
     def __init__(
@@ -71,7 +77,7 @@ class PackWriter:
     ):
         _check_codec(codec)
         for name, value in (("max_records", max_records), ("max_bytes", max_bytes), ("batch_bytes", batch_bytes)):
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
         self.store = store
         self.writer_id = writer_id or f"w-{secrets.token_hex(6)}"
@@ -111,6 +117,9 @@ class PackWriter:
             raise InvalidArgumentError(f"key must be a RecordKey, got {type(key).__name__}")
         if shard is not None and not isinstance(shard, ShardGeometry):
             raise InvalidArgumentError(f"shard must be a ShardGeometry, got {type(shard).__name__}")
+        problem = unstorable(key, shard)
+        if problem is not None:
+            raise InvalidArgumentError(f"record {key.describe()}: {problem}; the record was not written")
         if codec is not None:
             _check_codec(codec)
         encoded = self._encode(key, data, shard, dtype, shape, codec or self.codec)
@@ -324,8 +333,10 @@ class _OpenPack:
         self.batch_bytes = batch_bytes
         self.sink: PackSink = store.create(self.pack_id)
         self.records: list[RecordEntry] = []
-        self.pending: list[_Encoded] = []
-        self.pending_bytes = 0
+        self.gathered: np.ndarray | None = None  # small records' bytes, back to back
+        self.gathered_bytes = 0
+        self.gathered_metas: list[RecordMeta] = []
+        self.gathered_lengths: list[int] = []
         self.stored_bytes = 0
         try:
             self.ipc = pa.ipc.new_file(self.sink.stream, schema_with_metadata(self.pack_id, writer_id), options=_IPC_OPTIONS)
@@ -335,22 +346,19 @@ class _OpenPack:
 
     @property
     def count(self) -> int:
-        return len(self.records) + len(self.pending)
+        return len(self.records) + len(self.gathered_metas)
 
     def add(self, encoded: _Encoded, on_failure: Callable[[], None]) -> None:
         try:
             if encoded.length >= self.batch_bytes:
                 self._flush()
-                self._write([encoded])  # straight from the caller's memory, no copy
+                self._write([encoded.meta], [encoded.length], encoded.stored)  # straight from the caller's memory
             else:
-                if isinstance(encoded.stored, np.ndarray):  # aliases the caller's buffer
-                    encoded = _Encoded(encoded.meta, encoded.stored.tobytes(), encoded.length)
-                self.pending.append(encoded)
-                self.pending_bytes += encoded.length
-                if self.pending_bytes >= self.batch_bytes:
+                if self.gathered_bytes + encoded.length > self.batch_bytes:
                     self._flush()
+                self._gather(encoded)
         except OSError as exc:
-            lost = len(self.records) + len(self.pending) + 1
+            lost = len(self.records) + len(self.gathered_metas) + 1
             self.abort()
             on_failure()
             raise PackSealError(
@@ -382,38 +390,60 @@ class _OpenPack:
     def abort(self) -> None:
         self.sink.abort()
 
-    def _flush(self) -> None:
-        if self.pending:
-            batch, self.pending, self.pending_bytes = self.pending, [], 0
-            self._write(batch)
+    def _gather(self, encoded: _Encoded) -> None:
+        """Copy a small record's bytes after those gathered so far (its one copy: the caller's
+        memory may be reused once ``append`` returns)."""
+        start = self.gathered_bytes
+        end = start + encoded.length
+        if self.gathered is None or end > self.gathered.nbytes:
+            self._grow(end)
+        self.gathered[start:end] = _as_uint8(encoded.stored)
+        self.gathered_bytes = end
+        self.gathered_metas.append(encoded.meta)
+        self.gathered_lengths.append(encoded.length)
 
-    def _write(self, batch: list[_Encoded]) -> None:
-        """Write ``batch`` as one record batch and record each payload's file offset.
+    def _grow(self, needed: int) -> None:
+        """Room for ``needed`` gathered bytes: a fresh buffer per batch (a stream may keep what it
+        was given) of ``batch_bytes`` — up to :data:`_GATHER_START` at first, doubled after."""
+        held = 0 if self.gathered is None else self.gathered.nbytes
+        size = max(needed, min(self.batch_bytes, max(2 * held, _GATHER_START)))
+        grown = np.empty(size, dtype=np.uint8)
+        if self.gathered_bytes:
+            grown[: self.gathered_bytes] = self.gathered[: self.gathered_bytes]
+        self.gathered = grown
+
+    def _flush(self) -> None:
+        if self.gathered_metas:
+            self._write(self.gathered_metas, self.gathered_lengths, self.gathered[: self.gathered_bytes])
+            self.gathered, self.gathered_bytes, self.gathered_metas, self.gathered_lengths = None, 0, [], []
+
+    def _write(self, metas: list[RecordMeta], lengths: list[int], data) -> None:
+        """Write one record batch: ``metas``' rows, their payloads ``data`` (``lengths`` bytes
+        each, back to back); record each payload's file offset.
 
         ``payload`` is the schema's last column, so its data buffer is the last buffer of
         the batch body: it starts ``pad8(total)`` bytes before the stream position after
         the write. ``verify_pack`` checks this against the file independently.
         """
-        total = sum(e.length for e in batch)
-        self.ipc.write_batch(_record_batch(batch, total))
+        total = sum(lengths)
+        self.ipc.write_batch(_record_batch(metas, lengths, data))
         self.sink.written()
-        data_start = self.sink.stream.tell() - _pad(total)
-        pos = data_start
-        for e in batch:
-            self.records.append(RecordEntry(e.meta, self.pack_id, ByteRange(pos if e.length else 0, e.length)))
-            pos += e.length
+        pos = self.sink.stream.tell() - _pad(total)
+        for meta, length in zip(metas, lengths):
+            self.records.append(RecordEntry(meta, self.pack_id, ByteRange(pos if length else 0, length)))
+            pos += length
 
 
 def _with_layout(encoded: _Encoded, token_axis: int, key_axis: int | None) -> _Encoded:
     """``encoded`` with its token layout, refused unless the axes exist in its shape."""
+    if token_axis == 0 and key_axis is None and type(token_axis) is int:  # every record has an axis 0
+        return encoded
     ndim = max(len(encoded.meta.shape), 1)
     axes = [token_axis] if key_axis is None else [token_axis, key_axis]
     if any(not isinstance(a, int) or isinstance(a, bool) or not 0 <= a < ndim for a in axes) or len(set(axes)) != len(axes):
         raise InvalidArgumentError(
             f"token_axis={token_axis!r}, key_axis={key_axis!r} are not distinct axes of shape {encoded.meta.shape}"
         )
-    if (token_axis, key_axis) == (0, None):
-        return encoded
     meta = dataclasses.replace(encoded.meta, token_axis=token_axis, key_axis=key_axis)
     return _Encoded(meta, encoded.stored, encoded.length)
 
@@ -422,11 +452,14 @@ def _pad(n: int) -> int:
     return -(-n // _IPC_ALIGNMENT) * _IPC_ALIGNMENT
 
 
-def _record_batch(batch: list[_Encoded], total: int) -> pa.RecordBatch:
-    offsets = np.zeros(len(batch) + 1, dtype=np.int64)
-    np.cumsum([e.length for e in batch], out=offsets[1:])
-    data = pa.py_buffer(batch[0].stored) if len(batch) == 1 else pa.py_buffer(b"".join(e.stored for e in batch))
-    payload = pa.Array.from_buffers(pa.large_binary(), len(batch), [None, pa.py_buffer(offsets), data])
-    columns = field_columns([e.meta for e in batch])
+def _as_uint8(stored) -> np.ndarray:
+    return stored if isinstance(stored, np.ndarray) else np.frombuffer(stored, dtype=np.uint8)
+
+
+def _record_batch(metas: list[RecordMeta], lengths: list[int], data) -> pa.RecordBatch:
+    offsets = np.zeros(len(metas) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    payload = pa.Array.from_buffers(pa.large_binary(), len(metas), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+    columns = field_columns(metas)
     arrays = [pa.array(columns[f.name], type=f.type) for f in PACK_ROW_SCHEMA if f.name != "payload"]
     return pa.RecordBatch.from_arrays([*arrays, payload], schema=PACK_ROW_SCHEMA)

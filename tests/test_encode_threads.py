@@ -112,7 +112,9 @@ def test_drain_nice_lowers_the_drain_and_its_encoders_below_the_model():
         cap.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
         cap.flush()
         levels = _nice_levels_of_threads("dmi-drain", before)
-    assert len(levels) == 3 and set(levels) == {min(19, own + 7)}
+    # the drain and the encoders it started: a pool starts its second thread only when no
+    # started one is idle, so how many exist depends on timing, never their level
+    assert 2 <= len(levels) <= 3 and set(levels) == {min(19, own + 7)}
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
     assert {k.hook for k, _, _ in writer.records} == {"resid_post"} and len(writer.records) > 0
 

@@ -1,5 +1,6 @@
 """PackStore: the conformance suite for every store, and the local store's sealing crashes."""
 
+import dataclasses
 import errno
 import os
 
@@ -164,6 +165,20 @@ def test_full_disk_on_write(tmp_path):
     with pytest.raises(PackSealError, match="discarded") as info:
         w.append(KEY, torch.zeros(10_000))
     assert isinstance(info.value.__cause__, OSError)
+    assert store.list_packs() == [] and os.listdir(tmp_path) == []
+    w.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_full_disk_counts_the_gathered_records_lost(tmp_path):
+    """A gathered batch that cannot be written loses its records and the one being added:
+    the error counts all of them."""
+    store = DevFullStore(tmp_path)
+    w = PackWriter(store, codec="raw", batch_bytes=1 << 20)
+    w.append(KEY, torch.zeros(400_000, dtype=torch.uint8))
+    w.append(dataclasses.replace(KEY, layer=1), torch.zeros(400_000, dtype=torch.uint8))
+    with pytest.raises(PackSealError, match="discarded with its 3 records"):
+        w.append(dataclasses.replace(KEY, layer=2), torch.zeros(400_000, dtype=torch.uint8))
     assert store.list_packs() == [] and os.listdir(tmp_path) == []
     w.close()
 

@@ -1,11 +1,13 @@
 """PackWriter → sealed pack → read back: bit-exact for every dtype, limits, descriptors."""
 
+import dataclasses
 import math
 import os
 import sys
 import threading
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from dmi.storage import (
     read_pack_descriptor,
     verify_pack,
 )
+from dmi.storage import _writer
 from dmi.storage._pack_format import _DTYPES, FORMAT_VERSION
 from dmi.reader import read_record, read_records
 
@@ -151,7 +154,7 @@ def test_stats_match_float64_reference(store):
 def test_descriptor_matches_file_for_every_batching(store):
     """Offsets predicted at write time equal those found by walking the file's buffers."""
     sizes = [0, 1, 100, 4096, 70_000, 300_000, 3, 2_000_000, 17]
-    for batch_bytes in (1, 1000, 64 * 1024, 1 << 30):
+    for batch_bytes in (1, 1000, 64 * 1024, 300_001, 1 << 30):
         with PackWriter(store, codec="raw", batch_bytes=batch_bytes) as w:
             for i, n in enumerate(sizes):
                 w.append(key(layer=i, n=n), torch.arange(n, dtype=torch.uint8))
@@ -215,7 +218,8 @@ def test_abort_leaves_nothing(store):
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"codec": "lz4"}, {"max_records": 0}, {"max_bytes": -1}, {"batch_bytes": 0}]
+    "kwargs",
+    [{"codec": "lz4"}, {"max_records": 0}, {"max_bytes": -1}, {"batch_bytes": 0}, {"batch_bytes": True}],
 )
 def test_bad_arguments(store, kwargs):
     with pytest.raises(InvalidArgumentError):
@@ -256,6 +260,37 @@ def test_concurrent_appends(store, fast_switching):
     for e, got in zip(entries, read_records(store, entries)):
         k = e.meta.key
         assert torch.equal(got, tensors[(int(k.request_id[1:]), k.layer)])
+
+
+def test_small_records_gathered_into_batches_of_at_most_batch_bytes(store):
+    """Records below ``batch_bytes`` share record batches of at most ``batch_bytes`` payload
+    bytes; one of at least ``batch_bytes`` is a batch of its own."""
+    sizes = [300] * 7 + [1000] + [300] * 2
+    with PackWriter(store, codec="raw", batch_bytes=1000) as w:
+        for i, n in enumerate(sizes):
+            w.append(key(layer=i), torch.full((n,), i, dtype=torch.uint8))
+        desc = w.seal()
+    with pa.OSFile(desc.location) as f:
+        reader = pa.ipc.open_file(f)
+        batches = [reader.get_batch(i) for i in range(reader.num_record_batches - 1)]  # the last: the index
+    assert [b.num_rows for b in batches] == [3, 3, 1, 1, 2]
+    assert [b.column("layer").to_pylist() for b in batches] == [[0, 1, 2], [3, 4, 5], [6], [7], [8, 9]]
+    for e, got in zip(desc.records, read_records(store, desc.records)):
+        assert torch.equal(got, torch.full((e.payload.length,), e.meta.key.layer, dtype=torch.uint8))
+
+
+def test_a_gathered_batch_outgrowing_its_first_buffer_keeps_every_byte(store, monkeypatch):
+    """With ``batch_bytes`` above the first buffer's size, the gathered batch moves to a
+    larger buffer as it fills; what was gathered before comes along."""
+    monkeypatch.setattr(_writer, "_GATHER_START", 1000)
+    sizes = [700, 900, 50, 2500, 10]
+    with PackWriter(store, codec="raw", batch_bytes=1 << 20) as w:
+        for i, n in enumerate(sizes):
+            w.append(key(layer=i), torch.full((n,), i + 1, dtype=torch.uint8))
+        desc = w.seal()
+    assert verify_pack(store, desc.pack_id) == desc
+    got = read_records(store, desc.records)
+    assert [t.tolist() for t in got] == [[i + 1] * n for i, n in enumerate(sizes)]
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -300,7 +335,7 @@ def test_stats_values(store, t, l2, mean, absmax):
     assert not [v for v in (s.l2_norm, s.mean, s.absmax) if v == 0 and math.copysign(1.0, v) < 0]  # no -0.0
 
 
-@pytest.mark.parametrize("axes", [(2, None), (-1, None), (0, 0), (1, 2), (True, None)])
+@pytest.mark.parametrize("axes", [(2, None), (-1, None), (0, 0), (1, 2), (True, None), (False, None), (0.0, None)])
 def test_token_layout_must_name_distinct_axes_of_the_shape(tmp_path, axes):
     token_axis, key_axis = axes
     with PackWriter(PackStore.local(tmp_path)) as w:
@@ -309,3 +344,40 @@ def test_token_layout_must_name_distinct_axes_of_the_shape(tmp_path, axes):
         w.append(RecordKey("m", "r", "q", "h", 0, 0, 4), torch.zeros(2, 4, 4), token_axis=1, key_axis=2)
         (entry,) = w.seal().records
     assert (entry.meta.token_axis, entry.meta.key_axis) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    "fields, shard, message",
+    [
+        ({"layer": "x"}, None, "layer must be an int, got str 'x'"),
+        ({"layer": True}, None, "layer must be an int, got bool"),
+        ({"layer": np.int64(3)}, None, "layer must be an int, got int64"),
+        ({"layer": 2**31}, None, r"layer 2147483648 does not fit its column \(int32"),
+        ({"start_token": -(2**63) - 1}, None, "start_token -9223372036854775809 does not fit"),
+        ({"hook": 5}, None, "hook must be a str, got int 5"),
+        ({}, ShardGeometry("0", 0, (4, 8)), "shard_axis must be an int"),
+        ({}, ShardGeometry(1, 0, (4, 2.0)), "full_shape holds 2.0: every item must be an int"),
+    ],
+)
+def test_unstorable_key_is_refused_alone(store, fields, shard, message):
+    """A key (or shard) that does not fit its columns is refused at append; the records appended
+    before it seal intact (found at the seal instead, it failed its whole pack)."""
+    good = torch.arange(4.0)
+    with PackWriter(store) as w:
+        w.append(key(), good)
+        with pytest.raises(InvalidArgumentError, match=message):
+            w.append(dataclasses.replace(key(layer=1), **fields), good, shard=shard)
+        desc = w.seal()
+    assert [e.meta.key for e in desc.records] == [key()]
+    assert torch.equal(read_records(store, desc.records)[0], good)
+
+
+def test_keys_at_the_ends_of_their_columns_are_stored(store):
+    """The integer ranges checked at append are the columns' own: their ends round-trip."""
+    edge = RecordKey("m", "r", "q", "h", 2**31 - 1, 2**63 - 1, -(2**63), step=-(2**63), shard_rank=-(2**31))
+    shard = ShardGeometry(-(2**31), 2**63 - 1, (2**63 - 1, 0))
+    with PackWriter(store) as w:
+        w.append(edge, torch.zeros(1), shard=shard)
+        desc = w.seal()
+    assert read_pack_descriptor(store, desc.pack_id) == desc
+    assert (desc.records[0].meta.key, desc.records[0].meta.shard) == (edge, shard)
