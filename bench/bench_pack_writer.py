@@ -54,11 +54,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import safetensors.torch as st
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_storage import activations, fsync_path, key_of, real_activations  # noqa: E402
+from bench_storage import Safetensors, activations, key_of, real_activations  # noqa: E402
 
 from dmi.storage import PackStore  # noqa: E402
 from dmi.storage import _writer  # noqa: E402
@@ -84,7 +83,7 @@ def writer_at(rev: str):
 def make_config(spec: str):
     """(name, write(root, data)) for one ``--configs`` entry."""
     if spec == "safetensors":
-        return spec, write_safetensors
+        return spec, Safetensors().write
     codec, *options = spec.split()
     cls, kwargs = _writer.PackWriter, {}
     for option in options:
@@ -101,13 +100,6 @@ def make_config(spec: str):
                 w.append(key_of(r, i, t.shape[0]), t)
 
     return spec, write
-
-
-def write_safetensors(root, data):
-    for r in sorted({r for r, _ in data}):
-        path = os.path.join(root, f"req-{r}.safetensors")
-        st.save_file({f"t{i}": t for (rr, i), t in data.items() if rr == r}, path)
-        fsync_path(path)
 
 
 def measure(write, root, data) -> tuple[float, int, float]:

@@ -208,40 +208,71 @@ def entries_from_columns(cols: Mapping[str, Sequence[Any]], pack_ids: Sequence[s
     return list(map(RecordEntry, metas_from_columns(cols), pack_ids, ranges))
 
 
-_INTEGER_RANGES = {pa.int32(): (-(2**31), 2**31 - 1), pa.int64(): (-(2**63), 2**63 - 1), pa.uint64(): (0, 2**64 - 1)}
+_INTEGER_RANGES = {pa.int32(): (-(2**31), 2**31 - 1), pa.int64(): (-(2**63), 2**63 - 1)}
+
+
+def _domain(arrow: pa.DataType) -> tuple[str, int, int]:
+    """(``"str"``, ``"int"`` or ``"ints"``, and the integer range) of a caller-supplied column."""
+    if pa.types.is_string(arrow):
+        return "str", 0, 0
+    if pa.types.is_list(arrow):
+        return ("ints", *_INTEGER_RANGES[arrow.value_type])
+    return ("int", *_INTEGER_RANGES[arrow])
+
 
 _CHECKED = {
-    group: tuple((f.attribute, f.name, f.arrow) for f in RECORD_FIELDS if f.group == group) for group in ("key", "shard")
+    group: tuple((f.attribute, f.name, *_domain(f.arrow)) for f in RECORD_FIELDS if f.group == group)
+    for group in ("key", "shard")
 }
 """The fields a caller supplies (a record's key, a shard's geometry), checked at append."""
 
 
 def unstorable(key: RecordKey, shard: ShardGeometry | None) -> str | None:
     """Why ``key`` (or ``shard``) cannot be stored — a field whose value does not fit its column:
-    not a ``str``, not an ``int`` (a ``bool`` or a numpy integer is refused too: JSON and the
-    catalog would not take it), or out of the column's integer range — or ``None``.
+    not a ``str`` Arrow can hold (UTF-8: no lone surrogate), not an ``int`` (a ``bool`` or a numpy
+    integer is refused too: JSON and the catalog would not take it), or out of the column's
+    integer range — or ``None``.
 
     The writer checks this at ``append``, so that one bad key is refused alone: found at the
     seal instead, it would fail the Arrow conversion of its pack's rows, every record with it."""
     for group, value in (("key", key), ("shard", shard)):
         if value is None:
             continue
-        for attribute, name, arrow in _CHECKED[group]:
-            problem = _value_problem(getattr(value, attribute), arrow)
+        for attribute, name, kind, low, high in _CHECKED[group]:
+            field_value = getattr(value, attribute)
+            if kind == "str":
+                problem = _text_problem(field_value)
+            elif kind == "int":
+                problem = _int_problem(field_value, low, high)
+            else:
+                problem = _ints_problem(field_value, low, high)
             if problem is not None:
                 return f"{name} {problem}"
     return None
 
 
-def _value_problem(value: Any, arrow: pa.DataType) -> str | None:
-    if pa.types.is_string(arrow):
-        return None if isinstance(value, str) else f"must be a str, got {type(value).__name__} {value!r}"
-    if pa.types.is_list(arrow):
-        if not isinstance(value, (tuple, list)):
-            return f"must be a tuple of ints, got {type(value).__name__} {value!r}"
-        bad = [v for v in value if _value_problem(v, arrow.value_type) is not None]
-        return f"holds {bad[0]!r}: every item must be an int that fits {arrow.value_type}" if bad else None
+def _text_problem(value: Any) -> str | None:
+    if type(value) is str and value.isascii():
+        return None
+    if not isinstance(value, str):
+        return f"must be a str, got {type(value).__name__} {value!r}"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"{value!r} is not valid Unicode text (a lone surrogate): its column holds UTF-8"
+    return None
+
+
+def _int_problem(value: Any, low: int, high: int) -> str | None:
+    if type(value) is int and low <= value <= high:
+        return None
     if not isinstance(value, int) or isinstance(value, bool):
         return f"must be an int, got {type(value).__name__} {value!r}"
-    low, high = _INTEGER_RANGES[arrow]
-    return None if low <= value <= high else f"{value} does not fit its column ({arrow}, {low}..{high})"
+    return f"{value} does not fit its column ({low}..{high})"
+
+
+def _ints_problem(value: Any, low: int, high: int) -> str | None:
+    if not isinstance(value, (tuple, list)):
+        return f"must be a tuple of ints, got {type(value).__name__} {value!r}"
+    bad = [v for v in value if _int_problem(v, low, high) is not None]
+    return f"holds {bad[0]!r}: every item must be an int in {low}..{high}" if bad else None
