@@ -161,12 +161,12 @@ done:
  * j + 2 LANES, ... in float64, in that order: the column sums numpy gives for the values
  * reshaped to [-1, LANES] (storage/_native.py), bit for bit, while the lanes are independent
  * chains a compiler vectorises without reassociating anything. min and max skip NaN; a NaN
- * shows as a NaN sum of squares. Built for AVX2 and for the baseline, picked at load time. */
+ * shows as a NaN sum of squares. Built for AVX-512, AVX2 and the baseline, picked at load time. */
 #define LANES 64
 
 #if defined(__x86_64__) && defined(__has_attribute)
 #if __has_attribute(target_clones)
-#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
 #endif
 #ifndef VECTOR_CLONES

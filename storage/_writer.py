@@ -14,6 +14,7 @@ before it would pass ``max_bytes`` stored bytes, on :meth:`PackWriter.seal`, and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import secrets
 import threading
@@ -90,6 +91,7 @@ class PackWriter:
         self._lock = threading.RLock()
         self._pack: _OpenPack | None = None
         self._closed = False
+        _run_arrow_lazy_imports()
 
     def append(
         self,
@@ -446,6 +448,16 @@ def _with_layout(encoded: _Encoded, token_axis: int, key_axis: int | None) -> _E
         )
     meta = dataclasses.replace(encoded.meta, token_axis=token_axis, key_axis=key_axis)
     return _Encoded(meta, encoded.stored, encoded.length)
+
+
+@functools.cache
+def _run_arrow_lazy_imports() -> None:
+    """Build one empty record batch, once per process, while a writer is made.
+
+    pyarrow's first conversion of a Python list imports pandas where it is installed
+    (0.2–0.4 s here, holding the GIL). A capture makes its writer before the model runs; left
+    to the first seal, that import would run on the drain thread and stall the model's."""
+    _record_batch([], [], np.empty(0, dtype=np.uint8))
 
 
 def _pad(n: int) -> int:

@@ -383,3 +383,23 @@ def test_keys_at_the_ends_of_their_columns_are_stored(store):
         desc = w.seal()
     assert read_pack_descriptor(store, desc.pack_id) == desc
     assert (desc.records[0].meta.key, desc.records[0].meta.shard) == (edge, shard)
+
+
+def test_a_writers_first_seal_imports_nothing(tmp_path):
+    """pyarrow's lazy imports (pandas, from its first list conversion) run when the writer is
+    made, before a capture starts — not at its first seal, on the drain thread beside the model.
+    In a fresh interpreter: no module may be imported between the writer's creation and the end
+    of its first seal."""
+    import subprocess
+
+    script = """
+import sys, torch
+from dmi.storage import PackStore, PackWriter, RecordKey
+writer = PackWriter(PackStore.local(sys.argv[1]))
+before = set(sys.modules)
+writer.append(RecordKey("model", "run", "req-1", "resid_post", 0, 0, 4), torch.ones(4, 8))
+assert writer.seal() is not None
+print(sorted(set(sys.modules) - before))
+"""
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "packs")], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout[:400]
