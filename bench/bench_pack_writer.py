@@ -14,12 +14,12 @@ records of 48 KB–1.5 MB, 378 MB), captured before any clock starts; or with ``
 
 Configurations (``--configs``, comma-separated):
 
-* ``raw`` / ``split-zstd``        ``PackWriter`` with that codec and its default batching
+* ``raw`` / ``split-zstd`` / ``fp8`` / ``int8``  ``PackWriter`` with that codec and its default batching
 * ``raw batch=N`` ...             the same with ``batch_bytes=N`` MiB (records below it share
-                                  record batches of at most that size; the default is 1)
+                                  record batches of at most that size; the default is 2)
 * ``raw @REV`` ...                the writer as it was at git revision ``REV``
-                                  (``storage/_writer.py`` loaded from ``git show`` into this
-                                  process; everything else is today's code)
+                                  (``storage/_writer.py`` and ``storage/_codecs.py`` loaded from
+                                  ``git show`` into this process; everything else is today's code)
 * ``safetensors``                 one ``save_file`` per request, fsync'd (the peer's row of
                                   ``bench_storage.py``)
 
@@ -67,17 +67,27 @@ _MIB = 1 << 20
 
 
 def writer_at(rev: str):
-    """``PackWriter`` of ``storage/_writer.py`` as it was at git revision ``rev``, loaded in this process."""
-    source = subprocess.run(["git", "-C", str(_ROOT), "show", f"{rev}:storage/_writer.py"],
+    """``PackWriter`` of git revision ``rev``, loaded in this process: its ``storage/_writer.py``
+    over its ``storage/_codecs.py`` (the rest of DMI as checked out)."""
+    codecs = _module_at(rev, "_codecs", {})
+    writer = _module_at(rev, "_writer", {"from dmi.storage._codecs import": f"from {codecs.__name__} import"})
+    return writer.PackWriter
+
+
+def _module_at(rev: str, stem: str, imports: dict[str, str]):
+    """``storage/<stem>.py`` at ``rev`` as a module of its own, its ``imports`` lines renamed."""
+    source = subprocess.run(["git", "-C", str(_ROOT), "show", f"{rev}:storage/{stem}.py"],
                             check=True, capture_output=True, text=True).stdout
-    name = f"dmi.storage._writer_at_{rev}"
-    path = Path(tempfile.mkdtemp(prefix="dmi-writer-")) / "_writer.py"
+    for old, new in imports.items():
+        source = source.replace(old, new)
+    name = f"dmi.storage.{stem}_at_{rev}"
+    path = Path(tempfile.mkdtemp(prefix="dmi-writer-")) / f"{stem}.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)
-    return module.PackWriter
+    return module
 
 
 def make_config(spec: str):

@@ -185,9 +185,10 @@ class PackWriter:
 
     def _encode(self, key, data, shard, dtype, shape, codec: str) -> _Encoded:
         flat, tensor, dtype_str, shape_t = _as_bytes(data, dtype, shape)
+        stats = _stats(tensor) if self.stats and tensor is not None else None
         errors = (0.0, 0.0)
         if codec in LOSSY_CODECS:
-            stored, errors = _encode_lossy(codec, key, tensor, dtype_str)
+            stored, errors = _encode_lossy(codec, key, tensor, dtype_str, stats)
         else:
             stored = encode(codec, flat, torch_dtype(dtype_str).itemsize)
         view = memoryview(stored).cast("B") if not isinstance(stored, np.ndarray) else stored
@@ -200,15 +201,17 @@ class PackWriter:
             raw_size=flat.nbytes,
             checksum=checksum(view),
             shard=shard,
-            stats=_stats(tensor) if self.stats and tensor is not None else None,
+            stats=stats,
             codec_max_abs_error=errors[0],
             codec_rel_l2_error=errors[1],
         )
         return _Encoded(meta, view, length)
 
 
-def _encode_lossy(codec: str, key: RecordKey, tensor: torch.Tensor | None, dtype_str: str):
-    """(stored payload, (max abs error, relative L2 error)) of a floating record under ``codec``.
+def _encode_lossy(codec: str, key: RecordKey, tensor: torch.Tensor | None, dtype_str: str,
+                  stats: RecordStats | None):
+    """(stored payload, (max abs error, relative L2 error)) of a floating record under ``codec``;
+    ``stats``, the record's own statistics where the writer keeps them (its L2 norm is reused).
 
     Refuses anything but float16/bfloat16/float32/float64 values: quantising token ids or
     expert indices would silently change what they mean."""
@@ -218,19 +221,27 @@ def _encode_lossy(codec: str, key: RecordKey, tensor: torch.Tensor | None, dtype
             "store it with a lossless codec (raw, zstd, split-zstd)"
         )
     stored, decoded = encode_lossy(codec, tensor)
-    return stored, lossy_errors(tensor, decoded)
+    return stored, lossy_errors(tensor, decoded, None if stats is None else stats.l2_norm)
 
 
-def lossy_errors(original: torch.Tensor, decoded: torch.Tensor) -> tuple[float, float]:
+def lossy_errors(original: torch.Tensor, decoded: torch.Tensor, norm: float | None = None) -> tuple[float, float]:
     """Largest absolute difference and ``||decoded - original|| / ||original||`` (0 when the
-    original is all zeros or empty), in float64 over whole tensors: no per-element Python."""
+    original is all zeros or empty); NaN where the original holds NaN.
+
+    The difference is taken in float32 (float64 for float64 records), exactly: a decoded value
+    is 0 or within about a factor of two of its original (fp8 keeps 3 mantissa bits, int8 rounds
+    to the nearest step of its row's scale), and float32 holds such a difference of two 16-bit
+    values, or of two float32 ones (Sterbenz). Its sums of squares are the statistics' float64
+    lanes (:func:`_stats`): one pass over the difference and one over the original, no float64
+    copy of the record. ``norm``: the original's L2 norm, where its statistics already hold it."""
     if original.numel() == 0:
         return 0.0, 0.0
-    reference = original.to(torch.float64)
-    diff = decoded.to(torch.float64) - reference
-    norm = float(torch.linalg.vector_norm(reference))
-    rel = float(torch.linalg.vector_norm(diff)) / norm if norm else 0.0
-    return float(diff.abs().max()), rel
+    work = torch.float64 if original.dtype == torch.float64 else torch.float32
+    diff = _stats(decoded.to(work) - original.to(work))
+    if norm is None:
+        norm = _stats(original).l2_norm
+    rel = diff.l2_norm / norm if norm else 0.0
+    return diff.absmax, rel
 
 
 def _check_codec(codec: str) -> None:

@@ -72,9 +72,31 @@ def test_round_trip_within_bound_and_error_fields_match_recomputation(tmp_path, 
     assert bool((err <= BOUNDS[codec](rowmax) + slack).all())
     assert torch.equal(got[2], torch.zeros_like(got[2]))  # a zero row stays zero
     max_abs, rel = recomputed(x, got)
-    assert entry.meta.codec_max_abs_error == pytest.approx(max_abs, rel=1e-12)
+    assert entry.meta.codec_max_abs_error == max_abs  # exact: the writer's difference loses nothing
     assert entry.meta.codec_rel_l2_error == pytest.approx(rel, rel=1e-9)
     assert 0 < entry.meta.codec_rel_l2_error < 0.05
+
+
+@pytest.mark.parametrize("codec", LOSSY_CODECS)
+def test_a_nan_in_the_record_makes_both_error_fields_nan(tmp_path, codec):
+    x = activations(torch.float32)
+    x[4, 10] = math.nan
+    store = PackStore.local(tmp_path)
+    with PackWriter(store, codec=codec) as writer:
+        writer.append(key(), x)
+        sealed = writer.seal()
+    (entry,) = read_pack_descriptor(store, sealed.pack_id).records  # as the footer holds it
+    assert math.isnan(entry.meta.codec_max_abs_error) and math.isnan(entry.meta.codec_rel_l2_error)
+
+
+def test_fp8_codes_widen_to_the_values_torch_gives_them():
+    """fp8 records are decoded through a table of the 256 codes: each entry, NaN included, is
+    the float32 torch's own conversion gives (bit for bit)."""
+    from dmi.storage._codecs import _widen
+
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16)
+    assert torch.equal(_widen(codes).view(torch.int32), codes.to(torch.float32).view(torch.int32))
+    assert torch.equal(_widen(codes[:, ::3]).view(torch.int32), codes[:, ::3].to(torch.float32).view(torch.int32))
 
 
 def test_lossy_payload_is_smaller_than_the_raw_record(tmp_path):
