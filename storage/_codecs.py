@@ -275,8 +275,8 @@ def _dequantise(quantised, scale, dtype):
 
 def _widen(quantised):
     """float32 values of int8 or float8_e4m3fn codes. fp8 goes through a table of its 256 codes
-    built by torch's own conversion (the same values, NaN included), which torch converts an
-    element at a time: a quarter of its time (``bench/bench_storage.py``'s fp8 rows)."""
+    built by torch's own conversion (the same values, NaN included) instead of that conversion,
+    which goes an element at a time."""
     import torch
 
     if quantised.dtype != torch.float8_e4m3fn:
@@ -290,7 +290,9 @@ def _fp8_values() -> np.ndarray:
     """float32 value of each float8_e4m3fn code (the code is the index)."""
     import torch
 
-    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).numpy()
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).numpy()
+    values.setflags(write=False)  # shared by every decode
+    return values
 
 
 def _plane_bytes(plane: np.ndarray) -> bytes:
