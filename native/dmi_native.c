@@ -11,6 +11,10 @@
  *                                   out row i (out_stride bytes apart) = row picks[i][1] of
  *                                   sources[picks[i][0]] (the training loader's shuffled
  *                                   windows, every feature straight into its place, one pass)
+ *   quantise(src, kind, row_len, codec, scales, codes, error)
+ *                                   a lossy codec's work on a record in one pass a row: each
+ *                                   row's scale, its fp8 or int8 codes, and what decoding will
+ *                                   lose (decoded - original, float32) for the error fields
  *
  * The results are byte-identical to the numpy and torch code in storage/_native.py
  * (tests/test_native.py compares them); storage/_native.py falls back to that code when this
@@ -167,10 +171,17 @@ done:
 #if defined(__x86_64__) && defined(__has_attribute)
 #if __has_attribute(target_clones)
 #define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+/* the quantiser's loops store bytes: 512-bit vectors of bytes need AVX-512BW (x86-64-v4) */
+#define BYTE_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define BYTE_VECTOR_CLONES VECTOR_CLONES
+#endif
 #endif
 #endif
 #ifndef VECTOR_CLONES
 #define VECTOR_CLONES
+#define BYTE_VECTOR_CLONES
 #endif
 
 typedef struct {
@@ -356,11 +367,184 @@ done:
     return result;
 }
 
+/* The lossy codecs' quantisation (storage/_codecs.py), one row at a time while it sits in L1: the
+ * row's absolute maximum, its scale, every element's code and the difference its decoded value
+ * will show. Every step rounds as torch's does in that code: the widening is exact, the
+ * division and the product are float32 operations, float8_e4m3fn, bfloat16 and float16 are
+ * rounded by c10's own conversions (to nearest, ties to even), and int8 codes are rint'd
+ * after the clamp (the bounds are integers, so the order does not matter). */
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float f32_of(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint32_t select_u32(int take_first, uint32_t first, uint32_t second) {
+    const uint32_t mask = 0u - (uint32_t)take_first; /* a mask, not a branch: loops stay vectorisable */
+    return (mask & first) | (~mask & second);
+}
+
+static inline float half_to_f32(uint16_t h) { /* c10's fp16_ieee_to_fp32_value: exact */
+    const uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
+    const float normalized = f32_of((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float denormalized = f32_of((two_w >> 17) | (126u << 23)) - 0.5f;
+    return f32_of(sign | select_u32(two_w < (1u << 27), f32_bits(denormalized), f32_bits(normalized)));
+}
+
+static inline uint16_t f32_to_half(float f) { /* c10's fp16_ieee_from_fp32_value */
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    const uint32_t w = f32_bits(f), shl1_w = w + w, sign = w & 0x80000000u;
+    const uint32_t bias = select_u32((int32_t)(shl1_w >> 1) < 0x38800000, 0x71000000u, shl1_w & 0xFF000000u);
+    base = f32_of((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = f32_bits(base);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return (uint16_t)((sign >> 16) | select_u32((int32_t)(shl1_w >> 1) > 0x7F800000, 0x7E00u, nonsign));
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* c10's round_to_nearest_even, branch-free */
+    const uint32_t u = f32_bits(f), is_nan = 0u - (uint32_t)(f != f);
+    return (uint16_t)((is_nan & 0x7FC0u) | (~is_nan & ((u + ((u >> 16) & 1u) + 0x7FFFu) >> 16)));
+}
+
+static inline uint8_t f32_to_fp8(float f) { /* c10's fp8e4m3fn_from_fp32_value (torch 2.13), branch-free */
+    const int32_t all = (int32_t)f32_bits(f), bits = all & 0x7FFFFFFF;
+    /* 480 and above, inf: the largest finite, 448; NaN: NaN */
+    const int32_t big = 0x7E + (bits > 0x7F800000);
+    /* below 2^-6: fp8's subnormals, rounded by a float32 addition */
+    const int32_t denorm_mask = 141 << 23;
+    const int32_t tiny = (int32_t)f32_bits(f32_of((uint32_t)bits) + f32_of((uint32_t)denorm_mask)) - denorm_mask;
+    /* normal: rebias the exponent and round the mantissa to nearest even; a carry into NaN's
+     * code gives 448 */
+    int32_t normal = (bits - (120 << 23) + 0x7FFFF + ((bits >> 20) & 1)) >> 20;
+    normal -= normal == 0x7F;
+    const int32_t is_big = -(bits >= (1087 << 20)), is_tiny = -(bits < (121 << 23));
+    const int32_t result = (is_big & big) | (~is_big & ((is_tiny & tiny) | (~is_tiny & normal)));
+    return (uint8_t)((result & 0x7F) | ((all >> 24) & 0x80));
+}
+
+static inline float fp8_to_f32(uint8_t code) { /* float8_e4m3fn: exact, branch-free */
+    const uint32_t sign = (uint32_t)(code & 0x80) << 24, exp = (code >> 3) & 0xF, mant = code & 0x7;
+    const uint32_t subnormal = f32_bits((float)mant * 0x1.0p-9f); /* exp 0: mant * 2^-9 */
+    const uint32_t normal = ((exp + 120u) << 23) | (mant << 20);
+    const uint32_t is_nan = 0u - (uint32_t)((code & 0x7F) == 0x7F), is_sub = 0u - (uint32_t)(exp == 0);
+    const uint32_t finite = (is_sub & subnormal) | (~is_sub & normal);
+    return f32_of(sign | (is_nan & 0x7FC00000u) | (~is_nan & finite));
+}
+
+#define WIDEN_HALF(s, i) half_to_f32(((const uint16_t *)(s))[i])
+#define WIDEN_BF16(s, i) f32_of((uint32_t)((const uint16_t *)(s))[i] << 16)
+#define WIDEN_F32(s, i) (((const float *)(s))[i])
+#define NARROW_HALF(d) half_to_f32(f32_to_half(d))
+#define NARROW_BF16(d) f32_of((uint32_t)f32_to_bf16(d) << 16)
+#define NARROW_F32(d) (d)
+
+#define QUANTISE_LOOP(NAME, WIDEN, NARROW)                                                         \
+    BYTE_VECTOR_CLONES static void NAME(const uint8_t *src, Py_ssize_t rows, Py_ssize_t row_len,      \
+                                        int fp8, float *scales, uint8_t *restrict codes,             \
+                                        float *restrict error) {                                     \
+        const float qmax = fp8 ? 448.0f : 127.0f;                                                  \
+        for (Py_ssize_t r = 0; r < rows; r++) {                                                    \
+            const Py_ssize_t at = r * row_len;                                                     \
+            uint32_t top = 0; /* |x| as bits: ordered like the values, NaN above inf */            \
+            for (Py_ssize_t i = 0; i < row_len; i++) {                                             \
+                const uint32_t b = f32_bits(WIDEN(src, at + i)) & 0x7FFFFFFFu;                     \
+                top = b > top ? b : top;                                                           \
+            }                                                                                      \
+            const float absmax = f32_of(top);                                                      \
+            const float scale = absmax > 0.0f ? absmax / qmax : 1.0f;                              \
+            scales[r] = scale;                                                                     \
+            uint8_t *restrict c = codes + at;                                                      \
+            float *restrict e = error + at;                                                        \
+            if (fp8) {                                                                             \
+                for (Py_ssize_t i = 0; i < row_len; i++) {                                         \
+                    const float x = WIDEN(src, at + i);                                            \
+                    c[i] = f32_to_fp8(x / scale);                                                  \
+                    e[i] = NARROW(fp8_to_f32(c[i]) * scale) - x;                                   \
+                }                                                                                  \
+            } else { /* int8 holds no NaN: a NaN element stores code 0 */                          \
+                for (Py_ssize_t i = 0; i < row_len; i++) {                                         \
+                    const float x = WIDEN(src, at + i), v = x / scale;                             \
+                    const float clamped = v < -qmax ? -qmax : v > qmax ? qmax : v == v ? v : 0.0f; \
+                    const int32_t q = (int32_t)rintf(clamped);                                     \
+                    c[i] = (uint8_t)q;                                                             \
+                    e[i] = NARROW((float)q * scale) - x;                                           \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+QUANTISE_LOOP(quantise_half, WIDEN_HALF, NARROW_HALF)
+QUANTISE_LOOP(quantise_bf16, WIDEN_BF16, NARROW_BF16)
+QUANTISE_LOOP(quantise_f32, WIDEN_F32, NARROW_F32)
+
+static PyObject *quantise(PyObject *self, PyObject *args) {
+    PyObject *src_obj, *scales_obj, *codes_obj, *error_obj;
+    int kind, codec;
+    Py_ssize_t row_len;
+    if (!PyArg_ParseTuple(args, "OCnCOOO:quantise", &src_obj, &kind, &row_len, &codec, &scales_obj, &codes_obj,
+                          &error_obj))
+        return NULL;
+    int width = kind == 'h' || kind == 'b' ? 2 : kind == 'f' ? 4 : 0;
+    if (!width)
+        return PyErr_Format(PyExc_ValueError, "kind must be 'h' (float16 bits), 'b' (bf16 bits) or 'f' (float32), "
+                            "got %c", kind);
+    if (codec != 'e' && codec != 'i')
+        return PyErr_Format(PyExc_ValueError, "codec must be 'e' (float8_e4m3fn) or 'i' (int8), got %c", codec);
+    if (row_len <= 0)
+        return PyErr_Format(PyExc_ValueError, "row_len must be positive, got %zd", row_len);
+    Py_buffer src, scales = {0}, codes = {0}, error = {0};
+    if (get_read(src_obj, &src, "src") < 0)
+        return NULL;
+    PyObject *result = NULL;
+    if (get_write(scales_obj, &scales, "scales") < 0)
+        goto done;
+    if (get_write(codes_obj, &codes, "codes") < 0)
+        goto done;
+    if (get_write(error_obj, &error, "error") < 0)
+        goto done;
+    Py_ssize_t n = src.len / width, rows = n / row_len;
+    if (src.len % width || n % row_len || scales.len != rows * 4 || codes.len != n || error.len != n * 4) {
+        PyErr_Format(PyExc_ValueError, "src (%zd bytes) must hold rows of %zd %d-byte values, scales 4 bytes a row "
+                     "(%zd), codes 1 and error 4 bytes a value (%zd, %zd)", src.len, row_len, width, scales.len,
+                     codes.len, error.len);
+        goto done;
+    }
+    const uint8_t *s = (const uint8_t *)src.buf;
+    float *sc = (float *)scales.buf, *er = (float *)error.buf;
+    uint8_t *co = (uint8_t *)codes.buf;
+    Py_BEGIN_ALLOW_THREADS
+    if (kind == 'h')
+        quantise_half(s, rows, row_len, codec == 'e', sc, co, er);
+    else if (kind == 'b')
+        quantise_bf16(s, rows, row_len, codec == 'e', sc, co, er);
+    else
+        quantise_f32(s, rows, row_len, codec == 'e', sc, co, er);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&src);
+    if (scales.obj)
+        PyBuffer_Release(&scales);
+    if (codes.obj)
+        PyBuffer_Release(&codes);
+    if (error.obj)
+        PyBuffer_Release(&error);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"split_planes", split_planes, METH_VARARGS, "split_planes(src, width, out): byte planes of src into out."},
     {"join_planes", join_planes, METH_VARARGS, "join_planes(planes, out): interleave byte planes into out."},
     {"moments", moments, METH_VARARGS, "moments(src, kind, out): per-lane sums and sums of squares, min and max of src's values."},
     {"gather_rows", gather_rows, METH_VARARGS, "gather_rows(sources, picks, row_bytes, out, out_stride): rows picked from sources, every out_stride bytes of out."},
+    {"quantise", quantise, METH_VARARGS, "quantise(src, kind, row_len, codec, scales, codes, error): a lossy codec's scales, codes and decoded - original, a row at a time."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -29,8 +29,9 @@ with :class:`~dmi.storage.errors.LossyCodecError`). A *row* is the record's last
 
 A lossy payload is self-describing (original dtype, rows, row length, scales, then the
 quantised bytes, zstd-compressed where a sample shows it pays), so decoding returns the
-original dtype. :func:`encode_lossy` also returns the decoded tensor, from which the writer
-measures what was lost (``codec_max_abs_error``, ``codec_rel_l2_error`` in every record).
+original dtype. :func:`encode_lossy` also returns ``decoded - original`` per value, from which
+the writer measures what was lost (``codec_max_abs_error``, ``codec_rel_l2_error`` in every
+record). The quantiser is one C pass a row (:func:`~dmi.storage._native.quantise`).
 
 All heavy work (the byte-plane loops of ``native/`` or numpy's, zstd, xxh3) runs in C without the GIL.
 """
@@ -45,7 +46,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from dmi.storage._native import join_planes, split_planes
+from dmi.storage._native import join_planes, quantise, split_planes
 
 __all__ = ["CODECS", "LOSSY_CODECS", "DEFAULT_CODEC", "CodecError", "checksum", "encode", "encode_lossy", "decode"]
 
@@ -237,39 +238,27 @@ def _zstd_into(stored, out: np.ndarray) -> None:
 _LOSSY_TAGS = {"fp8": 2, "int8": 3}
 _LOSSY_HEADER = struct.Struct("<BBQQ")  # codec tag, original dtype code, rows, row length
 _LOSSY_DTYPES = ("float16", "bfloat16", "float32", "float64")  # code = index + 1
-_QMAX = {"fp8": 448.0, "int8": 127.0}  # largest finite float8_e4m3fn; symmetric int8
 
 
 def encode_lossy(codec: str, tensor):
     """Quantise the floating tensor ``tensor`` with ``codec`` (``fp8`` or ``int8``).
 
-    Returns ``(stored bytes, decoded tensor)``: the payload, and exactly what :func:`decode`
-    will give back (same dtype and shape as ``tensor``), for measuring the error. Raises
-    ``ValueError`` for a dtype the codec cannot hold (the writer refuses those first).
+    Returns ``(stored bytes, error)``: the payload, and what :func:`decode` will give back minus
+    ``tensor``, per value (float32; float64 for float64 values; ``tensor``'s shape), for
+    measuring the loss. Raises ``ValueError`` for a dtype the codec cannot hold (the writer
+    refuses those first).
     """
-    import torch
-
     name = str(tensor.dtype).removeprefix("torch.")
     if name not in _LOSSY_DTYPES:
         raise ValueError(f"{codec} stores {', '.join(_LOSSY_DTYPES)} only, not {name}")
     rows2d = tensor.reshape(-1, tensor.shape[-1] if tensor.dim() else 1)
-    work = rows2d.to(torch.float64 if tensor.dtype == torch.float64 else torch.float32)
-    absmax = work.abs().amax(dim=1, keepdim=True) if work.numel() else work.new_zeros((work.shape[0], 1))
-    scale = torch.where(absmax > 0, absmax / _QMAX[codec], torch.ones_like(absmax)).to(torch.float32)
-    scaled = work / scale.to(work.dtype)
-    if codec == "fp8":
-        quantised = scaled.to(torch.float8_e4m3fn)
-    else:
-        quantised = scaled.round_().clamp_(-_QMAX[codec], _QMAX[codec]).to(torch.int8)
-    decoded = _dequantise(quantised, scale, tensor.dtype).reshape(tensor.shape)
-    plane = quantised.view(torch.uint8).reshape(-1).numpy()
+    quantised = quantise(rows2d, fp8=codec == "fp8")
     header = _LOSSY_HEADER.pack(_LOSSY_TAGS[codec], _LOSSY_DTYPES.index(name) + 1, *rows2d.shape)
-    return header + scale.reshape(-1).numpy().tobytes() + _plane_bytes(plane), decoded
+    payload = header + quantised.scales.tobytes() + _plane_bytes(quantised.codes)
+    return payload, quantised.error.reshape(tensor.shape)
 
 
 def _dequantise(quantised, scale, dtype):
-    import torch
-
     return (_widen(quantised) * scale).to(dtype)
 
 

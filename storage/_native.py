@@ -19,7 +19,18 @@ try:
 except ImportError:  # built without a compiler: the numpy loops below serve
     _native_ext = None
 
-__all__ = ["ACTIVE", "BUILT", "MOMENT_LANES", "Moments", "split_planes", "join_planes", "moments", "gather_rows"]
+__all__ = [
+    "ACTIVE",
+    "BUILT",
+    "MOMENT_LANES",
+    "Moments",
+    "Quantised",
+    "split_planes",
+    "join_planes",
+    "moments",
+    "gather_rows",
+    "quantise",
+]
 
 BUILT = _native_ext is not None
 """Whether the C extension was built for this install."""
@@ -149,6 +160,61 @@ def gather_rows(sources: Sequence, picks: np.ndarray, out) -> None:
         torch.index_select(flat, 0, index, out=out)
     else:
         out.copy_(torch.index_select(flat, 0, index))
+
+
+_QUANTISE_KINDS = {"float16": "h", "bfloat16": "b", "float32": "f"}
+_FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+_INT8_MAX = 127.0  # symmetric int8
+
+
+@dataclass(frozen=True, slots=True)
+class Quantised:
+    """A lossy codec's work on rows of values: each row's float32 scale, each value's code byte
+    (row after row), and ``decoded - original`` per value, float32 (float64 for float64 values),
+    which is exact (``storage/_writer.py``'s ``lossy_errors`` says why)."""
+
+    scales: np.ndarray
+    codes: np.ndarray
+    error: object  # a torch tensor shaped like the rows
+
+
+def quantise(rows, *, fp8: bool) -> Quantised:
+    """Quantise the 2-D floating tensor ``rows`` a row at a time: ``scale = absmax / 448`` and
+    float8_e4m3fn codes of ``x / scale`` (``fp8=True``), or ``scale = absmax / 127`` and int8 codes
+    of ``round(x / scale)``; a row with no non-zero value gets scale 1, a NaN int8 code 0.
+
+    One pass a row in C for float16, bfloat16 and float32 (scale, codes and the error while the
+    row sits in cache); torch's operations otherwise, rounding the same way at every step."""
+    import torch
+
+    kind = _QUANTISE_KINDS.get(str(rows.dtype).removeprefix("torch."))
+    if not (ACTIVE and kind is not None and rows.numel()):
+        return _quantise_torch(rows, fp8)
+    rows = rows.contiguous()
+    scales = np.empty(rows.shape[0], np.float32)
+    codes = np.empty(rows.numel(), np.uint8)
+    error = torch.empty(rows.shape, dtype=torch.float32)
+    _native_ext.quantise(_bytes_of(rows), kind, rows.shape[1], "e" if fp8 else "i", scales, codes,
+                         error.reshape(-1).numpy())
+    return Quantised(scales, codes, error)
+
+
+def _quantise_torch(rows, fp8: bool) -> Quantised:
+    import torch
+
+    work_dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    work = rows.to(work_dtype)
+    qmax = _FP8_MAX if fp8 else _INT8_MAX
+    absmax = work.abs().amax(dim=1, keepdim=True) if work.numel() else work.new_zeros((work.shape[0], 1))
+    scale = torch.where(absmax > 0, absmax / qmax, torch.ones_like(absmax)).to(torch.float32)
+    scaled = work / scale.to(work_dtype)
+    if fp8:
+        quantised = scaled.to(torch.float8_e4m3fn)  # saturating: 448 for anything larger, inf too
+    else:  # a NaN's int8 code is 0 by choice here, not by the platform's float-to-int conversion
+        quantised = scaled.nan_to_num_(nan=0.0).round_().clamp_(-qmax, qmax).to(torch.int8)
+    decoded = (quantised.to(torch.float32) * scale).to(rows.dtype)
+    codes = quantised.view(torch.uint8).reshape(-1).numpy()
+    return Quantised(scale.reshape(-1).numpy(), codes, decoded.to(work_dtype) - work)
 
 
 def _rows_span(out) -> np.ndarray:

@@ -220,15 +220,15 @@ def _encode_lossy(codec: str, key: RecordKey, tensor: torch.Tensor | None, dtype
             f"record {key.describe()}: {codec} is lossy and stores floating-point values only, not {dtype_str}; "
             "store it with a lossless codec (raw, zstd, split-zstd)"
         )
-    stored, decoded = encode_lossy(codec, tensor)
-    return stored, lossy_errors(tensor, decoded, None if stats is None else stats.l2_norm)
+    stored, error = encode_lossy(codec, tensor)
+    return stored, lossy_errors(tensor, error, None if stats is None else stats.l2_norm)
 
 
-def lossy_errors(original: torch.Tensor, decoded: torch.Tensor, norm: float | None = None) -> tuple[float, float]:
-    """Largest absolute difference and ``||decoded - original|| / ||original||`` (0 when the
-    original is all zeros or empty); NaN where the original holds NaN.
+def lossy_errors(original: torch.Tensor, error: torch.Tensor, norm: float | None = None) -> tuple[float, float]:
+    """Largest absolute value of ``error`` (``decoded - original``) and ``||error|| / ||original||``
+    (0 when the original is all zeros or empty); NaN where the original holds NaN.
 
-    The difference is taken in float32 (float64 for float64 records), exactly: a decoded value
+    The codec takes the difference in float32 (float64 for float64 records), exactly: a decoded value
     is 0 or within about a factor of two of its original (fp8 keeps 3 mantissa bits, int8 rounds
     to the nearest step of its row's scale), and float32 holds such a difference of two 16-bit
     values, or of two float32 ones (Sterbenz). Its sums of squares are the statistics' float64
@@ -236,8 +236,7 @@ def lossy_errors(original: torch.Tensor, decoded: torch.Tensor, norm: float | No
     copy of the record. ``norm``: the original's L2 norm, where its statistics already hold it."""
     if original.numel() == 0:
         return 0.0, 0.0
-    work = torch.float64 if original.dtype == torch.float64 else torch.float32
-    diff = _stats(decoded.to(work) - original.to(work))
+    diff = _stats(error)
     if norm is None:
         norm = _stats(original).l2_norm
     rel = diff.l2_norm / norm if norm else 0.0

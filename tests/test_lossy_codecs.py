@@ -202,10 +202,11 @@ def test_decode_refuses_a_lossy_payload_of_another_element_size():
     from dmi.storage import CodecError, decode
     from dmi.storage._codecs import encode_lossy
 
-    stored, decoded = encode_lossy("fp8", torch.ones(2, 4, dtype=torch.bfloat16))
+    stored, error = encode_lossy("fp8", torch.ones(2, 4, dtype=torch.bfloat16))
     out = np.empty(16, np.uint8)
     decode("fp8", stored, out, 2)
-    assert torch.equal(torch.from_numpy(out).view(torch.bfloat16).reshape(2, 4), decoded)
+    assert torch.equal(error, torch.zeros(2, 4))  # 1 = 448 * (1 / 448) exactly
+    assert torch.equal(torch.from_numpy(out).view(torch.bfloat16).reshape(2, 4), torch.ones(2, 4, dtype=torch.bfloat16))
     with pytest.raises(CodecError, match="not elements of 4 bytes"):
         decode("fp8", stored, np.empty(16, np.uint8), 4)
 

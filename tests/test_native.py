@@ -170,6 +170,12 @@ def test_record_statistics_are_identical(monkeypatch, dtype):
         (lambda ext: ext.moments(np.zeros(3, np.uint8), "b", np.zeros(130)), "whole 2-byte values"),
         (lambda ext: ext.moments(np.zeros(4, np.float32), "f", np.zeros(129)), "130 float64"),
         (lambda ext: ext.moments(np.zeros(4, np.float32), "h", np.zeros(130)), "kind must be"),
+        (lambda ext: ext.quantise(np.zeros(8, np.uint8), "d", 2, "e", *_quantise_out(2, 2)), "kind must be"),
+        (lambda ext: ext.quantise(np.zeros(8, np.uint8), "b", 2, "x", *_quantise_out(2, 2)), "codec must be"),
+        (lambda ext: ext.quantise(np.zeros(8, np.uint8), "b", 0, "e", *_quantise_out(2, 2)), "row_len must be"),
+        (lambda ext: ext.quantise(np.zeros(8, np.uint8), "b", 3, "e", *_quantise_out(1, 3)), "rows of 3"),
+        (lambda ext: ext.quantise(np.zeros(8, np.uint8), "b", 2, "e", *_quantise_out(1, 4)), "rows of 2"),
+        (lambda ext: ext.quantise(np.zeros(8, np.uint8), "f", 2, "i", *_quantise_out(2, 2)), "rows of 2"),
     ],
 )
 def test_sizes_that_do_not_fit_are_refused_not_overrun(call, message):
@@ -273,3 +279,61 @@ def test_gather_rows_refuses_sources_of_another_width_or_dtype(monkeypatch, acti
         _native.gather_rows(_sources(torch.float32), np.array([(0, 0)]), torch.empty(1, 48, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="one row per pick"):
         _native.gather_rows(_sources(), np.array([(0, 0), (0, 1)]), torch.empty(1, 48, dtype=torch.bfloat16))
+
+
+def _quantise_out(rows: int, row_len: int):
+    """The quantiser's outputs for ``rows`` rows of ``row_len`` values: scales, codes, error."""
+    return np.empty(rows, np.float32), np.empty(rows * row_len, np.uint8), np.empty(rows * row_len, np.float32)
+
+
+def _every_value(dtype) -> torch.Tensor:
+    """All 65536 values of a 16-bit float dtype, NaNs and infinities included."""
+    return torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+def _quantise_cases():
+    g = torch.Generator().manual_seed(13)
+    for dtype in (torch.bfloat16, torch.float16):
+        every = _every_value(dtype)
+        finite = every[torch.isfinite(every.float())]
+        yield f"every {dtype} value, rows of 256", every.reshape(-1, 256)
+        yield f"every {dtype} value shuffled, rows of 64", every[torch.randperm(65536, generator=g)].reshape(-1, 64)
+        yield f"every finite {dtype} value shuffled", finite[torch.randperm(finite.numel(), generator=g)][:61440].reshape(-1, 128)
+        scales = torch.logspace(-8, 4, 512).reshape(-1, 1)
+        yield f"{dtype} activations of many scales", (torch.randn(512, 1024, generator=g) * scales).to(dtype)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 18,), generator=g, dtype=torch.int64).to(torch.int32)
+    yield "random float32 bit patterns", bits.view(torch.float32).reshape(-1, 256)
+    yield "random float32 bit patterns, rows of 4", bits.view(torch.float32).reshape(-1, 4)
+    yield "float32 of many scales", torch.randn(1024, 512, generator=g) * torch.logspace(-30, 30, 1024).reshape(-1, 1)
+    special = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -1e-45, 3.4e38, 1.0, 448.0, 449.0, 464.0, 480.0]
+    yield "pairs of special float32 values", torch.tensor([[a, b] for a in special for b in special])
+    yield "all-zero rows", torch.zeros(3, 8)
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "int8"])
+def test_the_quantiser_is_identical_to_torch(monkeypatch, fp8):
+    """Scales and codes byte for byte, errors value for value (NaN where torch has NaN: its
+    payload bits are the platform's), for every 16-bit float, float32 bit patterns and the
+    special values, against the torch operations it replaces."""
+    for label, rows in _quantise_cases():
+        native, reference = _both(monkeypatch, lambda: _native.quantise(rows, fp8=fp8))
+        assert native.scales.tobytes() == reference.scales.tobytes(), label
+        assert native.codes.tobytes() == reference.codes.tobytes(), label
+        assert native.error.dtype == reference.error.dtype == torch.float32, label
+        assert torch.equal(native.error.isnan(), reference.error.isnan()), label
+        assert torch.equal(native.error.nan_to_num(), reference.error.nan_to_num()), label
+
+
+def test_the_quantiser_saturates_fp8_and_stores_int8_nan_as_zero(monkeypatch):
+    """What torch 2.13 does, pinned: fp8 gives 448 (code 0x7E) for anything larger, infinity
+    included, and keeps NaN (0x7F); int8 has no NaN, so a NaN stores code 0. Both loops choose
+    that 0 explicitly (a float-to-int conversion of NaN is undefined in C and C++); on x86-64
+    the unguarded conversions happen to give 0 as well, so this pins the result, not the guard."""
+    rows = torch.tensor([[1.0, 2.0, float("inf"), float("nan"), -500.0]])  # absmax NaN: scale 1
+    for active in (True, False):
+        monkeypatch.setattr(_native, "ACTIVE", active)
+        fp8 = _native.quantise(rows, fp8=True)
+        assert fp8.scales.tolist() == [1.0], active
+        assert fp8.codes.tolist() == [0x38, 0x40, 0x7E, 0x7F, 0xFE], active
+        int8 = _native.quantise(rows, fp8=False)
+        assert int8.codes.view(np.int8).tolist() == [1, 2, 127, 0, -127], active
