@@ -184,6 +184,18 @@ done:
 #define BYTE_VECTOR_CLONES
 #endif
 
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float f32_of(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 typedef struct {
     double sum[LANES], sq[LANES], lo, hi;
 } moments_t;
@@ -191,10 +203,7 @@ typedef struct {
 static inline double bf16_at(const uint8_t *s, Py_ssize_t i) {
     uint16_t half;
     memcpy(&half, s + 2 * i, 2);
-    uint32_t word = (uint32_t)half << 16;
-    float value;
-    memcpy(&value, &word, 4);
-    return value;
+    return f32_of((uint32_t)half << 16); /* bf16 is the top half of a float32 */
 }
 
 static inline double f32_at(const uint8_t *s, Py_ssize_t i) {
@@ -373,18 +382,6 @@ done:
  * division and the product are float32 operations, float8_e4m3fn, bfloat16 and float16 are
  * rounded by c10's own conversions (to nearest, ties to even), and int8 codes are rint'd
  * after the clamp (the bounds are integers, so the order does not matter). */
-
-static inline uint32_t f32_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-static inline float f32_of(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 static inline uint32_t select_u32(int take_first, uint32_t first, uint32_t second) {
     const uint32_t mask = 0u - (uint32_t)take_first; /* a mask, not a branch: loops stay vectorisable */

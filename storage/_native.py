@@ -193,10 +193,9 @@ def quantise(rows, *, fp8: bool) -> Quantised:
     rows = rows.contiguous()
     scales = np.empty(rows.shape[0], np.float32)
     codes = np.empty(rows.numel(), np.uint8)
-    error = torch.empty(rows.shape, dtype=torch.float32)
-    _native_ext.quantise(_bytes_of(rows), kind, rows.shape[1], "e" if fp8 else "i", scales, codes,
-                         error.reshape(-1).numpy())
-    return Quantised(scales, codes, error)
+    error = np.empty(rows.numel(), np.float32)  # numpy asks for huge pages: far fewer faults than torch.empty
+    _native_ext.quantise(_bytes_of(rows), kind, rows.shape[1], "e" if fp8 else "i", scales, codes, error)
+    return Quantised(scales, codes, torch.from_numpy(error).reshape(rows.shape))
 
 
 def _quantise_torch(rows, fp8: bool) -> Quantised:
