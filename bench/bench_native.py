@@ -11,6 +11,8 @@ rounds; each figure is its best round, in GB/s of the records' raw bytes:
 * ``statistics``        a record's L2 norm / mean / absmax (one pass in C; numpy widens to float64)
 * ``encode``            what the drain does per record: statistics + split-zstd + xxh3
 * ``decode``            what a read does per record: split-zstd decode
+* ``quantise fp8/int8`` a lossy codec's scales, codes and error per record (the "numpy" column is
+                        torch's operations, the fallback, which use torch's intra-op threads)
 
 Limits on the same bytes, same run: memcpy into an existing buffer and zstd-1 compress, both on
 one thread; and, for scale, the capture hook's gather of a step's rows into a ring slot
@@ -71,7 +73,22 @@ def pieces(records: list[torch.Tensor]) -> dict:
         for s, out in zip(stored, outs):
             _codecs.decode("split-zstd", s, out, itemsize)
 
-    return {"split planes": split, "join planes": join, "statistics": stats, "encode": encode, "decode": decode}
+    def quantiser(fp8: bool):
+        def quantise():
+            for t in records:
+                _native.quantise(t.reshape(-1, t.shape[-1]), fp8=fp8)
+
+        return quantise
+
+    return {
+        "split planes": split,
+        "join planes": join,
+        "statistics": stats,
+        "encode": encode,
+        "decode": decode,
+        "quantise fp8": quantiser(True),
+        "quantise int8": quantiser(False),
+    }
 
 
 def limits(records: list[torch.Tensor]) -> dict:
