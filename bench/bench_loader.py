@@ -5,14 +5,16 @@ size ``--hidden`` (default 2048), stored as ``--gb`` GB (default 2) of bf16 or f
 Every method delivers every token row once, in batches of ``--batch`` rows, in the dtype of
 the run, to a loop that touches each batch (a sum, so nothing is lazily skipped):
 
-* ``dmi shuffled``: ``store.loader(...)`` over raw-codec packs — global unit permutation plus
-  a ``--shuffle-buffer``-row window shuffle, ``--workers`` DataLoader workers
-* ``dmi shuffled in-process``: the same loader with ``num_workers=0``: its own read threads
-  only, no worker processes (and so no batch sent between processes)
-* ``dmi shuffled direct I/O``: ``dmi shuffled in-process`` with ``direct_io=True``: the packs read
+* ``dmi shuffled``: ``store.loader(...)`` over raw-codec packs with its defaults — global unit
+  permutation plus a ``--shuffle-buffer``-row window shuffle, read in the training loop's
+  process on the loader's own threads (``num_workers=0``), through the page cache unless the
+  selection exceeds half the machine's memory
+* ``dmi shuffled in worker processes``: the same loader with ``num_workers=--workers``: DataLoader
+  worker processes, each with its own read threads, every batch sent between processes
+* ``dmi shuffled direct I/O``: ``dmi shuffled`` with ``direct_io=True``: the packs read
   around the page cache (``O_DIRECT``), which the loader does by itself for a selection larger
   than half the machine's memory (docs/loader.md, "Direct I/O")
-* ``dmi sequential``: the same loader with ``shuffle=False``
+* ``dmi sequential``: ``dmi shuffled`` with ``shuffle=False``
 * ``datasets + mixing buffer`` (SAELens-style): a Hugging Face ``datasets`` folder (Arrow,
   memory-mapped) read in order, ``--mixing-buffer`` rows at a time, each chunk shuffled into
   a buffer whose first half is emitted (as SAELens' mixing buffer does). Arrow has no
@@ -40,7 +42,7 @@ the two step times says whether the loader keeps it compute-bound.
     python bench/bench_loader.py                    # full: 2 GB, d = 2048, bf16 and fp32
     python bench/bench_loader.py --quick            # 16 requests x 128 tokens x d 256: seconds
     python bench/bench_loader.py --dtypes bf16 --gb 4 --workers 8
-    python bench/bench_loader.py --dtypes bf16 --methods "dmi shuffled,dmi shuffled in-process" --sae-steps 0
+    python bench/bench_loader.py --dtypes bf16 --methods "dmi shuffled,dmi shuffled direct I/O" --sae-steps 0
 
 Prints the conditions and one markdown table per dtype.
 """
@@ -67,7 +69,8 @@ from dmi.storage import PackWriter, RecordKey
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DIRECT = "dmi shuffled direct I/O"
-METHODS = ("dmi shuffled", "dmi shuffled in-process", DIRECT, "dmi sequential", "datasets + mixing buffer",
+WORKERS = "dmi shuffled in worker processes"
+METHODS = ("dmi shuffled", WORKERS, DIRECT, "dmi sequential", "datasets + mixing buffer",
            "safetensors chunks")
 
 
@@ -138,11 +141,11 @@ def write_safetensors(root: str, args, dtype: torch.dtype) -> None:
 # ------------------------------------------------------------------------------ methods
 
 
-def dmi_batches(store: dmi.Store, args, dtype: torch.dtype, shuffle: bool, workers: int | None = None,
-                direct_io: bool | None = False):
+def dmi_batches(store: dmi.Store, args, dtype: torch.dtype, shuffle: bool, workers: int = 0,
+                direct_io: bool | None = None):
     loader = store.loader("bench", hooks="resid_post", layers=[0], batch_size=args.batch, dtype=dtype,
                           shuffle=shuffle, shuffle_buffer=args.shuffle_buffer,
-                          num_workers=args.workers if workers is None else workers,
+                          num_workers=workers,
                           with_tokens=False, read_threads=args.read_threads, prefetch=args.prefetch,
                           direct_io=direct_io)
     return loader, iter(loader)
@@ -312,8 +315,8 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
     ideal = ideal_distinct(sizes, total_rows, args.batch)
     methods = {
         "dmi shuffled": (dmi_home, lambda: dmi_batches(store, args, dtype, True)[1]),
-        "dmi shuffled in-process": (dmi_home, lambda: dmi_batches(store, args, dtype, True, workers=0)[1]),
-        DIRECT: (dmi_home, lambda: dmi_batches(store, args, dtype, True, workers=0, direct_io=True)[1]),
+        WORKERS: (dmi_home, lambda: dmi_batches(store, args, dtype, True, workers=args.workers)[1]),
+        DIRECT: (dmi_home, lambda: dmi_batches(store, args, dtype, True, direct_io=True)[1]),
         "dmi sequential": (dmi_home, lambda: dmi_batches(store, args, dtype, False)[1]),
         "datasets + mixing buffer": (ds_root, lambda: mixing_buffer_batches(ds_root, args, dtype, None)),
         "safetensors chunks": (st_root, lambda: chunk_batches(st_root, args, dtype)),
@@ -322,6 +325,8 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
                if method in args.methods}
     methods = {method: how for method, how in methods.items() if method in args.methods}
 
+    default_direct = dmi_batches(store, args, dtype, True)[0].config.direct_io
+    print(f"\nthe loader's default for this selection: {'direct I/O' if default_direct else 'through the page cache'}")
     print(f"\n### {name}: {total_rows} token rows x {args.hidden} = {total_rows * args.hidden * itemsize / 1e9:.2f} GB "
           f"delivered; cold-read limit {limit / 1e9:.2f} GB/s ({limit_bytes / 1e9:.2f} GB of packs)\n")
     print("| method | cache | tokens/s | GB/s | x cold-read limit | first batch s | CPU s | requests/batch (ideal "
@@ -363,11 +368,11 @@ def shuffle_quality(store: dmi.Store, args, dtype: torch.dtype, ds_root: str, st
         owners = [who for i, (_, who) in zip(range(args.quality_batches), chunk_batches(st_root, args, dtype, True))]
         return distinct_per_batch(owners, args.quality_batches)
 
-    def dmi_quality(shuffle: bool, workers: int | None = None):
+    def dmi_quality(shuffle: bool, workers: int = 0):
         return lambda: dmi_batches(store, args, dtype, shuffle, workers)[0].shuffle_quality(
             args.quality_batches).requests_per_batch
 
-    return {"dmi shuffled": dmi_quality(True), "dmi shuffled in-process": dmi_quality(True, 0), DIRECT: dmi_quality(True, 0),
+    return {"dmi shuffled": dmi_quality(True), WORKERS: dmi_quality(True, args.workers), DIRECT: dmi_quality(True),
             "dmi sequential": dmi_quality(False), "datasets + mixing buffer": mixing, "safetensors chunks": chunks}
 
 
@@ -420,8 +425,8 @@ def main() -> None:
             requests = args.requests or max(1, round(args.gb * 1e9 / (args.tokens * args.hidden * dtype.itemsize)))
             run = argparse.Namespace(**{**vars(args), "requests": requests})
             print(f"\nconditions: {run.requests} requests x {run.tokens} tokens, d = {run.hidden}, batch "
-                  f"{run.batch}, DMI shuffle buffer {run.shuffle_buffer} rows and {run.workers} workers x "
-                  f"{run.read_threads} read threads, {run.prefetch} windows read ahead, mixing buffer "
+                  f"{run.batch}, DMI shuffle buffer {run.shuffle_buffer} rows, {run.read_threads} read threads, "
+                  f"{run.prefetch} windows read ahead, {run.workers} worker processes in its worker row, mixing buffer "
                   f"{run.mixing_buffer} rows, safetensors chunks of {run.chunk} rows and {run.workers} workers, "
                   "raw-codec packs")
             run_dtype(name, dtype, run, work)

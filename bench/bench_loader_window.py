@@ -8,15 +8,16 @@ Rows, each the best of ``--rounds`` interleaved rounds, in GB/s of window bytes:
 * ``fresh``: the window in new memory (``torch.empty``), what the loader did before it lent
   window memory again; every 4 KiB page faults in as the gather first writes it.
 * ``reused``: the window in memory lent by ``WindowMemory`` once the previous window is gone
-  (what the loader does now when the training loop lets go of its batches).
+  (what the loader did from stop 22 to stop 32; since stop 33 it gathers each batch out of the
+  window's records instead, and only the read regions are lent again).
 * ``2 features, stacked after``: each feature gathered into fresh memory, then
   ``torch.stack`` (the loader before); ``2 features, in place``: each feature gathered
-  straight into its slot of one reused window (now).
+  straight into its slot of one reused window (the loader since stop 22, per batch since stop 33).
 * ``read ... fresh`` / ``read ... lent``: the window's records read back from raw-codec packs
   in the page cache (``read_records``, one thread, checksums verified) into new buffers, or
-  into one region lent again (``Arena``, the loader now).
+  into one region lent again (``Arena``, the loader since stop 22).
 * ``read into one lent region, then gathered``: that read followed by the window's gather
-  into reused memory (the loader's whole path for a window); ``gathered from the packs
+  into reused memory (the loader's whole path for a window until stop 33, which gathers the same rows batch by batch); ``gathered from the packs
   mapped``: the same gather straight from the pack files mapped into memory (``mmap``,
   populated up front, no checksum), the copy of the read saved — the alternative the
   loader does not take, measured here.

@@ -33,7 +33,7 @@ from dmi._loader_plan import (
     window_slices,
 )
 from dmi._loader_quality import ShuffleQuality, shuffle_quality
-from dmi._loader_read import LAYOUTS, ON_ERROR, RowFormat, Window, WindowReader
+from dmi._loader_read import LAYOUTS, ON_ERROR, RowFormat, Window, WindowReader, new_batch
 from dmi.reader import DEFAULT_MAX_GAP
 from dmi.storage import PackStore
 from dmi.storage.errors import InvalidArgumentError
@@ -182,8 +182,11 @@ class _BatchBuilder:
         return end
 
     def emit(self, cursor: tuple[int, int]) -> _Item:
-        xs = [w.x[a:b] for w, a, b in self.parts]
-        x = xs[0] if len(xs) == 1 else torch.cat(xs)
+        x, places = new_batch(self.plan.features, self.cfg.fmt, self.rows)
+        at = 0
+        for w, a, b in self.parts:
+            w.fill(a, b, [place[at : at + b - a] for place in places], self.cfg.fmt)
+            at += b - a
         tokens = None
         if self.cfg.with_tokens:
             units = self.plan.units

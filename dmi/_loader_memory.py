@@ -1,16 +1,13 @@
-"""Window memory the loader reuses once nothing views it any more.
+"""Read memory the loader reuses once nothing views it any more.
 
-A window (the shuffle buffer's rows: 256 MiB of bf16 rows of width 2048 by default) used to
-be fresh memory every time, and fresh memory is mapped one 4 KiB page fault at a time as it
-is first written. Those faults cost more than the gather that fills the window
-(``bench/bench_loader_window.py``; numbers in docs/benchmarks.md). The loader's batches are views of their window, so a window's memory can
-be handed out again only when the training loop has let go of every batch cut from it and
-the loader of the window itself: torch counts the users of a storage, and a region is
-reused when the pool holds its only reference. The records a window is gathered from are
-read the same way, into one region per window (:class:`Arena`), free again once the window
-is assembled. A loop that keeps its batches simply gets new memory, as before. A region sent to another process (a DataLoader worker's batches
-travel in shared memory: torch moves the whole storage there, in place) is never lent
-again: the other process may still be reading it.
+A window's records (the shuffle buffer's rows: 256 MiB of bf16 rows of width 2048 by
+default) are read into one region per window (:class:`Arena`), and batches are gathered
+from them. Fresh memory is mapped one 4 KiB page fault at a time as it is first written,
+and those faults cost more than the gather (``bench/bench_loader_window.py``; numbers in
+docs/benchmarks.md), so a region is lent again once the window it held is consumed: torch
+counts the users of a storage, and a region is reused when the pool holds its only
+reference. Batches are copies of their own (small, and reused by the allocator), so a
+training loop that keeps them never pins a region.
 """
 
 from __future__ import annotations
@@ -58,13 +55,12 @@ class WindowMemory:
 
 
 class LoaderMemory:
-    """One consumer's pools for one epoch (freed with it: a loader between epochs holds no
-    memory): windows — those read ahead, the one consumed, one whose batches the loop still
-    holds — and the reads of the windows being read ahead."""
+    """One consumer's pool for one epoch (freed with it: a loader between epochs holds no
+    memory): the read regions of the windows read ahead, of the one being consumed, and of
+    the one before it while a batch still takes rows from both."""
 
     def __init__(self, prefetch: int):
-        self.windows = WindowMemory(prefetch + 2)
-        self.reads = WindowMemory(prefetch)
+        self.reads = WindowMemory(prefetch + 2)
 
 
 def _lend(region: torch.UntypedStorage, nbytes: int) -> torch.Tensor:

@@ -39,16 +39,49 @@ class RowFormat:
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """A window's rows in emission order, with their (unit, row) origin and what was skipped."""
+    """A window's rows in emission order, left in the records they were read into: per feature,
+    those record tensors (``sources``) and each row's (source, row) in them (``picks``); the
+    rows' (unit, row) origin; what was skipped. Batches copy their rows out (:meth:`fill`),
+    so the window holds no copy of its own."""
 
-    x: torch.Tensor
+    sources: tuple[tuple[torch.Tensor, ...], ...]
+    picks: tuple[np.ndarray, ...]
     units: np.ndarray
     rows: np.ndarray
     damaged: tuple[str, ...]
     skipped_rows: int
 
     def __len__(self) -> int:
-        return int(self.x.shape[0])
+        return len(self.units)
+
+    def fill(self, lo: int, hi: int, places: list[torch.Tensor], fmt: RowFormat) -> None:
+        """Copy rows ``[lo, hi)`` into ``places`` (one ``[hi - lo, width]`` view per feature),
+        converted to the places' dtype and scaled by ``fmt``: one gather per feature, in the
+        stored dtype straight into its place when nothing converts."""
+        for f, place in enumerate(places):
+            sources, picks = self.sources[f], self.picks[f][lo:hi]
+            stored = sources[0].dtype if sources else place.dtype
+            if fmt.scales is None and stored == place.dtype:
+                gather_rows(sources, picks, place)
+                continue
+            rows = torch.empty(hi - lo, place.shape[1], dtype=stored)
+            gather_rows(sources, picks, rows)
+            if fmt.scales is not None:
+                rows = rows.to(torch.float32).mul_(fmt.scales[f])
+            place.copy_(rows)  # converted to the batch's dtype as it is copied in
+
+
+def new_batch(features, fmt: RowFormat, n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """An uninitialised batch of ``n`` rows in ``fmt``'s dtype and layout, and each feature's
+    place in it (its slot of the stack, or its column block)."""
+    dtype = fmt.dtype or torch_dtype(features[0].dtype)  # features of several dtypes need dtype= (checked at open)
+    widths = [f.width for f in features]
+    if len(features) > 1 and fmt.layout == "stack":
+        batch = torch.empty(n, len(features), widths[0], dtype=dtype)
+        return batch, [batch[:, f] for f in range(len(features))]
+    batch = torch.empty(n, sum(widths), dtype=dtype)
+    edges = np.cumsum([0, *widths])
+    return batch, [batch[:, edges[f] : edges[f + 1]] for f in range(len(features))]
 
 
 class WindowReader:
@@ -67,18 +100,22 @@ class WindowReader:
         self.direct_io = direct_io
 
     def read(self, slices: list[Slice], permutation: Callable[[int], np.ndarray] | None) -> Window:
-        """The rows of ``slices``, damaged units left out (skip mode), reordered by
-        ``permutation(n_rows)`` (``None``: kept in stream order, no copy)."""
+        """The rows of ``slices``, damaged units left out (skip mode), in the order of
+        ``permutation(n_rows)`` (``None``: stream order)."""
         tensors, bad = self._read_records([e for s in slices for group in self.plan.units[s.unit].records for e in group])
         damaged_units = {s.unit for s in slices if bad and any(e in bad for g in self.plan.units[s.unit].records for e in g)}
         kept = [s for s in slices if s.unit not in damaged_units]
         skipped = sum(s.hi - s.lo for s in slices) - sum(s.hi - s.lo for s in kept)
         units, rows = slice_rows(kept)
         order = permutation(len(units)) if permutation is not None and len(units) else None
-        x = self._rows(kept, tensors, order)
+        sources, picks = [], []
+        for f, feature in enumerate(self.plan.features):
+            feature_sources, feature_picks = self._picks(f, feature.width, kept, tensors)
+            sources.append(tuple(feature_sources))
+            picks.append(feature_picks if order is None else feature_picks[order])
         if order is not None:
             units, rows = units[order], rows[order]
-        return Window(x, units, rows, tuple(sorted(bad.values())), skipped)
+        return Window(tuple(sources), tuple(picks), units, rows, tuple(sorted(bad.values())), skipped)
 
     def _read_records(self, entries: list[RecordEntry]) -> tuple[dict[RecordEntry, torch.Tensor], dict[RecordEntry, str]]:
         by_pack: dict[str, list[RecordEntry]] = defaultdict(list)
@@ -116,37 +153,6 @@ class WindowReader:
             except PackError as exc:
                 failed[e] = f"{e.pack_id}: {exc}"
         return got, failed
-
-    def _rows(self, slices: list[Slice], tensors: dict[RecordEntry, torch.Tensor],
-              order: np.ndarray | None) -> torch.Tensor:
-        """The rows of ``slices`` (in ``order`` when given): each feature gathered in one pass
-        straight into its place in the window (its column block, or its slot of the stack)."""
-        features = self.plan.features
-        stored = [torch_dtype(f.dtype) for f in features]
-        dtype = self.fmt.dtype or stored[0]  # features of several dtypes need dtype= (checked at open)
-        n = sum(s.hi - s.lo for s in slices)
-        widths = [f.width for f in features]
-        window = self.memory.windows.take(n * sum(widths) * dtype.itemsize).view(dtype)
-        if len(features) > 1 and self.fmt.layout == "stack":
-            window = window.view(n, len(features), widths[0])
-            places = [window[:, f] for f in range(len(features))]
-        else:
-            window = window.view(n, sum(widths))
-            edges = np.cumsum([0, *widths])
-            places = [window[:, edges[f] : edges[f + 1]] for f in range(len(features))]
-        for f, (feature, place) in enumerate(zip(features, places)):
-            sources, picks = self._picks(f, feature.width, slices, tensors)
-            if order is not None:
-                picks = picks[order]
-            if self.fmt.scales is None and stored[f] == dtype:
-                gather_rows(sources, picks, place)
-            else:
-                rows = torch.empty(n, feature.width, dtype=stored[f])
-                gather_rows(sources, picks, rows)
-                if self.fmt.scales is not None:
-                    rows = rows.to(torch.float32).mul_(self.fmt.scales[f])
-                place.copy_(rows)  # converted to the window's dtype as it is copied in
-        return window
 
     def _picks(self, f: int, width: int, slices: list[Slice],
                tensors: dict[RecordEntry, torch.Tensor]) -> tuple[list[torch.Tensor], np.ndarray]:
