@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from dmi._loader_memory import LoaderMemory
+from dmi._loader_memory import LoaderMemory, WindowMemory
 from dmi._loader_plan import (
     EpochOrder,
     Plan,
@@ -121,8 +121,9 @@ def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
     last = n_windows(order.total, slot, n_slots, cfg.shuffle_buffer, whole_batches=whole)
     io_pool = ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="dmi-loader-io")
     ahead = ThreadPoolExecutor(cfg.prefetch, thread_name_prefix="dmi-loader-window")
+    memory = LoaderMemory(cfg.prefetch)
     reader = WindowReader(ds.plan, ds.packs, cfg.fmt, max_gap=cfg.max_gap, on_error=cfg.on_error, io_pool=io_pool,
-                          memory=LoaderMemory(cfg.prefetch), direct_io=cfg.direct_io)
+                          memory=memory, direct_io=cfg.direct_io)
 
     def read(w: int) -> Window:
         def permutation(n: int):
@@ -132,7 +133,7 @@ def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
                            permutation if cfg.shuffle else None)
 
     pending = deque(ahead.submit(read, w) for w in range(first, min(last, first + cfg.prefetch)))
-    batch = _BatchBuilder(ds.plan, cfg, local)
+    batch = _BatchBuilder(ds.plan, cfg, local, memory.batches)
     try:
         for w in range(first, last):
             window = pending.popleft().result()
@@ -160,8 +161,8 @@ def _cursor(w: int, pos: int, size: int) -> tuple[int, int]:
 class _BatchBuilder:
     """Collects rows from consecutive windows into batches of ``batch_size``."""
 
-    def __init__(self, plan: Plan, cfg: LoaderConfig, local: int):
-        self.plan, self.cfg, self.local = plan, cfg, local
+    def __init__(self, plan: Plan, cfg: LoaderConfig, local: int, memory: WindowMemory):
+        self.plan, self.cfg, self.local, self.memory = plan, cfg, local, memory
         self.parts: list[tuple[Window, int, int]] = []
         self.rows = 0
         self.damaged: list[str] = []
@@ -182,7 +183,7 @@ class _BatchBuilder:
         return end
 
     def emit(self, cursor: tuple[int, int]) -> _Item:
-        x, places = new_batch(self.plan.features, self.cfg.fmt, self.rows)
+        x, places = new_batch(self.plan.features, self.cfg.fmt, self.rows, self.memory)
         at = 0
         for w, a, b in self.parts:
             w.fill(a, b, [place[at : at + b - a] for place in places], self.cfg.fmt)

@@ -6,8 +6,9 @@ from them. Fresh memory is mapped one 4 KiB page fault at a time as it is first 
 and those faults cost more than the gather (``bench/bench_loader_window.py``; numbers in
 docs/benchmarks.md), so a region is lent again once the window it held is consumed: torch
 counts the users of a storage, and a region is reused when the pool holds its only
-reference. Batches are copies of their own (small, and reused by the allocator), so a
-training loop that keeps them never pins a region.
+reference. Batches are copies of their own, lent the same way once the training loop lets
+go of them; a loop that keeps its batches gets new memory for the next ones and never pins
+a read region.
 """
 
 from __future__ import annotations
@@ -55,12 +56,20 @@ class WindowMemory:
 
 
 class LoaderMemory:
-    """One consumer's pool for one epoch (freed with it: a loader between epochs holds no
+    """One consumer's pools for one epoch (freed with it: a loader between epochs holds no
     memory): the read regions of the windows read ahead, of the one being consumed, and of
-    the one before it while a batch still takes rows from both."""
+    the one before it while a batch still takes rows from both; and batches — the one being
+    filled, the ones the training loop still holds (a batch of 4096 float32 rows of width
+    2048 is 32 MiB, which the C allocator maps afresh, and faults in, every time)."""
 
     def __init__(self, prefetch: int):
         self.reads = WindowMemory(prefetch + 2)
+        self.batches = WindowMemory(BATCHES_KEPT)
+
+
+BATCHES_KEPT = 4
+"""Batch regions a consumer keeps to lend again: the loop's current batch, the next being
+filled, and two more for a loop that holds on to a batch or two (a pipeline stage)."""
 
 
 def _lend(region: torch.UntypedStorage, nbytes: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dmi._loader_memory import Arena, LoaderMemory
+from dmi._loader_memory import Arena, LoaderMemory, WindowMemory
 from dmi._loader_plan import Plan, Slice, slice_rows
 from dmi.reader import FooterCache, plan_reads, read_record, read_records
 from dmi.storage import DIRECT_ALIGNMENT, PackStore, gather_rows, torch_dtype
@@ -71,15 +71,16 @@ class Window:
             place.copy_(rows)  # converted to the batch's dtype as it is copied in
 
 
-def new_batch(features, fmt: RowFormat, n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """An uninitialised batch of ``n`` rows in ``fmt``'s dtype and layout, and each feature's
-    place in it (its slot of the stack, or its column block)."""
+def new_batch(features, fmt: RowFormat, n: int, memory: WindowMemory) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """An uninitialised batch of ``n`` rows in ``fmt``'s dtype and layout, lent by ``memory``,
+    and each feature's place in it (its slot of the stack, or its column block)."""
     dtype = fmt.dtype or torch_dtype(features[0].dtype)  # features of several dtypes need dtype= (checked at open)
     widths = [f.width for f in features]
+    flat = memory.take(n * sum(widths) * dtype.itemsize).view(dtype)
     if len(features) > 1 and fmt.layout == "stack":
-        batch = torch.empty(n, len(features), widths[0], dtype=dtype)
+        batch = flat.view(n, len(features), widths[0])
         return batch, [batch[:, f] for f in range(len(features))]
-    batch = torch.empty(n, sum(widths), dtype=dtype)
+    batch = flat.view(n, sum(widths))
     edges = np.cumsum([0, *widths])
     return batch, [batch[:, edges[f] : edges[f + 1]] for f in range(len(features))]
 

@@ -114,12 +114,14 @@ def test_every_token_once_per_epoch_aligned_and_bit_exact(store):
             assert torch.equal(row[1], full[(request, "mlp_out")][pos])
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["loop keeps batches", "loop drops batches"])
 @pytest.mark.parametrize("layout", ["stack", "concat"])
-def test_batches_kept_by_the_loop_stay_exact_while_read_memory_is_lent_again(store, monkeypatch, layout):
-    """The loader lends a window's read region again once the window is consumed
-    (dmi/_loader_memory.py) while later windows are read ahead, and the loop here keeps every
-    batch until the epoch ends: each row must still be its own token's — a region lent while
-    the window being consumed (or a batch) still used it would be overwritten under the loop.
+def test_rows_stay_exact_while_read_and_batch_memory_is_lent_again(store, monkeypatch, layout, keep):
+    """The loader lends a window's read region again once the window is consumed, and a
+    batch's memory once the loop lets go of it (dmi/_loader_memory.py), while later windows
+    are read ahead. Whether the loop keeps every batch until the epoch ends or drops each one
+    once checked, each row must be its own token's — a region lent while the window being
+    consumed, or a batch the loop holds, still used it would be overwritten under the loop.
     Both features land in place in the batch."""
     import dmi._loader as loader_module
     from dmi._loader_memory import LoaderMemory
@@ -134,16 +136,25 @@ def test_batches_kept_by_the_loop_stay_exact_while_read_memory_is_lent_again(sto
     monkeypatch.setattr(loader_module, "LoaderMemory", Recorded)
     loader = store.loader("m", runs="r1", hooks="resid_post", layers=[0, 2], layout=layout, batch_size=4,
                           shuffle_buffer=12, with_tokens=True, seed=3, prefetch=2)
-    kept = list(loader)
     seen = Counter()
-    for x, tokens in kept:
+
+    def check(x, tokens):
         for row, (run, request, pos) in zip(x, tokens):
             expected = torch.stack([_values(run, request, "resid_post", layer, pos)[0] for layer in (0, 2)])
             assert torch.equal(row, expected if layout == "stack" else expected.reshape(-1))
         seen.update(tokens)
+
+    if keep:
+        for x, tokens in list(loader):
+            check(x, tokens)
+    else:
+        for x, tokens in loader:
+            check(x, tokens)
+            del x, tokens
     assert seen == Counter(ALL_R1)
     (memory,) = pools
     assert memory.reads.reused > 0
+    assert (memory.batches.reused > 0) is not keep
 
 
 def test_ranks_are_disjoint_and_complete(store):
