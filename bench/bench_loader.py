@@ -15,6 +15,9 @@ the run, to a loop that touches each batch (a sum, so nothing is lazily skipped)
   around the page cache (``O_DIRECT``), which the loader does by itself for a selection larger
   than half the machine's memory (docs/loader.md, "Direct I/O")
 * ``dmi sequential``: ``dmi shuffled`` with ``shuffle=False``
+* ``dmi shuffled @REV`` / ``dmi shuffled direct I/O @REV`` (with ``--rev REV``): those two rows
+  with the loader as it was at git revision ``REV`` (its ``dmi/_loader.py``, ``_loader_read.py``
+  and ``_loader_memory.py`` loaded with ``git show`` into this process; the rest is today's code)
 * ``datasets + mixing buffer`` (SAELens-style): a Hugging Face ``datasets`` folder (Arrow,
   memory-mapped) read in order, ``--mixing-buffer`` rows at a time, each chunk shuffled into
   a buffer whose first half is emitted (as SAELens' mixing buffer does). Arrow has no
@@ -43,6 +46,7 @@ the two step times says whether the loader keeps it compute-bound.
     python bench/bench_loader.py --quick            # 16 requests x 128 tokens x d 256: seconds
     python bench/bench_loader.py --dtypes bf16 --gb 4 --workers 8
     python bench/bench_loader.py --dtypes bf16 --methods "dmi shuffled,dmi shuffled direct I/O" --sae-steps 0
+    python bench/bench_loader.py --dtypes bf16 --rev 55c38af --sae-steps 0          # before/after rows
 
 Prints the conditions and one markdown table per dtype.
 """
@@ -57,9 +61,12 @@ import os
 import platform
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -142,13 +149,43 @@ def write_safetensors(root: str, args, dtype: torch.dtype) -> None:
 
 
 def dmi_batches(store: dmi.Store, args, dtype: torch.dtype, shuffle: bool, workers: int = 0,
-                direct_io: bool | None = None):
-    loader = store.loader("bench", hooks="resid_post", layers=[0], batch_size=args.batch, dtype=dtype,
+                direct_io: bool | None = None, opener=None):
+    """(loader, its iterator); ``opener``: a revision's ``open_loader`` (``loader_at``) instead of today's."""
+    open_loader = (lambda *a, **k: store.loader(*a, **k)) if opener is None else (
+        lambda *a, **k: opener(store.catalog, store.packs, *a, **k))
+    loader = open_loader("bench", hooks="resid_post", layers=[0], batch_size=args.batch, dtype=dtype,
                           shuffle=shuffle, shuffle_buffer=args.shuffle_buffer,
                           num_workers=workers,
                           with_tokens=False, read_threads=args.read_threads, prefetch=args.prefetch,
                           direct_io=direct_io)
     return loader, iter(loader)
+
+
+def loader_at(rev: str):
+    """``open_loader`` of git revision ``rev``, loaded in this process: its ``dmi/_loader.py``
+    over its ``_loader_read.py`` and ``_loader_memory.py`` (the rest of DMI as checked out)."""
+    memory = _module_at(rev, "_loader_memory", {})
+    read = _module_at(rev, "_loader_read", {"from dmi._loader_memory import": f"from {memory.__name__} import"})
+    loader = _module_at(rev, "_loader", {"from dmi._loader_memory import": f"from {memory.__name__} import",
+                                          "from dmi._loader_read import": f"from {read.__name__} import"})
+    return loader.open_loader
+
+
+def _module_at(rev: str, stem: str, imports: dict[str, str]):
+    """``dmi/<stem>.py`` at ``rev`` as a module of its own, its ``imports`` lines renamed."""
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(["git", "-C", str(root), "show", f"{rev}:dmi/{stem}.py"], check=True,
+                            capture_output=True, text=True).stdout
+    for old, new in imports.items():
+        source = source.replace(old, new)
+    name = f"dmi.{stem}_at_{rev}"
+    path = Path(tempfile.mkdtemp(prefix="dmi-loader-")) / f"{stem}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
 
 
 def mixing_buffer_batches(root: str, args, dtype: torch.dtype, requests_out: list | None) -> Iterator[torch.Tensor]:
@@ -318,12 +355,18 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
         WORKERS: (dmi_home, lambda: dmi_batches(store, args, dtype, True, workers=args.workers)[1]),
         DIRECT: (dmi_home, lambda: dmi_batches(store, args, dtype, True, direct_io=True)[1]),
         "dmi sequential": (dmi_home, lambda: dmi_batches(store, args, dtype, False)[1]),
+        **({} if args.rev is None else {
+            f"dmi shuffled @{args.rev}": (dmi_home, lambda: dmi_batches(store, args, dtype, True,
+                                                                       opener=args.opener)[1]),
+            f"{DIRECT} @{args.rev}": (dmi_home, lambda: dmi_batches(store, args, dtype, True, direct_io=True,
+                                                                   opener=args.opener)[1])}),
         "datasets + mixing buffer": (ds_root, lambda: mixing_buffer_batches(ds_root, args, dtype, None)),
         "safetensors chunks": (st_root, lambda: chunk_batches(st_root, args, dtype)),
     }
     quality = {method: measure() for method, measure in shuffle_quality(store, args, dtype, ds_root, st_root).items()
-               if method in args.methods}
+               if method in {m.split(' @')[0] for m in args.methods}}
     methods = {method: how for method, how in methods.items() if method in args.methods}
+    methods = dict(sorted(methods.items(), key=lambda item: METHODS.index(item[0].split(" @")[0])))  # @REV beside its row
 
     default_direct = dmi_batches(store, args, dtype, True)[0].config.direct_io
     print(f"\nthe loader's default for this selection: {'direct I/O' if default_direct else 'through the page cache'}")
@@ -343,7 +386,7 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
                 raise SystemExit(f"{method} delivered {rows} rows, not {total_rows}")
             rate = rows * args.hidden * itemsize / seconds
             print(f"| {method} | {cache} | {rows / seconds:,.0f} | {rate / 1e9:.2f} | {rate / limit:.2f} | "
-                  f"{first_s:.2f} | {cpu:.2f} | {quality[method]:.1f} |")
+                  f"{first_s:.2f} | {cpu:.2f} | {quality[method.split(' @')[0]]:.1f} |")
     for direct, name in ((False, "cold-read limit"), (True, "cold-read limit, O_DIRECT")):
         rate = limit_bytes / limits[direct]
         print(f"| {name} | cold | {total_rows / limits[direct]:,.0f} | {rate / 1e9:.2f} | {rate / limit:.2f} "
@@ -403,6 +446,8 @@ def main() -> None:
     parser.add_argument("--sae-steps", type=int, default=20)
     parser.add_argument("--dtypes", default="bf16,fp32")
     parser.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
+    parser.add_argument("--rev", default=None, help="also run the shuffled and direct I/O rows with the loader "
+                        "of this git revision")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help="comma-separated subset of: " + ", ".join(METHODS) + " (peers not named are not written)")
     args = parser.parse_args()
@@ -412,6 +457,9 @@ def main() -> None:
         raise SystemExit(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
     if "datasets + mixing buffer" in args.methods and importlib.util.find_spec("datasets") is None:
         raise SystemExit("the SAELens-style peer needs Hugging Face datasets: pip install datasets")
+    args.opener = None if args.rev is None else loader_at(args.rev)
+    if args.rev is not None:
+        args.methods += [f"dmi shuffled @{args.rev}", f"{DIRECT} @{args.rev}"]
     if args.quick:
         args.requests, args.tokens, args.hidden, args.batch = 16, 128, 256, 256
         args.shuffle_buffer = args.mixing_buffer = 1024
