@@ -26,11 +26,11 @@ the run, to a loop that touches each batch (a sum, so nothing is lazily skipped)
   megabatches), files in random order, rows shuffled inside each file, ``--workers``
   DataLoader workers
 * ``cold-read limit``: the pack files read sequentially into one buffer, page cache dropped,
-  through the page cache and (row ``cold-read limit, O_DIRECT``) around it, each twice; the
-  ratios are to the best of the four reads
+  through the page cache and (row ``cold-read limit, O_DIRECT``) around it, each twice (and
+  once more after each round with ``--rounds``); the ratios are to the best of these reads
 
 Each is timed cold (page cache of its files dropped with ``posix_fadvise(DONTNEED)``) and
-warm (read once before); ``CPU s`` is the processor time the process (and its reaped worker
+warm (read once before), ``--rounds`` times with the methods interleaved (medians printed); ``CPU s`` is the processor time the process (and its reaped worker
 processes) spent meanwhile, user + system — on a machine whose disk speed drifts, the steadier
 figure of what a method costs. ``first batch s`` is the start-up, paid once an epoch (the
 first reads, the first window or file, worker processes starting): at 2 GB it is a large
@@ -61,6 +61,7 @@ import os
 import platform
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -345,8 +346,6 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
         nbytes, seconds = cold_read_limit(packs_root, direct)
         limits[direct] = min(limits.get(direct, seconds), seconds)
     limit_bytes = nbytes
-    limit_s = min(limits.values())
-    limit = limit_bytes / limit_s
 
     sizes = [args.tokens] * args.requests
     ideal = ideal_distinct(sizes, total_rows, args.batch)
@@ -370,23 +369,34 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
 
     default_direct = dmi_batches(store, args, dtype, True)[0].config.direct_io
     print(f"\nthe loader's default for this selection: {'direct I/O' if default_direct else 'through the page cache'}")
+    runs: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    for _ in range(args.rounds):  # methods interleaved round by round: the disk's speed drifts
+        for method, (files, make) in methods.items():
+            for cache in ("cold", "warm"):
+                if cache == "cold":
+                    drop_cache(files)
+                else:
+                    consume(make())
+                rows, seconds, cpu, first_s = consume(make())
+                if rows != total_rows:
+                    raise SystemExit(f"{method} delivered {rows} rows, not {total_rows}")
+                runs.setdefault((method, cache), []).append((seconds, cpu, first_s))
+        if args.rounds > 1:
+            for direct in (False, True):
+                limits[direct] = min(limits[direct], cold_read_limit(packs_root, direct)[1])
+    limit_s = min(limits.values())
+    limit = limit_bytes / limit_s
+    rounds = f"; median of {args.rounds} rounds, methods interleaved" if args.rounds > 1 else ""
     print(f"\n### {name}: {total_rows} token rows x {args.hidden} = {total_rows * args.hidden * itemsize / 1e9:.2f} GB "
-          f"delivered; cold-read limit {limit / 1e9:.2f} GB/s ({limit_bytes / 1e9:.2f} GB of packs)\n")
+          f"delivered; cold-read limit {limit / 1e9:.2f} GB/s ({limit_bytes / 1e9:.2f} GB of packs){rounds}\n")
     print("| method | cache | tokens/s | GB/s | x cold-read limit | first batch s | CPU s | requests/batch (ideal "
           f"{ideal:.1f}) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for method, (files, make) in methods.items():
-        for cache in ("cold", "warm"):
-            if cache == "cold":
-                drop_cache(files)
-            else:
-                consume(make())
-            rows, seconds, cpu, first_s = consume(make())
-            if rows != total_rows:
-                raise SystemExit(f"{method} delivered {rows} rows, not {total_rows}")
-            rate = rows * args.hidden * itemsize / seconds
-            print(f"| {method} | {cache} | {rows / seconds:,.0f} | {rate / 1e9:.2f} | {rate / limit:.2f} | "
-                  f"{first_s:.2f} | {cpu:.2f} | {quality[method.split(' @')[0]]:.1f} |")
+    for (method, cache), measured in runs.items():
+        seconds, cpu, first_s = (statistics.median(values) for values in zip(*measured))
+        rate = total_rows * args.hidden * itemsize / seconds
+        print(f"| {method} | {cache} | {total_rows / seconds:,.0f} | {rate / 1e9:.2f} | {rate / limit:.2f} | "
+              f"{first_s:.2f} | {cpu:.2f} | {quality[method.split(' @')[0]]:.1f} |")
     for direct, name in ((False, "cold-read limit"), (True, "cold-read limit, O_DIRECT")):
         rate = limit_bytes / limits[direct]
         print(f"| {name} | cold | {total_rows / limits[direct]:,.0f} | {rate / 1e9:.2f} | {rate / limit:.2f} "
@@ -446,6 +456,8 @@ def main() -> None:
     parser.add_argument("--sae-steps", type=int, default=20)
     parser.add_argument("--dtypes", default="bf16,fp32")
     parser.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
+    parser.add_argument("--rounds", type=int, default=1, help="measure every method this many times, round by "
+                        "round, and print medians (the disk's speed drifts within minutes on a VM)")
     parser.add_argument("--rev", default=None, help="also run the shuffled and direct I/O rows with the loader "
                         "of this git revision")
     parser.add_argument("--methods", default=",".join(METHODS),
