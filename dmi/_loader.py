@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -133,10 +133,16 @@ def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
                            permutation if cfg.shuffle else None)
 
     pending = deque(ahead.submit(read, w) for w in range(first, min(last, first + cfg.prefetch)))
+    gathers = ThreadPoolExecutor(1, thread_name_prefix="dmi-loader-batch")
+    built: deque = deque()  # batches being gathered, oldest first
     batch = _BatchBuilder(ds.plan, cfg, local, memory.batches)
     try:
         for w in range(first, last):
-            window = pending.popleft().result()
+            next_window = pending.popleft()
+            if not next_window.done():  # hand out what is gathered while the window is still read
+                while built:
+                    yield built.popleft().result()
+            window = next_window.result()
             if w + cfg.prefetch < last:
                 pending.append(ahead.submit(read, w + cfg.prefetch))
             batch.note_damage(window)
@@ -144,14 +150,24 @@ def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
             while pos < len(window):
                 pos = batch.take(window, pos)
                 if batch.full:
-                    yield batch.emit(_cursor(w, pos, len(window)))
+                    built.append(gathers.submit(batch.cut(_cursor(w, pos, len(window)))))
+                    if len(built) > BATCHES_AHEAD:
+                        yield built.popleft().result()
         if batch.rows and not cfg.drop_last:
-            yield batch.emit((last, 0))
+            built.append(gathers.submit(batch.cut((last, 0))))
+        while built:
+            yield built.popleft().result()
     finally:
-        for future in pending:
+        for future in (*pending, *built):
             future.cancel()
+        gathers.shutdown(wait=True, cancel_futures=True)
         ahead.shutdown(wait=True, cancel_futures=True)
         io_pool.shutdown(wait=True, cancel_futures=True)
+
+
+BATCHES_AHEAD = 1
+"""Batches gathered on the loader's own thread beyond the one the training loop holds: the
+next batch is copied out of its window while the loop works on the current one."""
 
 
 def _cursor(w: int, pos: int, size: int) -> tuple[int, int]:
@@ -159,7 +175,8 @@ def _cursor(w: int, pos: int, size: int) -> tuple[int, int]:
 
 
 class _BatchBuilder:
-    """Collects rows from consecutive windows into batches of ``batch_size``."""
+    """Collects rows from consecutive windows into batches of ``batch_size``; each batch is cut
+    (its rows fixed) in order and gathered later, on the loader's batch thread."""
 
     def __init__(self, plan: Plan, cfg: LoaderConfig, local: int, memory: WindowMemory):
         self.plan, self.cfg, self.local, self.memory = plan, cfg, local, memory
@@ -182,20 +199,25 @@ class _BatchBuilder:
         self.rows += end - pos
         return end
 
-    def emit(self, cursor: tuple[int, int]) -> _Item:
-        x, places = new_batch(self.plan.features, self.cfg.fmt, self.rows, self.memory)
-        at = 0
-        for w, a, b in self.parts:
-            w.fill(a, b, [place[at : at + b - a] for place in places], self.cfg.fmt)
-            at += b - a
-        tokens = None
-        if self.cfg.with_tokens:
-            units = self.plan.units
-            tokens = tuple((units[u].run_id, units[u].request_id, units[u].start + int(r))
-                           for w, a, b in self.parts for u, r in zip(w.units[a:b], w.rows[a:b]))
-        item = _Item(x, tokens, self.local, cursor, tuple(self.damaged), self.skipped)
+    def cut(self, cursor: tuple[int, int]) -> Callable[[], _Item]:
+        """Close the batch of the rows taken so far; returns what gathers it (on any thread)."""
+        parts, rows, damaged, skipped = self.parts, self.rows, tuple(self.damaged), self.skipped
         self.parts, self.rows, self.damaged, self.skipped = [], 0, [], 0
-        return item
+
+        def gather() -> _Item:
+            x, places = new_batch(self.plan.features, self.cfg.fmt, rows, self.memory)
+            at = 0
+            for w, a, b in parts:
+                w.fill(a, b, [place[at : at + b - a] for place in places], self.cfg.fmt)
+                at += b - a
+            tokens = None
+            if self.cfg.with_tokens:
+                units = self.plan.units
+                tokens = tuple((units[u].run_id, units[u].request_id, units[u].start + int(r))
+                               for w, a, b in parts for u, r in zip(w.units[a:b], w.rows[a:b]))
+            return _Item(x, tokens, self.local, cursor, damaged, skipped)
+
+        return gather
 
 
 class TokenLoader:
