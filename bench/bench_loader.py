@@ -62,7 +62,6 @@ import platform
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -74,6 +73,9 @@ import torch
 
 import dmi
 from dmi.storage import PackWriter, RecordKey
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _at_revision import module_at  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DIRECT = "dmi shuffled direct I/O"
@@ -174,19 +176,7 @@ def loader_at(rev: str):
 
 def _module_at(rev: str, stem: str, imports: dict[str, str]):
     """``dmi/<stem>.py`` at ``rev`` as a module of its own, its ``imports`` lines renamed."""
-    root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(["git", "-C", str(root), "show", f"{rev}:dmi/{stem}.py"], check=True,
-                            capture_output=True, text=True).stdout
-    for old, new in imports.items():
-        source = source.replace(old, new)
-    name = f"dmi.{stem}_at_{rev}"
-    path = Path(tempfile.mkdtemp(prefix="dmi-loader-")) / f"{stem}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
+    return module_at(rev, f"dmi/{stem}.py", f"dmi.{stem}_at_{rev}", imports)
 
 
 def mixing_buffer_batches(root: str, args, dtype: torch.dtype, requests_out: list | None) -> Iterator[torch.Tensor]:

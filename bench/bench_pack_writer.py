@@ -41,14 +41,12 @@ batch written (columns included), the seal.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import platform
 import random
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +55,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _at_revision import module_at  # noqa: E402
 from bench_storage import Safetensors, activations, key_of, real_activations  # noqa: E402
 
 from dmi.storage import PackStore  # noqa: E402
@@ -76,18 +75,7 @@ def writer_at(rev: str):
 
 def _module_at(rev: str, stem: str, imports: dict[str, str]):
     """``storage/<stem>.py`` at ``rev`` as a module of its own, its ``imports`` lines renamed."""
-    source = subprocess.run(["git", "-C", str(_ROOT), "show", f"{rev}:storage/{stem}.py"],
-                            check=True, capture_output=True, text=True).stdout
-    for old, new in imports.items():
-        source = source.replace(old, new)
-    name = f"dmi.storage.{stem}_at_{rev}"
-    path = Path(tempfile.mkdtemp(prefix="dmi-writer-")) / f"{stem}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
+    return module_at(rev, f"storage/{stem}.py", f"dmi.storage.{stem}_at_{rev}", imports)
 
 
 def make_config(spec: str):
