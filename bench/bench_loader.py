@@ -30,9 +30,10 @@ the run, to a loop that touches each batch (a sum, so nothing is lazily skipped)
   once more after each round with ``--rounds``); the ratios are to the best of these reads
 
 Each is timed cold (page cache of its files dropped with ``posix_fadvise(DONTNEED)``) and
-warm (read once before), ``--rounds`` times with the methods interleaved (medians printed); ``CPU s`` is the processor time the process (and its reaped worker
-processes) spent meanwhile, user + system — on a machine whose disk speed drifts, the steadier
-figure of what a method costs. ``first batch s`` is the start-up, paid once an epoch (the
+warm (read once before), ``--rounds`` times with the methods interleaved (medians printed);
+``CPU s`` is the processor time the process (and its reaped worker processes) spent
+meanwhile, user + system — on a machine whose disk speed drifts, the steadier figure of what
+a method costs. ``first batch s`` is the start-up, paid once an epoch (the
 first reads, the first window or file, worker processes starting): at 2 GB it is a large
 part of the epoch, so ``--gb 8`` shows a rate nearer what a long epoch sees. (A rate counted
 from the first batch on is not that figure: the windows read ahead during the start-up
@@ -54,6 +55,7 @@ Prints the conditions and one markdown table per dtype.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import math
 import mmap
@@ -154,8 +156,7 @@ def write_safetensors(root: str, args, dtype: torch.dtype) -> None:
 def dmi_batches(store: dmi.Store, args, dtype: torch.dtype, shuffle: bool, workers: int = 0,
                 direct_io: bool | None = None, opener=None):
     """(loader, its iterator); ``opener``: a revision's ``open_loader`` (``loader_at``) instead of today's."""
-    open_loader = (lambda *a, **k: store.loader(*a, **k)) if opener is None else (
-        lambda *a, **k: opener(store.catalog, store.packs, *a, **k))
+    open_loader = store.loader if opener is None else functools.partial(opener, store.catalog, store.packs)
     loader = open_loader("bench", hooks="resid_post", layers=[0], batch_size=args.batch, dtype=dtype,
                           shuffle=shuffle, shuffle_buffer=args.shuffle_buffer,
                           num_workers=workers,
