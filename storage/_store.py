@@ -11,7 +11,8 @@ is the suite every store passes.
 Sealing is an operation of the store, not of the writer, because it differs by backend:
 
 * :class:`LocalPackStore` (a local directory, the default) writes to a hidden temporary
-  name (starting the disk's writeback as it grows: ``_writeback.py``), fsyncs the file,
+  name (around the page cache where the filesystem allows it: ``_direct_write.py``; else
+  through it, starting the disk's writeback as it grows: ``_writeback.py``), fsyncs the file,
   renames it to ``<pack_id>.arrow`` and fsyncs the directory. A crash at any point leaves
   either the sealed pack or a temporary file that :meth:`PackStore.list_packs` never
   reports and no pack id can name.
@@ -42,6 +43,7 @@ from contextlib import suppress
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from dmi.storage._direct_write import open_direct
 from dmi.storage._pack_names import PACK_SUFFIX, is_pack_id
 from dmi.storage._writeback import WRITEBACK_BYTES, start_writeback
 from dmi.storage.errors import (
@@ -255,10 +257,13 @@ class _LocalPackSink(PackSink):
         self.final_path = store._path(pack_id)
         self.temp_path = os.path.join(store.root, f".{pack_id}.{secrets.token_hex(4)}.tmp")
         try:
-            self.stream = pa.OSFile(self.temp_path, "wb")
+            direct = open_direct(self.temp_path) if store.direct_writes else None
+            self.stream = pa.OSFile(self.temp_path, "wb") if direct is None else direct
         except OSError as exc:
             raise PackSealError(f"pack {pack_id}: cannot create {self.temp_path}: {exc}") from exc
-        self._writeback_from: int | None = 0  # None: this file cannot take an early writeback
+        # None: nothing to start early (a direct write is on its way to disk already, or this
+        # file cannot take an early writeback)
+        self._writeback_from: int | None = 0 if direct is None else None
 
     def written(self) -> None:
         """Start the disk on every :data:`WRITEBACK_BYTES` written (``_writeback.py``)."""
@@ -425,10 +430,15 @@ class PackStore(ABC):
 
 
 class LocalPackStore(PackStore):
-    """A local directory: temp-name + fsync + rename + fsync-dir sealing, ``preadv`` reads."""
+    """A local directory: temp-name + fsync + rename + fsync-dir sealing, ``preadv`` reads.
 
-    def __init__(self, path: str | os.PathLike):
+    ``direct_writes`` (the default) writes packs around the page cache where the filesystem
+    allows ``O_DIRECT`` (``_direct_write.py``); False writes them through it, which leaves a
+    pack just written in memory for a reader that follows at once."""
+
+    def __init__(self, path: str | os.PathLike, *, direct_writes: bool = True):
         self.root = os.path.abspath(os.fspath(path))
+        self.direct_writes = direct_writes
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as exc:
