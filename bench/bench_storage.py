@@ -6,7 +6,9 @@ heavy-tailed with a few outlier channels, in bf16 (and fp32). One record = one
 tensors durably (data fsync'd before the clock stops) into its own fresh directory:
 
 * ``dmi raw`` / ``dmi split-zstd`` (default codec): ``PackWriter`` + seal, one appending
-  thread; ``dmi split-zstd, 2 appenders``: two threads appending to the same writer
+  thread; ``dmi split-zstd, 2 appenders``: two threads appending to the same writer. Packs
+  are written around the page cache (the default); the ``, buffered writes`` rows write the
+  same packs through it (``LocalPackStore(direct_writes=False)``)
 * ``dmi fp8`` / ``dmi int8``: the opt-in lossy codecs (per-row scale), same writer; their
   rows add the error read back against the original (max abs, relative L2), the very
   figures each record carries in its ``codec_max_abs_error`` / ``codec_rel_l2_error``
@@ -72,7 +74,7 @@ import safetensors.torch as st
 import torch
 import zstandard
 
-from dmi.storage import LOSSY_CODECS, PackStore, PackWriter, RecordKey
+from dmi.storage import LOSSY_CODECS, LocalPackStore, PackWriter, RecordKey
 from dmi.reader import FooterCache, load_footer, read_by_key, read_records
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -220,13 +222,14 @@ def timed(fn):
 class Dmi:
     """DMI's writer; with ``appenders > 1`` that many threads append to one ``PackWriter``."""
 
-    def __init__(self, codec: str, appenders: int = 1):
-        self.codec, self.appenders = codec, appenders
+    def __init__(self, codec: str, appenders: int = 1, direct_writes: bool = True):
+        self.codec, self.appenders, self.direct_writes = codec, appenders, direct_writes
         self.lossy = codec in LOSSY_CODECS
-        self.name = f"dmi {codec}" + (f", {appenders} appenders" if appenders > 1 else "")
+        self.name = (f"dmi {codec}" + (f", {appenders} appenders" if appenders > 1 else "")
+                     + ("" if direct_writes else ", buffered writes"))
 
     def write(self, root, data):
-        store = PackStore.local(root)
+        store = LocalPackStore(root, direct_writes=self.direct_writes)
         sealed = []
         items = list(data.items())
         with PackWriter(store, codec=self.codec, on_seal=sealed.append) as w:
@@ -652,11 +655,14 @@ def codec_table(dtype_name: str) -> str:
     return "\n".join(lines)
 
 
-def make_methods(dtype, shapes):
-    """Every method; ``shapes`` maps each record's (request, layer) to its tensor's shape."""
-    return [
+def make_methods(dtype, shapes, names: str | None = None):
+    """Every method, or those ``names`` lists (comma-separated); ``shapes`` maps each record's
+    (request, layer) to its tensor's shape."""
+    methods = [
         Dmi("raw"),
+        Dmi("raw", direct_writes=False),
         Dmi("split-zstd"),
+        Dmi("split-zstd", direct_writes=False),
         Dmi("split-zstd", appenders=2),
         *(Dmi(codec) for codec in LOSSY_CODECS),
         TorchSave(),
@@ -664,6 +670,13 @@ def make_methods(dtype, shapes):
         Parquet(dtype, shapes),
         ArrowIpc(dtype, shapes),
     ]
+    if names is None:
+        return methods
+    wanted = [n.strip() for n in names.split(",")]
+    unknown = set(wanted) - {m.name for m in methods}
+    if unknown:
+        raise SystemExit(f"unknown methods {sorted(unknown)}; known: {[m.name for m in methods]}")
+    return [m for m in methods if m.name in wanted]
 
 
 def warm_up(base):
@@ -684,6 +697,7 @@ def main(argv=None):
     ap.add_argument("--sample", type=int, default=40, help="records sampled for one-record latency")
     ap.add_argument("--codecs", action="store_true", help="only the codec comparison table")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each figure is its best round")
+    ap.add_argument("--methods", default=None, help="comma-separated method names (default: every method)")
     ap.add_argument("--real", choices=("smollm2",), help="a real model's activations instead of the synthetic ones")
     ap.add_argument("--real-requests", type=int, default=8, help="--real: prompts (default 8)")
     ap.add_argument("--real-prompt", type=int, default=112, help="--real: tokens per prompt (default 112)")
@@ -722,7 +736,7 @@ def main(argv=None):
             measured = [limits(base, data, raw_bytes)]
             results = {}
             for round_no in range(args.rounds):
-                for m in make_methods(dtype, shapes):
+                for m in make_methods(dtype, shapes, args.methods):
                     root = os.path.join(base, f"{dname}-{m.name.replace(' ', '_')}")
                     results[m.name] = best_of(results.get(m.name), run_method(m, root, data, raw_bytes, sample, check))
                     shutil.rmtree(root)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dmi.reader import read_record
-from dmi.storage import PackStore, PackWriter, RecordKey, verify_pack
+from dmi.storage import LocalPackStore, PackStore, PackWriter, RecordKey, verify_pack
 from dmi.storage import _direct_write
 from dmi.storage._direct_write import BLOCK_BYTES, STAGING_BYTES, open_direct
 from dmi.storage.errors import PackSealError
@@ -91,7 +91,7 @@ def write_pack(store, records: int = 5) -> tuple:
 
 @pytest.mark.parametrize("direct_writes", [True, False])
 def test_packs_read_back_bit_exact_either_way(tmp_path, direct_writes):
-    store = PackStore.local(tmp_path) if direct_writes else type(PackStore.local(tmp_path))(tmp_path, direct_writes=False)
+    store = LocalPackStore(tmp_path, direct_writes=direct_writes)
     desc, tensors = write_pack(store)
     assert verify_pack(store, desc.pack_id) == desc
     assert desc.size == os.path.getsize(store.location(desc.pack_id))
@@ -109,7 +109,7 @@ def test_a_store_writes_direct_by_default(tmp_path):
         assert sink._writeback_from is None  # nothing to start early: bytes go to disk as written
     finally:
         sink.abort()
-    buffered = type(store)(tmp_path, direct_writes=False).create("b" * 32)
+    buffered = LocalPackStore(tmp_path, direct_writes=False).create("b" * 32)
     try:
         assert buffered._writeback_from == 0
     finally:

@@ -1,5 +1,7 @@
-"""Write-behind: a local pack starts the disk on what it has written every WRITEBACK_BYTES,
-from byte 0 without gaps, and a disk failure there fails the pack like a failed write."""
+"""Write-behind: a local pack written through the page cache (``direct_writes=False``, or a
+filesystem that refuses ``O_DIRECT``) starts the disk on what it has written every
+WRITEBACK_BYTES, from byte 0 without gaps, and a disk failure there fails the pack like a
+failed write."""
 
 import errno
 import os
@@ -7,7 +9,7 @@ import os
 import pytest
 import torch
 
-from dmi.storage import PackSealError, PackStore, PackWriter, RecordKey, verify_pack
+from dmi.storage import LocalPackStore, PackSealError, PackWriter, RecordKey, verify_pack
 from dmi.storage import _store, _writeback
 from dmi.reader import read_record
 from dmi.storage._writeback import WRITEBACK_BYTES, start_writeback
@@ -33,7 +35,7 @@ def recording(monkeypatch, result=None):
 
 def test_writeback_covers_the_pack_from_its_first_byte_in_steps(tmp_path, monkeypatch):
     calls = recording(monkeypatch)
-    store = PackStore.local(tmp_path)
+    store = LocalPackStore(tmp_path, direct_writes=False)
     with PackWriter(store, codec="raw") as w:
         for i in range(8):
             w.append(key(i), RECORD)
@@ -49,7 +51,7 @@ def test_writeback_covers_the_pack_from_its_first_byte_in_steps(tmp_path, monkey
 
 def test_a_file_that_cannot_take_it_is_not_asked_again(tmp_path, monkeypatch):
     calls = recording(monkeypatch, result=lambda offset: False)
-    store = PackStore.local(tmp_path)
+    store = LocalPackStore(tmp_path, direct_writes=False)
     with PackWriter(store, codec="raw") as w:
         for i in range(8):
             w.append(key(i), RECORD)
@@ -65,7 +67,7 @@ def test_a_disk_failure_there_fails_the_pack_and_leaves_nothing(tmp_path, monkey
         raise OSError(errno.EIO, "Input/output error")
 
     recording(monkeypatch, result=eio)
-    store = PackStore.local(tmp_path)
+    store = LocalPackStore(tmp_path, direct_writes=False)
     w = PackWriter(store, codec="raw")
     with pytest.raises(PackSealError, match="write failed .*Input/output error.*discarded"):
         for i in range(8):
