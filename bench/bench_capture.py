@@ -20,6 +20,10 @@ shared machine hits all of them alike:
                           what the C extension gains end to end
 * ``dmi all_but_patterns 2 encode threads`` the same with ``attach(encode_threads=2)``: the
                           drain's records encoded on a pool of two threads
+* ``dmi resid_post buffered writes``, ``dmi all_but_patterns buffered writes`` the same
+                          with packs written through the page cache
+                          (``LocalPackStore(direct_writes=False)``, the default before stop
+                          35) instead of around it
 * ``dmi resid_post drain_nice=0``, ``dmi all_but_patterns drain_nice=0`` the same with
                           ``attach(drain_nice=0)``: the drain at the model's priority (the
                           default before stop 24)
@@ -128,13 +132,15 @@ def run_baseline(model, ids, mask, args, ctx):
     return time.perf_counter() - t0, {"sequences": out}
 
 
-def run_dmi(hooks, writer_options=None, encode_threads=1, drain_nice=None):
+def run_dmi(hooks, writer_options=None, encode_threads=1, drain_nice=None, direct_writes=True):
     def run(model, ids, mask, args, ctx):
         from dmi.capture import attach
+        from dmi.storage import LocalPackStore
 
+        store = ctx["store"] if direct_writes else LocalPackStore(ctx["store"].root, direct_writes=False)
         sync()
         t0 = time.perf_counter()
-        with attach(model, hooks=hooks, store=ctx["store"], catalog=ctx["catalog"], model_id="bench-llama",
+        with attach(model, hooks=hooks, store=store, catalog=ctx["catalog"], model_id="bench-llama",
                     ring_slots=args.ring_slots, slot_bytes=args.slot_mib << 20,
                     writer_options=writer_options, encode_threads=encode_threads, drain_nice=drain_nice) as cap:
             rids, out = cap.generate(ids, attention_mask=mask, **gen_kwargs(args))
@@ -252,6 +258,8 @@ CONFIGS = {
     "dmi all_but_patterns raw": run_dmi("all_but_patterns", {"codec": "raw", "stats": False}),
     "dmi all_but_patterns numpy loops": without_native(run_dmi("all_but_patterns")),
     "dmi all_but_patterns 2 encode threads": run_dmi("all_but_patterns", encode_threads=2),
+    "dmi resid_post buffered writes": run_dmi("resid_post", direct_writes=False),
+    "dmi all_but_patterns buffered writes": run_dmi("all_but_patterns", direct_writes=False),
     "dmi resid_post drain_nice=0": run_dmi("resid_post", drain_nice=0),
     "dmi all_but_patterns drain_nice=0": run_dmi("all_but_patterns", drain_nice=0),
     "naive resid_post": run_naive("resid_post"),
