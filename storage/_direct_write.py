@@ -48,6 +48,16 @@ _pool: list[np.ndarray] = []
 _pool_lock = threading.Lock()
 
 
+def _new_lock_after_fork() -> None:
+    """A child forked while another thread held the pool's lock would wait on it forever."""
+    global _pool_lock
+    _pool_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_after_fork)
+
+
 def open_direct(path: str) -> pa.NativeFile | None:
     """``path`` created (or truncated) for direct writes, as an Arrow output stream; None where
     its filesystem refuses ``O_DIRECT`` (or this platform has none). Other failures raise

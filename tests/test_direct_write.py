@@ -170,3 +170,24 @@ def test_close_raises_a_failure_of_a_write_still_in_flight(tmp_path, monkeypatch
     stream.write(np.zeros(STAGING_BYTES + 10, dtype=np.uint8))
     with pytest.raises(OSError, match="Input/output"):
         stream.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_while_the_pool_is_locked_can_still_take_a_buffer():
+    with _direct_write._pool_lock:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _direct_write._take_buffer()
+            finally:
+                os._exit(0)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the child waited on the pool's lock its parent held at the fork")
