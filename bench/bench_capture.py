@@ -20,6 +20,9 @@ shared machine hits all of them alike:
                           what the C extension gains end to end
 * ``dmi all_but_patterns 2 encode threads`` the same with ``attach(encode_threads=2)``: the
                           drain's records encoded on a pool of two threads
+* ``dmi all_but_patterns switch 0.5 ms``, ``... switch 1 ms`` the same with the interpreter's
+                          GIL switch interval (``sys.setswitchinterval``, 5 ms by default) lowered
+                          for the run: whether the model thread waits on the drain for the GIL
 * ``dmi resid_post buffered writes``, ``dmi all_but_patterns buffered writes`` the same
                           with packs written through the page cache
                           (``LocalPackStore(direct_writes=False)``, the default before stop
@@ -168,6 +171,18 @@ def without_native(run):
     return wrapped
 
 
+def with_switch_interval(run, seconds: float):
+    """``run`` with the interpreter's GIL switch interval at ``seconds`` (``sys.setswitchinterval``)."""
+    def wrapped(model, ids, mask, args, ctx):
+        saved = sys.getswitchinterval()
+        sys.setswitchinterval(seconds)
+        try:
+            return run(model, ids, mask, args, ctx)
+        finally:
+            sys.setswitchinterval(saved)
+    return wrapped
+
+
 def open_compiled(model, args, ctx, stack) -> None:
     """Two compiled copies of ``model`` (same weights): one plain, one attached for the run."""
     import copy
@@ -258,6 +273,8 @@ CONFIGS = {
     "dmi all_but_patterns raw": run_dmi("all_but_patterns", {"codec": "raw", "stats": False}),
     "dmi all_but_patterns numpy loops": without_native(run_dmi("all_but_patterns")),
     "dmi all_but_patterns 2 encode threads": run_dmi("all_but_patterns", encode_threads=2),
+    "dmi all_but_patterns switch 0.5 ms": with_switch_interval(run_dmi("all_but_patterns"), 0.0005),
+    "dmi all_but_patterns switch 1 ms": with_switch_interval(run_dmi("all_but_patterns"), 0.001),
     "dmi resid_post buffered writes": run_dmi("resid_post", direct_writes=False),
     "dmi all_but_patterns buffered writes": run_dmi("all_but_patterns", direct_writes=False),
     "dmi resid_post drain_nice=0": run_dmi("resid_post", drain_nice=0),
