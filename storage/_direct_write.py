@@ -2,8 +2,8 @@
 
 Why: a buffered write copies every byte into page-cache pages, which the kernel then writes
 back and keeps. Where those pages are memory the machine has not touched lately (a VM whose
-host reclaims free guest memory, as this one does), the copy costs far more CPU than the
-disk's own work, and that CPU is taken from the model during a capture. Here the writer copies
+host reclaims free guest memory, as the project's benchmark VM does), the copy costs far more
+CPU than the disk's own work, and that CPU is taken from the model during a capture. Here the writer copies
 each byte once into a staging buffer it reuses, and the disk reads it from there
 (``bench/bench_storage.py``'s ``dmi raw`` row and its ``buffered writes`` row; docs/pack-format.md,
 "Writing around the page cache").
