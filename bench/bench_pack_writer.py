@@ -20,6 +20,9 @@ Configurations (``--configs``, comma-separated):
 * ``raw @REV`` ...                the writer as it was at git revision ``REV``
                                   (``storage/_writer.py`` and ``storage/_codecs.py`` loaded from
                                   ``git show`` into this process; everything else is today's code)
+* ``raw buffered`` ...            the same writer into a store that writes through the page
+                                  cache (``LocalPackStore(direct_writes=False)``) instead of
+                                  around it
 * ``safetensors``                 one ``save_file`` per request, fsync'd (the peer's row of
                                   ``bench_storage.py``)
 
@@ -58,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _at_revision import module_at  # noqa: E402
 from bench_storage import Safetensors, activations, key_of, real_activations  # noqa: E402
 
-from dmi.storage import PackStore  # noqa: E402
+from dmi.storage import LocalPackStore  # noqa: E402
 from dmi.storage import _writer  # noqa: E402
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -83,9 +86,11 @@ def make_config(spec: str):
     if spec == "safetensors":
         return spec, Safetensors().write
     codec, *options = spec.split()
-    cls, kwargs = _writer.PackWriter, {}
+    cls, kwargs, direct_writes = _writer.PackWriter, {}, True
     for option in options:
-        if option.startswith("@"):
+        if option == "buffered":
+            direct_writes = False
+        elif option.startswith("@"):
             cls = writer_at(option[1:])
         elif option.startswith("batch="):
             kwargs["batch_bytes"] = int(float(option[len("batch="):]) * _MIB)
@@ -93,7 +98,7 @@ def make_config(spec: str):
             raise SystemExit(f"unknown option {option!r} in {spec!r}")
 
     def write(root, data):
-        with cls(PackStore.local(root), codec=codec, **kwargs) as w:
+        with cls(LocalPackStore(root, direct_writes=direct_writes), codec=codec, **kwargs) as w:
             for (r, i), t in data.items():
                 w.append(key_of(r, i, t.shape[0]), t)
 
