@@ -20,6 +20,9 @@ interleaved round by round so that drift on a shared machine hits all of them al
 * ``dmi resid_post drain_nice=19``, ``dmi all_but_patterns drain_nice=19`` (only when named in
                               ``--configs``) the same with the drain 19 nice levels below the
                               engine's threads (``capture_vllm(drain_nice=19)``; its default is 0)
+* ``dmi resid_post buffered writes``, ``dmi all_but_patterns buffered writes`` (only when
+                              named) the same with packs written through the page cache
+                              (the store's ``direct_writes`` off for the round) instead of around it
 * ``native extract_hidden_states`` vLLM's own extractor (``speculative_config`` method
                               ``extract_hidden_states``, ``eagle_aux_hidden_state_layer_ids``
                               1..L: the output of every layer, DMI's ``resid_post``; prompt and
@@ -83,10 +86,14 @@ import time
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 NONE, RESID, ABP, NATIVE = "none", "dmi resid_post", "dmi all_but_patterns", "native extract_hidden_states"
 RESID_NICE, ABP_NICE = f"{RESID} drain_nice=19", f"{ABP} drain_nice=19"
+RESID_BUFFERED, ABP_BUFFERED = f"{RESID} buffered writes", f"{ABP} buffered writes"
 CONFIGS = (NONE, RESID, ABP, NATIVE)
-KNOWN = (*CONFIGS, RESID_NICE, ABP_NICE)
+KNOWN = (*CONFIGS, RESID_NICE, ABP_NICE, RESID_BUFFERED, ABP_BUFFERED)
 """Every configuration ``--configs`` takes; the default runs ``CONFIGS``."""
-DMI_HOOKS = {RESID: "resid_post", ABP: "all_but_patterns", RESID_NICE: "resid_post", ABP_NICE: "all_but_patterns"}
+DMI_HOOKS = {RESID: "resid_post", ABP: "all_but_patterns", RESID_NICE: "resid_post", ABP_NICE: "all_but_patterns",
+             RESID_BUFFERED: "resid_post", ABP_BUFFERED: "all_but_patterns"}
+BUFFERED = {RESID_BUFFERED, ABP_BUFFERED}
+"""Configurations whose packs are written through the page cache (the store's ``direct_writes`` off)."""
 DRAIN_NICE = {RESID_NICE: 19, ABP_NICE: 19}
 """The drain's nice level of a configuration (others: ``capture_vllm``'s default, 0)."""
 TARGETS = {RESID: 0.90, ABP: 0.80}
@@ -275,6 +282,13 @@ class _Engine:
         return {"seconds": time.perf_counter() - t0, "tokens": _tokens(outs)}
 
     def _run_dmi(self, name: str) -> dict:
+        self.store.packs.direct_writes = name not in BUFFERED
+        try:
+            return self._run_dmi_round(name)
+        finally:
+            self.store.packs.direct_writes = True
+
+    def _run_dmi_round(self, name: str) -> dict:
         t0 = time.perf_counter()
         with self.store.capture_vllm(self.llm, hooks=DMI_HOOKS[name], model_id=_model_id(name),
                                      drain_nice=DRAIN_NICE.get(name, 0)) as cap:
