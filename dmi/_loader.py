@@ -158,7 +158,7 @@ def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
         while built:
             yield built.popleft().result()
     finally:
-        for future in (*pending, *built):
+        for future in pending:
             future.cancel()
         gathers.shutdown(wait=True, cancel_futures=True)
         ahead.shutdown(wait=True, cancel_futures=True)

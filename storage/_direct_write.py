@@ -12,7 +12,7 @@ A :class:`DirectFile` fills :data:`STAGING_BYTES` buffers in order. A full one i
 ``pwrite`` on the file's own write thread (the GIL is released) while the next one fills; at
 most :data:`STAGING_BUFFERS` are in flight, so a slow disk holds the writer back instead of
 piling up memory. :meth:`DirectFile.close` writes the tail, zero-padded to
-:data:`BLOCK_BYTES`, truncates the file to its length and raises the first write error.
+:data:`DIRECT_ALIGNMENT`, truncates the file to its length and raises the first write error.
 Durability is still the sink's ``fsync`` at seal. Buffers go back to a small pool, so a run
 that writes many packs keeps reusing the same memory.
 
@@ -31,11 +31,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["BLOCK_BYTES", "STAGING_BUFFERS", "STAGING_BYTES", "DirectFile", "open_direct"]
+__all__ = ["DIRECT_ALIGNMENT", "STAGING_BUFFERS", "STAGING_BYTES", "DirectFile", "open_direct"]
 
-BLOCK_BYTES = 4096
-"""Every direct write starts and ends on this boundary of the file and of memory: it covers the
-logical block sizes Linux filesystems use for ``O_DIRECT`` (512 B and 4 KiB)."""
+DIRECT_ALIGNMENT = 4096
+"""Offset, length and buffer address of a direct read or write are multiples of this: 4 KiB
+covers every logical block size Linux filesystems use for ``O_DIRECT`` (512 B and 4 KiB)."""
 
 STAGING_BYTES = 4 * 1024 * 1024
 """One staging buffer: the size of each direct write but the last."""
@@ -175,7 +175,7 @@ class DirectFile:
             return
         self._wait(self._current)
         buffer = self._buffers[self._current]
-        padded = -(-self._filled // BLOCK_BYTES) * BLOCK_BYTES
+        padded = -(-self._filled // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT
         buffer[self._filled : padded] = 0
         _write_fully(self._fd, memoryview(buffer[:padded]), self._flushed)
         os.ftruncate(self._fd, self._flushed + self._filled)

@@ -43,7 +43,7 @@ from contextlib import suppress
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from dmi.storage._direct_write import open_direct
+from dmi.storage._direct_write import DIRECT_ALIGNMENT, open_direct
 from dmi.storage._pack_names import PACK_SUFFIX, is_pack_id
 from dmi.storage._writeback import WRITEBACK_BYTES, start_writeback
 from dmi.storage.errors import (
@@ -55,10 +55,6 @@ from dmi.storage.errors import (
 )
 
 __all__ = ["PackStore", "LocalPackStore", "FileSystemPackStore", "PackInput", "PackSink", "DIRECT_ALIGNMENT"]
-
-DIRECT_ALIGNMENT = 4096
-"""Offset, length and buffer address of a direct read are multiples of this: 4 KiB covers
-every logical block size Linux filesystems use for ``O_DIRECT`` (512 B and 4 KiB)."""
 
 
 def _check_pack_id(pack_id: str) -> None:

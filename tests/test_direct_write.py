@@ -15,7 +15,7 @@ import torch
 from dmi.reader import read_record
 from dmi.storage import LocalPackStore, PackStore, PackWriter, RecordKey, verify_pack
 from dmi.storage import _direct_write
-from dmi.storage._direct_write import BLOCK_BYTES, STAGING_BYTES, open_direct
+from dmi.storage._direct_write import DIRECT_ALIGNMENT, STAGING_BYTES, open_direct
 from dmi.storage.errors import PackSealError
 
 KEY = RecordKey("model", "run", "req", "resid_post", 0, 0, 4)
@@ -28,10 +28,10 @@ def direct_or_skip(path: str):
     return stream
 
 
-CHUNKS = [1, BLOCK_BYTES - 1, BLOCK_BYTES + 1, STAGING_BYTES - 3, 7, STAGING_BYTES + 1, 2 * STAGING_BYTES, 5]
+CHUNKS = [1, DIRECT_ALIGNMENT - 1, DIRECT_ALIGNMENT + 1, STAGING_BYTES - 3, 7, STAGING_BYTES + 1, 2 * STAGING_BYTES, 5]
 
 
-@pytest.mark.parametrize("tail", [0, 1, BLOCK_BYTES, 12345])
+@pytest.mark.parametrize("tail", [0, 1, DIRECT_ALIGNMENT, 12345])
 def test_every_byte_lands_in_order_and_the_file_has_its_length(tmp_path, tail):
     """Writes of every size across buffer and block boundaries, then a tail of ``tail`` bytes:
     the file holds exactly them (the padding of the last block is cut off)."""
