@@ -573,9 +573,9 @@ def report(dtype_name, shape_desc, lim, results):
     gb = 1e9
     best_peer = {}
     for col, better in (("write", max), ("read cold", max), ("read warm", max), ("one cold p50", min), ("one warm p50", min), ("ratio", max)):
-        best_peer[col] = better(results[p][col] for p in PEERS if p in results)
-    best_compressed = {
-        col: max(results[p][col] for p in ("parquet zstd", "arrow ipc zstd") if p in results)
+        best_peer[col] = better((results[p][col] for p in PEERS if p in results), default=math.nan)
+    best_compressed = {  # NaN where --methods left the compressed peers out
+        col: max((results[p][col] for p in ("parquet zstd", "arrow ipc zstd") if p in results), default=math.nan)
         for col in ("write", "read cold", "read warm")
     }
     lines = [
@@ -605,7 +605,7 @@ def report(dtype_name, shape_desc, lim, results):
             "",
             "Targets: "
             f"raw write {raw['write'] / lim['write+fsync']:.2f}x the fsync'd-write limit (target >= 0.9) and "
-            f"{raw['write'] / results['safetensors']['write']:.2f}x safetensors (target >= 1); "
+            f"{raw['write'] / results.get('safetensors', {}).get('write', math.nan):.2f}x safetensors (target >= 1); "
             f"default codec write {dmi['write'] / best_compressed['write']:.2f}x the best compressed peer "
             f"(target >= 2), ratio {dmi['ratio']:.3f} (target >= 1.40 on bf16); "
             f"one record warm p50 raw {raw['one warm p50'] * 1e3:.2f} ms (target <= 0.5), "

@@ -348,9 +348,11 @@ class Drain:
             keys, self.lost_keys = self.lost_keys, []
             self._record_losses(keys)
 
-    def _key(self, hook, layer, plan, span) -> RecordKey:
+    def _key(self, hook, layer, plan, span, n_tokens=None) -> RecordKey:
+        """The record's key; ``n_tokens``: its length where it covers more than ``span``'s step."""
         c = self.ctx
-        return RecordKey(c.model_id, c.run_id, span.request_id, hook, layer, span.start, span.n,
+        return RecordKey(c.model_id, c.run_id, span.request_id, hook, layer, span.start,
+                         span.n if n_tokens is None else n_tokens,
                          plan.step, plan.phase, c.shard_rank, c.tp_size, c.dp_rank, c.pp_rank)
 
     def _shard(self, hook: str, shape: tuple[int, ...]) -> ShardGeometry | None:
@@ -367,9 +369,7 @@ class Drain:
         return ShardGeometry(axis, c.shard_rank * local, tuple(full))
 
     def _append(self, hook, layer, plan, span, rec, *, n_tokens=None) -> None:
-        key = self._key(hook, layer, plan, span)
-        if n_tokens is not None:
-            key = replace(key, n_tokens=n_tokens)
+        key = self._key(hook, layer, plan, span, n_tokens)
         spec = HOOKS[hook]
         shard = self._shard(hook, tuple(rec.shape))
         if self._codec is None and hook in self._hook_codecs:

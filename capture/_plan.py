@@ -49,10 +49,10 @@ class StepPlan:
     call_id: int = 0  # which generate/forward call the step belongs to
     _tails: dict[int, "StepPlan"] = field(default_factory=dict)
     _device_index: dict = field(default_factory=dict)
+    n_rows: int = field(init=False)  # rows the step gathers: every span's tokens (read by every hook)
 
-    @property
-    def n_rows(self) -> int:
-        return sum(s.n for s in self.spans)
+    def __post_init__(self) -> None:
+        self.n_rows = sum(s.n for s in self.spans)
 
     @classmethod
     def build(

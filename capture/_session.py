@@ -497,9 +497,10 @@ class CaptureSession:
             self.drain.note_loss(hook, layer, plan)
             return
         slot, off = res
-        dst = slot.buffer[off : off + nbytes].view(x2.dtype).view(n, x2.shape[1])
-        index = plan.index_on(x2.device)
-        if x2.device.type == "cuda":
+        dst = slot.rows(off, x2.dtype, n, x2.shape[1])
+        device = x2.device
+        index = plan.index_on(device)
+        if device.type == "cuda":
             self._copy_cuda(dst, x2, index)
         elif index is None:
             dst.copy_(x2)

@@ -234,3 +234,32 @@ def test_the_writer_stores_a_record_with_the_codec_asked_for_and_refuses_an_unkn
         desc = w.seal()
     assert [r.meta.codec for r in desc.records] == ["raw", "split-zstd"]
     assert all(torch.equal(t.view(torch.uint16), data.view(torch.uint16)) for t in read_records(store, desc.records))
+
+
+def test_a_slot_region_is_the_buffer_bytes_at_its_offset_whatever_the_slot_size():
+    """``Slot.rows`` views the slot's buffer as whole elements: 1,004 bytes hold 125 float64
+    and 4 bytes more, and a view of all of them as float64 would be refused. The region
+    written through it is the buffer's bytes at the offset, in order."""
+    ring = Ring(1, 1004, pin=False)
+    slot, off = ring.reserve(48)
+    slot, off = ring.reserve(48)  # a second region, at byte 48
+    slot.buffer.zero_()
+    values = torch.arange(1, 7, dtype=torch.float64).reshape(2, 3)
+    slot.rows(off, torch.float64, 2, 3).copy_(values)
+    assert off == 48
+    assert torch.equal(slot.buffer[48:96].view(torch.float64), values.reshape(-1))
+    assert not slot.buffer[:48].any() and not slot.buffer[96:].any()
+
+
+def test_a_grown_slot_hands_out_regions_of_its_new_buffer():
+    """A tensor larger than a slot grows the slot's buffer; the views cached for the old one
+    must go with it, or the copy would land in memory the drain never reads."""
+    ring = Ring(1, 64, pin=False)
+    slot, off = ring.reserve(32)
+    slot.rows(off, torch.float32, 2, 4).fill_(1.0)  # caches a float32 view of the 64-byte buffer
+    ring.submit()
+    ring.release(slot)
+    slot, off = ring.reserve(256)  # does not fit: the slot grows
+    assert slot.capacity >= 256 and off == 0
+    slot.rows(off, torch.float32, 8, 8).copy_(torch.full((8, 8), 2.0))
+    assert torch.equal(slot.buffer[:256].view(torch.float32), torch.full((64,), 2.0))
