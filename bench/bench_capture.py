@@ -18,6 +18,11 @@ shared machine hits all of them alike:
 * ``dmi all_but_patterns numpy loops`` the same capture with storage's numpy byte loops
                           instead of ``native/``'s C ones (what ``DMI_NATIVE=0`` selects):
                           what the C extension gains end to end
+* ``dmi all_but_patterns hooks only`` the same capture with a drain that frees each slot
+                          unread (nothing stored; the run's generated tokens are still
+                          checked): what the model thread's hooks, the ring and the session's
+                          start and end cost with the drain's work taken away — not a
+                          configuration a user can pick, only to attribute the cost
 * ``dmi all_but_patterns 2 encode threads`` the same with ``attach(encode_threads=2)``: the
                           drain's records encoded on a pool of two threads
 * ``dmi all_but_patterns switch 0.5 ms``, ``... switch 1 ms`` the same with the interpreter's
@@ -61,7 +66,7 @@ SmolLM2-135M-Instruct (30 layers, hidden 576, vocab 49152; cast to bf16) through
 gguf accelerate``) and its one-time conversion happens before any clock starts.
 
 Reported: tokens/s (batch × new tokens / wall time), and the ratio to the baseline of the
-same round (median over rounds). For DMI also where the time goes: time inside
+same round (median over rounds, and the lowest and highest of them). For DMI also where the time goes: time inside
 ``generate``, the tail of closing (last packs sealed + published), drain-thread busy time,
 ring waits. ``--quick`` runs a small version for a smoke test.
 
@@ -171,6 +176,23 @@ def without_native(run):
     return wrapped
 
 
+def hooks_only(run):
+    """``run`` with a drain that frees each slot without reading it (nothing is stored): what
+    the hooks, the ring and the session cost the model with the drain's work taken away."""
+    def wrapped(model, ids, mask, args, ctx):
+        from dmi.capture import _drain
+
+        def discard(drain, slot):
+            drain.stats.slots += 1
+
+        saved, _drain.Drain._process = _drain.Drain._process, discard
+        try:
+            return run(model, ids, mask, args, ctx)
+        finally:
+            _drain.Drain._process = saved
+    return wrapped
+
+
 def with_switch_interval(run, seconds: float):
     """``run`` with the interpreter's GIL switch interval at ``seconds`` (``sys.setswitchinterval``)."""
     def wrapped(model, ids, mask, args, ctx):
@@ -272,6 +294,7 @@ CONFIGS = {
     # attribution: the same capture with the writer's compression and statistics off
     "dmi all_but_patterns raw": run_dmi("all_but_patterns", {"codec": "raw", "stats": False}),
     "dmi all_but_patterns numpy loops": without_native(run_dmi("all_but_patterns")),
+    "dmi all_but_patterns hooks only": hooks_only(run_dmi("all_but_patterns")),
     "dmi all_but_patterns 2 encode threads": run_dmi("all_but_patterns", encode_threads=2),
     "dmi all_but_patterns switch 0.5 ms": with_switch_interval(run_dmi("all_but_patterns"), 0.0005),
     "dmi all_but_patterns switch 1 ms": with_switch_interval(run_dmi("all_but_patterns"), 0.001),
@@ -362,13 +385,16 @@ def report(args, names, results):
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs{gpu}, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}\n")
     print("| configuration | tokens/s (median) | × baseline (median of per-round ratios) | "
-          "generate s | close s | model-thread hook s | drain busy s | ring waits | captured bytes |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "per-round ratios min–max | generate s | close s | model-thread hook s | drain busy s | ring waits | "
+          "captured bytes |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in names:
         base = [s for s, _ in results.get(RATIO_TO.get(n, "baseline"), [])]
         secs = [s for s, _ in results[n]]
         tps = new_tokens / statistics.median(secs)
-        ratio = (statistics.median(b / s for b, s in zip(base, secs)) if base else float("nan"))
+        ratios = [b / s for b, s in zip(base, secs)]
+        ratio = statistics.median(ratios) if ratios else float("nan")
+        spread = f"{min(ratios):.3f}–{max(ratios):.3f}" if ratios else ""
         infos = [i for _, i in results[n]]
 
         def med(k):
@@ -376,7 +402,7 @@ def report(args, names, results):
             return statistics.median(vals) if vals else None
 
         fmt = lambda v, f="{:.2f}": "" if v is None else f.format(v)  # noqa: E731
-        print(f"| {n} | {tps:.1f} | {ratio:.3f} | {fmt(med('generate_s'))} | {fmt(med('close_s'))} | "
+        print(f"| {n} | {tps:.1f} | {ratio:.3f} | {spread} | {fmt(med('generate_s'))} | {fmt(med('close_s'))} | "
               f"{fmt(med('hook_s'))} | {fmt(med('drain_busy_s'))} | {fmt(med('ring_waits'), '{:.0f}')} | "
               f"{fmt(med('bytes'), '{:,.0f}')} |")
 
