@@ -23,6 +23,11 @@ shared machine hits all of them alike:
                           checked): what the model thread's hooks, the ring and the session's
                           start and end cost with the drain's work taken away — not a
                           configuration a user can pick, only to attribute the cost
+* ``dmi resid_post hooks only``, ``dmi resid_post raw`` the same attributions for
+                          ``resid_post``
+* ``dmi resid_post unpublished`` ``resid_post`` captured with no catalog: packs sealed,
+                          nothing published and no publisher lease (what ``attach(catalog=None)``
+                          does) — what the catalog's statements cost a run
 * ``dmi all_but_patterns 2 encode threads`` the same with ``attach(encode_threads=2)``: the
                           drain's records encoded on a pool of two threads
 * ``dmi all_but_patterns switch 0.5 ms``, ``... switch 1 ms`` the same with the interpreter's
@@ -140,7 +145,7 @@ def run_baseline(model, ids, mask, args, ctx):
     return time.perf_counter() - t0, {"sequences": out}
 
 
-def run_dmi(hooks, writer_options=None, encode_threads=1, drain_nice=None, direct_writes=True):
+def run_dmi(hooks, writer_options=None, encode_threads=1, drain_nice=None, direct_writes=True, publish=True):
     def run(model, ids, mask, args, ctx):
         from dmi.capture import attach
         from dmi.storage import LocalPackStore
@@ -148,7 +153,7 @@ def run_dmi(hooks, writer_options=None, encode_threads=1, drain_nice=None, direc
         store = ctx["store"] if direct_writes else LocalPackStore(ctx["store"].root, direct_writes=False)
         sync()
         t0 = time.perf_counter()
-        with attach(model, hooks=hooks, store=store, catalog=ctx["catalog"], model_id="bench-llama",
+        with attach(model, hooks=hooks, store=store, catalog=ctx["catalog"] if publish else None, model_id="bench-llama",
                     ring_slots=args.ring_slots, slot_bytes=args.slot_mib << 20,
                     writer_options=writer_options, encode_threads=encode_threads, drain_nice=drain_nice) as cap:
             rids, out = cap.generate(ids, attention_mask=mask, **gen_kwargs(args))
@@ -295,6 +300,9 @@ CONFIGS = {
     "dmi all_but_patterns raw": run_dmi("all_but_patterns", {"codec": "raw", "stats": False}),
     "dmi all_but_patterns numpy loops": without_native(run_dmi("all_but_patterns")),
     "dmi all_but_patterns hooks only": hooks_only(run_dmi("all_but_patterns")),
+    "dmi resid_post hooks only": hooks_only(run_dmi("resid_post")),
+    "dmi resid_post raw": run_dmi("resid_post", {"codec": "raw", "stats": False}),
+    "dmi resid_post unpublished": run_dmi("resid_post", publish=False),
     "dmi all_but_patterns 2 encode threads": run_dmi("all_but_patterns", encode_threads=2),
     "dmi all_but_patterns switch 0.5 ms": with_switch_interval(run_dmi("all_but_patterns"), 0.0005),
     "dmi all_but_patterns switch 1 ms": with_switch_interval(run_dmi("all_but_patterns"), 0.001),
