@@ -71,9 +71,9 @@ SmolLM2-135M-Instruct (30 layers, hidden 576, vocab 49152; cast to bf16) through
 gguf accelerate``) and its one-time conversion happens before any clock starts.
 
 Reported: tokens/s (batch × new tokens / wall time), and the ratio to the baseline of the
-same round (median over rounds, and the lowest and highest of them). For DMI also where the time goes: time inside
-``generate``, the tail of closing (last packs sealed + published), drain-thread busy time,
-ring waits. ``--quick`` runs a small version for a smoke test.
+same round (median over rounds, and the lowest and highest of them). For DMI also where the
+time goes: time inside ``generate``, the tail of closing (last packs sealed + published),
+drain-thread busy time, ring waits. ``--quick`` runs a small version for a smoke test.
 
     python bench/bench_capture.py                    # full
     python bench/bench_capture.py --quick            # seconds

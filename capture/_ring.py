@@ -82,9 +82,9 @@ class Slot:
     def capacity(self) -> int:
         return self.buffer.numel()
 
-    def grow(self, nbytes: int, alloc) -> None:
-        """A new buffer of ``nbytes`` from ``alloc`` in place of the old one."""
-        self.buffer = alloc(nbytes)
+    def grow(self, buffer: torch.Tensor) -> None:
+        """``buffer`` (larger) in place of the old one; the old one's dtype views go with it."""
+        self.buffer = buffer
         self._typed.clear()
 
     def rows(self, offset: int, dtype: torch.dtype, n: int, width: int) -> torch.Tensor:
@@ -204,7 +204,7 @@ class Ring:
         else:
             self.submit()
         if need > slot.capacity:
-            slot.grow(need, self._alloc)
+            slot.grow(self._alloc(need))
         self._current = slot
         return slot
 
