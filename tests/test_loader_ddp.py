@@ -15,10 +15,12 @@ forked DataLoader workers then inherit no catalog session). Three selections:
   different numbers of whole batches (rank 0 five, rank 1 six), which hangs DDP; every
   rank now yields the same count.
 
-Each over two epochs, with ``num_workers`` 0 and 2. The workers are forked: a spawned rank's
-children are spawned by default, which re-imports torch and DMI in every worker every epoch
-(seconds each); torchrun's ranks are fresh interpreters, whose default on Linux is fork.
-Spawned workers are covered by ``tests/test_loader_spawn.py``. Then resume: a pair of ranks trains
+Each over two epochs, with ``num_workers`` 0 and 2. The workers come from a fork server that
+imported DMI once (``_worker_context``): a spawned rank's children are spawned by default,
+which re-imports torch and DMI in every worker every epoch (seconds each), and forking the
+rank itself deadlocks a worker now and then on CPython before 3.11.10 (see
+``_worker_context``). Spawned workers are covered by ``tests/test_loader_spawn.py``, forked
+ones outside DDP by ``tests/test_loader.py``. Then resume: a pair of ranks trains
 ``k`` batches and saves loader, model and optimizer state; a fresh pair loads them and must
 yield exactly the remaining batches and end with the uninterrupted run's parameters.
 """
@@ -54,8 +56,22 @@ RESUME_AT = {0: 3, 2: 8}  # num_workers: batches trained before the checkpoint (
 def _loader_options(selection: str, workers: int) -> dict:
     left_out, drop_last = SELECTIONS[selection]
     return dict(layers=[0], batch_size=BATCH, shuffle_buffer=8, seed=3, with_tokens=True, drop_last=drop_last,
-                num_workers=workers, multiprocessing_context="fork" if workers else None,
+                num_workers=workers, multiprocessing_context=_worker_context() if workers else None,
                 where="request_id NOT IN %(out)s", params={"out": left_out or ("none",)})
+
+
+def _worker_context():
+    """The workers' start method: a fork server that has imported the loader (and torch) once.
+
+    Not a fork of the rank: after each backward, DDP's gloo threads enter Python to release
+    the autograd context its all-reduce captured, and a fork at that moment leaves the child
+    waiting forever for a lock of the interpreter's (CPython gh-112275, fixed in 3.11.10 and
+    3.12)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["dmi._loader"])
+    return context
 
 
 def _tokens(selection: str) -> set:
