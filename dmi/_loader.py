@@ -12,7 +12,10 @@ exactly-once, determinism and resume hold. See ``docs/loader.md``.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
+import sys
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -373,6 +376,8 @@ def open_loader(catalog: Any, packs: PackStore, model_id: str, *, hooks: Any = "
     if direct_io not in (None, True, False):
         raise InvalidArgumentError(f"direct_io must be True, False or None (decide by size), not {direct_io!r}")
     rank, world_size = _rank_and_world(rank, world_size)
+    if num_workers and fork_may_hang(multiprocessing_context):
+        warnings.warn(FORK_HANG_WARNING, RuntimeWarning, stacklevel=3)
     entries = catalog.select_records(model_id, run_ids=runs, hooks=hook_names, layers=layers, phases=phases,
                                      where=where, params=params)
     plan = build_plan(entries, hook_names or _hook_catalogue())
@@ -433,6 +438,39 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, world_size)) or not 0 <= rank < world_size:
         raise InvalidArgumentError(f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}")
     return rank, world_size
+
+
+FORK_FIXED = {(3, 10): 15, (3, 11): 10}
+"""The first patch release of each affected CPython whose forked child cannot deadlock on the
+interpreter's thread-state lock (gh-112275); 3.12 and later never could."""
+
+FORK_HANG_WARNING = (
+    "DataLoader workers forked from a torch.distributed rank can hang for good on this Python "
+    f"({sys.version.split()[0]}; fixed in 3.10.15, 3.11.10 and 3.12, CPython gh-112275): the process group's "
+    "threads enter Python after every backward, and a worker forked at that moment never starts. Pass "
+    "multiprocessing_context=<a 'forkserver' context> (docs/loader.md, DDP) or upgrade Python."
+)
+
+
+def fork_may_hang(multiprocessing_context: Any, version: tuple = tuple(sys.version_info[:3])) -> bool:
+    """Whether workers started with ``multiprocessing_context`` would be forked from a process
+    with a torch.distributed group on a CPython whose fork can deadlock the child."""
+    fixed = FORK_FIXED.get(version[:2])
+    if version[:2] >= (3, 12) or (fixed is not None and version[2] >= fixed):
+        return False
+    if _start_method(multiprocessing_context) != "fork":
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _start_method(context: Any) -> str:
+    """The start method DataLoader workers get from ``context`` (a name, a context, or None
+    for multiprocessing's default), without fixing the default as ``get_start_method()`` does."""
+    if context is None:
+        return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    return context if isinstance(context, str) else context.get_start_method()
 
 
 def _check_layout(plan: Plan, layout: str, dtype: torch.dtype | None) -> None:

@@ -28,6 +28,9 @@ yield exactly the remaining batches and end with the uninterrupted run's paramet
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import sys
+import warnings
 from collections import Counter
 
 import pytest
@@ -296,3 +299,64 @@ def test_drop_last_shares_hold_the_same_number_of_batches_in_one_process(home):
             loaders = [store.loader("ddp", rank=r, world_size=world, **options) for r in range(world)]
             counts = [len(list(loader)) for loader in loaders]
             assert counts == [len(loader) for loader in loaders] == [(47 // world) // BATCH] * world
+
+
+# ------------------------------------------------------------------------------ the fork warning
+
+FORK_CAN_HANG = sys.version_info < (3, 10, 15) or (3, 11) <= sys.version_info[:2] < (3, 12) and sys.version_info < (
+    3, 11, 10)
+"""This interpreter's fork can deadlock the child (CPython gh-112275)."""
+
+
+def _runtime_warnings(store, **options) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        store.loader("ddp", layers=[0], **options)
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def _rank_fork_warnings(rank: int, world: int, home: str) -> dict:
+    """What ``store.loader`` warns about in a rank, per start method of the workers."""
+    forkserver = multiprocessing.get_context("forkserver")
+    with dmi.open(home=home) as store:
+        return {
+            "fork": _runtime_warnings(store, num_workers=2, multiprocessing_context="fork"),
+            "fork context": _runtime_warnings(store, num_workers=2,
+                                              multiprocessing_context=multiprocessing.get_context("fork")),
+            "default (spawn, as the rank was)": _runtime_warnings(store, num_workers=2),
+            "forkserver": _runtime_warnings(store, num_workers=2, multiprocessing_context=forkserver),
+            "no workers": _runtime_warnings(store, num_workers=0, multiprocessing_context="fork"),
+        }
+
+
+@pytest.mark.slow
+def test_forking_workers_from_a_rank_warns_where_the_fork_can_hang(home, tmp_path):
+    """A forked worker of a DDP rank can hang for good on this interpreter (see
+    ``_worker_context``); the loader says so when it is made, and only then."""
+    (seen,) = _ok(run_ranks(_rank_fork_warnings, 1, tmp_path, home))
+    forked = seen.pop("fork"), seen.pop("fork context")
+    if FORK_CAN_HANG:
+        assert forked[0] == forked[1] and len(forked[0]) == 1
+        assert sys.version.split()[0] in forked[0][0] and "'forkserver'" in forked[0][0]
+    else:
+        assert forked == ([], [])
+    assert seen == {"default (spawn, as the rank was)": [], "forkserver": [], "no workers": []}
+
+
+def test_forked_workers_outside_a_process_group_do_not_warn(home):
+    with dmi.open(home=home) as store:
+        assert _runtime_warnings(store, num_workers=2, multiprocessing_context="fork") == []
+
+
+@pytest.mark.parametrize(("version", "can_hang"), [
+    ((3, 10, 14), True), ((3, 10, 15), False), ((3, 11, 7), True), ((3, 11, 9), True), ((3, 11, 10), False),
+    ((3, 12, 0), False), ((3, 13, 1), False),
+])
+def test_the_fork_warning_knows_which_pythons_are_fixed(monkeypatch, version, can_hang):
+    import torch.distributed as dist
+
+    from dmi._loader import fork_may_hang
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # the version gate alone, without a process group
+    assert fork_may_hang("fork", version) is can_hang
+    assert fork_may_hang("spawn", version) is False
