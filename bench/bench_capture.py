@@ -40,6 +40,16 @@ shared machine hits all of them alike:
 * ``dmi resid_post drain_nice=0``, ``dmi all_but_patterns drain_nice=0`` the same with
                           ``attach(drain_nice=0)``: the drain at the model's priority (the
                           default before stop 24)
+* ``dmi resid_post one session``, ``dmi all_but_patterns one session`` the same captures by
+                          one session attached (to a copy of the model, same weights) before
+                          the first round and kept for the run, as a server capturing request
+                          after request would: each round is ``cap.generate`` plus
+                          ``cap.flush()`` (the round's packs sealed and published); what
+                          attaching and closing a session each round costs is left out. Their
+                          ratio is to ``baseline copy``, ``model.generate`` on another deep copy
+                          of the model made the same way (a deep copy can generate at another
+                          speed than the original: compare the two baselines' rows), so that
+                          the copy is not charged to DMI
 * ``naive resid_post``    forward hooks that copy each output to the CPU (``.clone()``),
                           then one ``torch.save`` + fsync of everything
 * ``naive all_but_patterns`` the same on the same module outputs DMI captures
@@ -225,12 +235,47 @@ def open_compiled(model, args, ctx, stack) -> None:
         ring_slots=args.ring_slots, slot_bytes=args.slot_mib << 20))
 
 
+def open_sessions(model, names, args, ctx, stack) -> None:
+    """For each ``... one session`` configuration in ``names``: a copy of ``model`` (same
+    weights; the model the other configurations run stays without hooks) attached once, for
+    the whole run; and the plain copy ``baseline copy`` runs, their reference."""
+    import copy
+
+    from dmi.capture import attach
+
+    sessions = [n for n in names if n in ONE_SESSION]
+    if sessions and "baseline copy" not in names:
+        raise SystemExit(f"{sessions} are compared with 'baseline copy': add it to --configs")
+    if "baseline copy" in names:
+        ctx["plain copy"] = copy.deepcopy(model)
+    for n in sessions:
+        hooks = ONE_SESSION[n]
+        ctx[f"session {hooks}"] = stack.enter_context(attach(
+            copy.deepcopy(model), hooks=hooks, store=ctx["store"], catalog=ctx["catalog"],
+            model_id=f"bench-session-{hooks}", ring_slots=args.ring_slots, slot_bytes=args.slot_mib << 20))
+
+
+def run_baseline_copy(model, ids, mask, args, ctx):
+    return run_baseline(ctx["plain copy"], ids, mask, args, ctx)
+
+
+def run_in_session(hooks):
+    def run(model, ids, mask, args, ctx):
+        return run_session_round(ctx[f"session {hooks}"], ids, mask, args)
+    return run
+
+
 def run_compiled_baseline(model, ids, mask, args, ctx):
     return run_baseline(ctx["compiled_plain"], ids, mask, args, ctx)
 
 
 def run_compiled_dmi(model, ids, mask, args, ctx):
-    cap = ctx["compiled_session"]
+    return run_session_round(ctx["compiled_session"], ids, mask, args)
+
+
+def run_session_round(cap, ids, mask, args):
+    """One round on a session attached for the whole run: ``cap.generate`` plus
+    ``cap.flush()`` (the round's packs sealed and published), timed together."""
     before = cap.stats
     sync()
     t0 = time.perf_counter()
@@ -310,12 +355,18 @@ CONFIGS = {
     "dmi all_but_patterns buffered writes": run_dmi("all_but_patterns", direct_writes=False),
     "dmi resid_post drain_nice=0": run_dmi("resid_post", drain_nice=0),
     "dmi all_but_patterns drain_nice=0": run_dmi("all_but_patterns", drain_nice=0),
+    "baseline copy": run_baseline_copy,
+    "dmi resid_post one session": run_in_session("resid_post"),
+    "dmi all_but_patterns one session": run_in_session("all_but_patterns"),
     "naive resid_post": run_naive("resid_post"),
     "naive all_but_patterns": run_naive("all_but_patterns"),
     "compiled baseline": run_compiled_baseline,
     "compiled dmi resid_post": run_compiled_dmi,
 }
-RATIO_TO = {"compiled baseline": "compiled baseline", "compiled dmi resid_post": "compiled baseline"}
+ONE_SESSION = {"dmi resid_post one session": "resid_post", "dmi all_but_patterns one session": "all_but_patterns"}
+"""Configurations captured by one session attached before the first round (``open_sessions``)."""
+RATIO_TO = {"compiled baseline": "compiled baseline", "compiled dmi resid_post": "compiled baseline",
+            "baseline copy": "baseline copy", **{n: "baseline copy" for n in ONE_SESSION}}
 """Configurations whose ratio is to another baseline than ``baseline``."""
 
 
@@ -364,6 +415,7 @@ def main(argv=None):
                 run_baseline(model, ids[:, :8], mask[:, :8], argparse.Namespace(new=2), ctx)  # warm-up
                 if any(n.startswith("compiled") for n in names):
                     open_compiled(model, args, ctx, stack)
+                open_sessions(model, names, args, ctx, stack)
                 for n in names:
                     if n.startswith("compiled"):
                         CONFIGS[n](model, ids, mask, args, ctx)  # compile its graphs, untimed
