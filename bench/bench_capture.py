@@ -220,13 +220,22 @@ def with_switch_interval(run, seconds: float):
     return wrapped
 
 
-def open_compiled(model, args, ctx, stack) -> None:
-    """Two compiled copies of ``model`` (same weights): one plain, one attached for the run."""
+def copy_of(model):
+    """A deep copy of ``model`` made outside inference mode: one made inside (where ``main``
+    opens its sessions) holds inference tensors as parameters, and generated at 89.7 tokens/s
+    against the original's 125.3 in this bench's run of commit eb95e95 (docs/benchmarks.md,
+    "Stop 37 runs")."""
     import copy
 
+    with torch.inference_mode(False):
+        return copy.deepcopy(model)
+
+
+def open_compiled(model, args, ctx, stack) -> None:
+    """Two compiled copies of ``model`` (same weights): one plain, one attached for the run."""
     from dmi.capture import attach
 
-    plain, captured = copy.deepcopy(model), copy.deepcopy(model)
+    plain, captured = copy_of(model), copy_of(model)
     for m in (plain, captured):
         m.forward = torch.compile(m.forward, mode=args.compile_mode)
     ctx["compiled_plain"] = plain
@@ -239,19 +248,17 @@ def open_sessions(model, names, args, ctx, stack) -> None:
     """For each ``... one session`` configuration in ``names``: a copy of ``model`` (same
     weights; the model the other configurations run stays without hooks) attached once, for
     the whole run; and the plain copy ``baseline copy`` runs, their reference."""
-    import copy
-
     from dmi.capture import attach
 
     sessions = [n for n in names if n in ONE_SESSION]
     if sessions and "baseline copy" not in names:
         raise SystemExit(f"{sessions} are compared with 'baseline copy': add it to --configs")
     if "baseline copy" in names:
-        ctx["plain copy"] = copy.deepcopy(model)
+        ctx["plain copy"] = copy_of(model)
     for n in sessions:
         hooks = ONE_SESSION[n]
         ctx[f"session {hooks}"] = stack.enter_context(attach(
-            copy.deepcopy(model), hooks=hooks, store=ctx["store"], catalog=ctx["catalog"],
+            copy_of(model), hooks=hooks, store=ctx["store"], catalog=ctx["catalog"],
             model_id=f"bench-session-{hooks}", ring_slots=args.ring_slots, slot_bytes=args.slot_mib << 20))
 
 
