@@ -70,8 +70,6 @@ def _worker_context():
     the autograd context its all-reduce captured, and a fork at that moment leaves the child
     waiting forever for a lock of the interpreter's (CPython gh-112275, fixed in 3.11.10 and
     3.12)."""
-    import multiprocessing
-
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["dmi._loader"])
     return context
@@ -303,8 +301,8 @@ def test_drop_last_shares_hold_the_same_number_of_batches_in_one_process(home):
 
 # ------------------------------------------------------------------------------ the fork warning
 
-FORK_CAN_HANG = sys.version_info < (3, 10, 15) or (3, 11) <= sys.version_info[:2] < (3, 12) and sys.version_info < (
-    3, 11, 10)
+FIRST_FIXED = {(3, 10): (3, 10, 15), (3, 11): (3, 11, 10)}
+FORK_CAN_HANG = sys.version_info[:2] < (3, 12) and sys.version_info < FIRST_FIXED[sys.version_info[:2]]
 """This interpreter's fork can deadlock the child (CPython gh-112275)."""
 
 
