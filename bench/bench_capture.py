@@ -30,6 +30,7 @@ shared machine hits all of them alike:
                           does) — what the catalog's statements cost a run
 * ``dmi all_but_patterns 2 encode threads`` the same with ``attach(encode_threads=2)``: the
                           drain's records encoded on a pool of two threads
+* ``dmi all_but_patterns 8 encode threads`` the same with eight (for a GPU host's idle cores)
 * ``dmi all_but_patterns switch 0.5 ms``, ``... switch 1 ms`` the same with the interpreter's
                           GIL switch interval (``sys.setswitchinterval``, 5 ms by default) lowered
                           for the run: whether the model thread waits on the drain for the GIL
@@ -356,6 +357,7 @@ CONFIGS = {
     "dmi resid_post raw": run_dmi("resid_post", {"codec": "raw", "stats": False}),
     "dmi resid_post unpublished": run_dmi("resid_post", publish=False),
     "dmi all_but_patterns 2 encode threads": run_dmi("all_but_patterns", encode_threads=2),
+    "dmi all_but_patterns 8 encode threads": run_dmi("all_but_patterns", encode_threads=8),
     "dmi all_but_patterns switch 0.5 ms": with_switch_interval(run_dmi("all_but_patterns"), 0.0005),
     "dmi all_but_patterns switch 1 ms": with_switch_interval(run_dmi("all_but_patterns"), 0.001),
     "dmi resid_post buffered writes": run_dmi("resid_post", direct_writes=False),
@@ -397,6 +399,9 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--device", default="cpu")
+    p.add_argument("--no-catalog", action="store_true",
+                   help="capture with catalog=None (packs sealed, nothing published, no lease): for a "
+                        "machine where chDB cannot be installed")
     p.add_argument("--compile-mode", default=None,
                    help="torch.compile mode of the compiled configurations (default: inductor's default)")
     args = p.parse_args(argv)
@@ -415,7 +420,7 @@ def main(argv=None):
 
     model, ids, mask = build(args)
     with tempfile.TemporaryDirectory(prefix="bench-capture-") as tmp:
-        catalog = open_catalog(f"chdb://{tmp}/catalog")
+        catalog = None if args.no_catalog else open_catalog(f"chdb://{tmp}/catalog")
         ctx = {"store": PackStore.local(os.path.join(tmp, "packs")), "catalog": catalog, "tmp": tmp}
         try:
             with torch.inference_mode(), contextlib.ExitStack() as stack:
@@ -437,7 +442,8 @@ def main(argv=None):
                         results[n].append((secs, info))
                         print(f"round {r} {n:24s} {secs:7.2f}s", file=sys.stderr, flush=True)
         finally:
-            catalog.close()
+            if catalog is not None:
+                catalog.close()
     report(args, names, results)
 
 
@@ -448,6 +454,8 @@ def report(args, names, results):
     print(f"\n{describe_model(args)}, batch {args.batch}, prompt {args.prompt}, "
           f"{args.new} new tokens, greedy; {args.rounds} round(s), interleaved; "
           f"load average at the end {os.getloadavg()[0]:.1f}")
+    if args.no_catalog:
+        print("catalog: none (--no-catalog): DMI's packs are sealed, nothing is published")
     gpu = f", GPU {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs{gpu}, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}\n")

@@ -1,19 +1,25 @@
 """The capture throughput comparison of ``bench_capture.py`` on a CUDA GPU.
 
-Same five configurations in one run (baseline, DMI ``resid_post``, DMI all hooks but
-patterns, naive hooks + ``torch.save`` for both), on a bigger Llama-style model — 16 layers,
-hidden 2048, intermediate 5632, 16 heads, vocab 32000, bf16 — with batch 64, prompt 512,
-64 new tokens. On CUDA the ring is pinned host memory, hook copies run on a side stream
-(``wait_stream`` first, an event per slot) and the model's stream is never synchronised;
-the naive approach's ``.to("cpu")`` synchronises on every hook.
+A Llama-style model with random weights — 16 layers, hidden 2048, intermediate 5632, 16 heads,
+vocab 32000, bf16 — greedy generation, batch 16, prompt 128, 64 new tokens. On CUDA the ring
+is pinned host memory, hook copies run on a side stream (``wait_stream`` first, an event per
+slot) and the model's stream is never synchronised; the naive approach's ``.to("cpu")``
+synchronises on every hook. Two sets of rows, run as two invocations so that a slow compile
+cannot cost the eager figures:
 
-The compiled rows (``compiled baseline``, ``compiled dmi resid_post``, see ``bench_capture``)
-run here with ``--compile-mode reduce-overhead``: inductor plus CUDA graphs (cudagraph trees),
-so the capture op replays inside the graph, writing into its fixed-address staging buffer.
-UNTESTED: these rows were written without a GPU (no device was lent to the session that
-added them); the first run on a GPU is their first run.
+* eager (default): baseline; DMI ``resid_post`` (a session per call, and one session for the
+  run against ``baseline copy``); DMI all hooks but patterns with one and with eight encode
+  threads; naive hooks + ``torch.save`` for both selections;
+* ``--compiled``: baseline, ``compiled baseline`` and ``compiled dmi resid_post`` under
+  ``--compile-mode reduce-overhead`` (inductor plus CUDA graphs, cudagraph trees): the capture
+  op replays inside the graph, writing into its fixed-address staging buffer.
 
-    python bench/bench_capture_gpu.py              # needs a CUDA GPU
+``--no-catalog`` (packs sealed, nothing published) where chDB cannot be installed: the GPU
+machines lent to this project take packages as wheels of at most 64 MiB in all, and chDB's
+engine wheel is 181 MB.
+
+    python bench/bench_capture_gpu.py [--no-catalog]              # needs a CUDA GPU
+    python bench/bench_capture_gpu.py --compiled [--no-catalog]
     python bench/bench_capture_gpu.py --quick
 """
 
@@ -28,8 +34,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_capture  # noqa: E402
 
 GPU_DEFAULTS = ["--device", "cuda", "--layers", "16", "--hidden", "2048", "--intermediate", "5632",
-                "--heads", "16", "--vocab", "32000", "--batch", "64", "--prompt", "512", "--new", "64",
+                "--heads", "16", "--vocab", "32000", "--batch", "16", "--prompt", "128", "--new", "64",
                 "--ring-slots", "8", "--slot-mib", "256", "--compile-mode", "reduce-overhead"]
+EAGER = ("baseline,dmi resid_post,naive resid_post,dmi all_but_patterns,dmi all_but_patterns 8 encode threads,"
+         "naive all_but_patterns,baseline copy,dmi resid_post one session")
+COMPILED = "baseline,compiled baseline,compiled dmi resid_post"
 
 
 def main(argv=None):
@@ -38,8 +47,12 @@ def main(argv=None):
               "run it on a machine with one", file=sys.stderr)
         return 2
     argv = list(sys.argv[1:] if argv is None else argv)
-    quick = "--quick" in argv
-    if quick:
+    configs = EAGER
+    if "--compiled" in argv:
+        argv.remove("--compiled")
+        configs = COMPILED
+    argv = ["--configs", configs] + argv
+    if "--quick" in argv:
         argv.remove("--quick")
         argv = ["--device", "cuda", "--layers", "4", "--hidden", "1024", "--intermediate", "2816", "--batch",
                 "16", "--prompt", "128", "--new", "16", "--rounds", "1", "--compile-mode", "reduce-overhead"] + argv

@@ -1,4 +1,13 @@
-"""Capture on CUDA: side-stream copies into pinned slots, bit-exact against the uncaptured run."""
+"""Capture on CUDA: side-stream copies into pinned slots, the compiled path under CUDA graphs,
+and the real pack writer, each bit-exact against a reference the capture did not produce.
+
+The references: the model's own ``output_hidden_states`` / logits, and the eager hook path
+(which must match the compiled path byte for byte where the same kernels run it). Inductor's
+kernels round differently from eager ones, so under ``torch.compile`` with CUDA graphs
+(``mode="reduce-overhead"``) each record is compared with what the compiled model itself
+returned in the same call. Models are tiny (2–3 layers, hidden 32): these check data paths,
+not speed (``bench/bench_capture_gpu.py`` measures that).
+"""
 
 from __future__ import annotations
 
@@ -6,20 +15,39 @@ import pytest
 import torch
 
 from dmi.capture import attach
+from dmi.reader import read_record
+from dmi.storage import PackStore
+from dmi.storage._pack_read import verify_pack
 
 from ._models import MemoryWriter, left_padded_batch, tiny
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
 ]
+
+HOOKS = "token_ids resid_pre attn_q attn_z mlp_out resid_post final_norm logits"
+
+
+def _cuda_batch():
+    ids, mask = left_padded_batch()
+    return ids.cuda(), mask.cuda(), (mask == 0).sum(1).tolist()
+
+
+def _records(writer) -> dict:
+    return {(k.request_id, k.hook, k.layer, k.start_token, k.n_tokens, k.step, k.phase): d
+            for k, d, _ in writer.records}
+
+
+def _record(writer, rid, hook, layer):
+    (data,) = [d for k, d, _ in writer.records if k.request_id == rid and k.hook == hook and k.layer == layer]
+    return data
 
 
 def test_cuda_capture_is_bit_exact_and_uses_pinned_slots():
     model = tiny("llama").cuda()
-    ids, mask = left_padded_batch()
-    ids, mask = ids.cuda(), mask.cuda()
-    pads = (mask == 0).sum(1).tolist()
+    ids, mask, pads = _cuda_batch()
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                          output_hidden_states=True, return_dict_in_generate=True)
     w = MemoryWriter()
@@ -36,3 +64,82 @@ def test_cuda_capture_is_bit_exact_and_uses_pinned_slots():
         want = torch.cat([ref.hidden_states[0][1][i, pads[i]:]] +
                          [ref.hidden_states[s][1][i] for s in range(1, 4)]).cpu()
         assert torch.equal(got, want)
+
+
+def test_cuda_packs_hold_what_the_model_computed(tmp_path):
+    """The real writer (no catalog): the drain waits each slot's event, encodes, seals; every
+    record read back from the sealed packs equals the model's own hidden states."""
+    model = tiny("llama").cuda()
+    ids, mask, pads = _cuda_batch()
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask, output_hidden_states=True)
+    store = PackStore.local(tmp_path / "packs")
+    with attach(model, hooks="resid_post", store=store, catalog=None, run_id="gpu") as cap, torch.no_grad():
+        rids, _ = cap.forward(ids, attention_mask=mask)
+    entries = [e for pid in store.list_packs() for e in verify_pack(store, pid).records]
+    assert len(entries) == len(rids) * model.config.num_hidden_layers
+    for e in entries:
+        i = rids.index(e.meta.key.request_id)
+        want = ref.hidden_states[e.meta.key.layer + 1][i, pads[i]:]
+        if e.meta.key.layer == model.config.num_hidden_layers - 1:
+            continue  # the last hidden state HF returns is after the final norm
+        assert torch.equal(read_record(store, e), want.cpu()), e.meta.key
+
+
+def test_cuda_staged_op_matches_eager_hooks_byte_for_byte():
+    """``compiled=True`` on an eager model runs the CUDA branch of ``dmi::ring_write`` (offsets
+    used on the device) and the device-to-pinned copy of the staging buffer."""
+    ids, mask, _ = _cuda_batch()
+    got = {}
+    for compiled in (False, True):
+        w = MemoryWriter()
+        with attach(tiny("llama", num_hidden_layers=2).cuda(), hooks=HOOKS, writer=w, run_id="run",
+                    compiled=compiled) as cap:
+            _, out = cap.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        assert cap.compiled is compiled
+        got[compiled] = (_records(w), out)
+    (eager, eager_out), (staged, staged_out) = got[False], got[True]
+    assert torch.equal(eager_out, staged_out)
+    assert sorted(staged) == sorted(eager)
+    for key, data in eager.items():
+        assert staged[key].dtype == data.dtype and torch.equal(staged[key], data), key
+
+
+@pytest.mark.slow
+def test_cuda_graph_replays_record_each_calls_own_values():
+    """Inductor with CUDA graphs (cudagraph trees): the first calls record the graph, later ones
+    replay it. Every call's records must be that call's tensors, not the recording's."""
+    model = tiny("llama", num_hidden_layers=2).cuda()
+    model.forward = torch.compile(model.forward, mode="reduce-overhead")
+    ids, mask, pads = _cuda_batch()
+    n_layers = model.config.num_hidden_layers
+    w = MemoryWriter()
+    calls = []
+    with attach(model, hooks="resid_pre final_norm logits", writer=w) as cap, torch.no_grad():
+        assert cap.compiled
+        for call in range(4):
+            shifted = torch.where(mask.bool(), (ids + call) % 90 + 3, ids)
+            rids, out = cap.forward(shifted, attention_mask=mask, output_hidden_states=True)
+            calls.append((rids, [h.clone() for h in out.hidden_states], out.logits.clone()))
+    assert len({rid for rids, _, _ in calls for rid in rids}) == 4 * len(pads)
+    for call, (rids, hidden, logits) in enumerate(calls):
+        for i, rid in enumerate(rids):
+            for layer in range(n_layers):
+                assert torch.equal(_record(w, rid, "resid_pre", layer), hidden[layer][i, pads[i]:].cpu()), (call, layer)
+            assert torch.equal(_record(w, rid, "final_norm", -1), hidden[-1][i, pads[i]:].cpu()), call
+            assert torch.equal(_record(w, rid, "logits", -1), logits[i, pads[i]:].cpu()), call
+
+
+@pytest.mark.slow
+def test_cuda_graphs_generate_the_same_tokens_with_and_without_capture():
+    model = tiny("llama", num_hidden_layers=2).cuda()
+    model.forward = torch.compile(model.forward, mode="reduce-overhead")
+    ids, mask, _ = _cuda_batch()
+    w = MemoryWriter()
+    with attach(model, hooks="resid_post logits", writer=w) as cap:
+        rids, captured = cap.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert torch.equal(captured, plain)
+    for rid in rids:  # generate asks each forward for the last position's logits only
+        rows = sum(k.n_tokens for k, _, _ in w.records if k.request_id == rid and k.hook == "logits")
+        assert rows == 3, rid
