@@ -7,12 +7,16 @@ slot) and the model's stream is never synchronised; the naive approach's ``.to("
 synchronises on every hook. Two sets of rows, run as two invocations so that a slow compile
 cannot cost the eager figures:
 
-* eager (default): baseline; DMI ``resid_post`` (a session per call, and one session for the
-  run against ``baseline copy``); DMI all hooks but patterns with one and with eight encode
+* eager (default): baseline; DMI ``resid_post`` (a session per call, the same with the
+  drain's work taken away — ``hooks only`` — and one session for the run against
+  ``baseline copy``); DMI all hooks but patterns with one and with eight encode
   threads; naive hooks + ``torch.save`` for both selections;
 * ``--compiled``: baseline, ``compiled baseline`` and ``compiled dmi resid_post`` under
   ``--compile-mode reduce-overhead`` (inductor plus CUDA graphs, cudagraph trees): the capture
-  op replays inside the graph, writing into its fixed-address staging buffer.
+  op replays inside the graph, writing into its fixed-address staging buffer. Every row of this
+  set generates with a static cache (``--cache static``): under CUDA graphs the dynamic cache
+  keeps each replay's keys and values, which the next replay overwrites (torch raises
+  "accessing tensor output of CUDAGraphs that has been overwritten").
 
 ``--no-catalog`` (packs sealed, nothing published) where chDB cannot be installed: the GPU
 machines lent to this project take packages as wheels of at most 64 MiB in all, and chDB's
@@ -36,7 +40,7 @@ import bench_capture  # noqa: E402
 GPU_DEFAULTS = ["--device", "cuda", "--layers", "16", "--hidden", "2048", "--intermediate", "5632",
                 "--heads", "16", "--vocab", "32000", "--batch", "16", "--prompt", "128", "--new", "64",
                 "--ring-slots", "8", "--slot-mib", "256", "--compile-mode", "reduce-overhead"]
-EAGER = ("baseline,dmi resid_post,naive resid_post,dmi all_but_patterns,dmi all_but_patterns 8 encode threads,"
+EAGER = ("baseline,dmi resid_post,dmi resid_post hooks only,naive resid_post,dmi all_but_patterns,dmi all_but_patterns 8 encode threads,"
          "naive all_but_patterns,baseline copy,dmi resid_post one session")
 COMPILED = "baseline,compiled baseline,compiled dmi resid_post"
 
@@ -51,6 +55,7 @@ def main(argv=None):
     if "--compiled" in argv:
         argv.remove("--compiled")
         configs = COMPILED
+        argv = ["--cache", "static"] + argv  # CUDA graphs need it: see bench_capture's --cache
     argv = ["--configs", configs] + argv
     if "--quick" in argv:
         argv.remove("--quick")

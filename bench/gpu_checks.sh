@@ -25,7 +25,7 @@ $py -c "import chdb" 2>/dev/null && cat_flag=
   df -h /tmp | tail -1; } 2>&1 | tee "$out/machine.txt"
 timeout "${TEST_S:-150}" $py -m pytest -q -p no:cacheprovider -W default tests/test_capture_gpu.py \
   --durations=8 2>&1 | tee "$out/tests.log" | tail -40
-timeout "${EAGER_S:-220}" $py bench/bench_capture_gpu.py $cat_flag --rounds 3 > "$out/eager.log" 2>&1
+timeout "${EAGER_S:-220}" $py bench/bench_capture_gpu.py $cat_flag --rounds "${ROUNDS:-3}" > "$out/eager.log" 2>&1
 echo "eager bench rc $?"; tail -25 "$out/eager.log"
-timeout "${COMPILED_S:-170}" $py bench/bench_capture_gpu.py --compiled $cat_flag --rounds 3 > "$out/compiled.log" 2>&1
+timeout "${COMPILED_S:-170}" $py bench/bench_capture_gpu.py --compiled $cat_flag --rounds "${ROUNDS:-3}" > "$out/compiled.log" 2>&1
 echo "compiled bench rc $?"; tail -25 "$out/compiled.log"

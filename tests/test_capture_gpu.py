@@ -132,13 +132,16 @@ def test_cuda_graph_replays_record_each_calls_own_values():
 
 @pytest.mark.slow
 def test_cuda_graphs_generate_the_same_tokens_with_and_without_capture():
+    """Generation under CUDA graphs needs a static cache: a dynamic one keeps the graph's
+    outputs (each step's keys and values), which the next replay overwrites."""
     model = tiny("llama", num_hidden_layers=2).cuda()
     model.forward = torch.compile(model.forward, mode="reduce-overhead")
     ids, mask, _ = _cuda_batch()
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, cache_implementation="static")
     w = MemoryWriter()
     with attach(model, hooks="resid_post logits", writer=w) as cap:
-        rids, captured = cap.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
-    plain = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        rids, captured = cap.generate(ids, **kw)
+    plain = model.generate(ids, **kw)
     assert torch.equal(captured, plain)
     for rid in rids:  # generate asks each forward for the last position's logits only
         rows = sum(k.n_tokens for k, _, _ in w.records if k.request_id == rid and k.hook == "logits")
