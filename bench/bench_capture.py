@@ -433,7 +433,7 @@ def main(argv=None):
         ctx = {"store": PackStore.local(os.path.join(tmp, "packs")), "catalog": catalog, "tmp": tmp}
         try:
             with torch.inference_mode(), contextlib.ExitStack() as stack:
-                run_baseline(model, ids[:, :8], mask[:, :8], argparse.Namespace(new=2, cache=args.cache), ctx)  # warm-up
+                run_baseline(model, ids, mask, argparse.Namespace(new=2, cache=args.cache), ctx)  # warm-up: the rounds' shapes
                 if any(n.startswith("compiled") for n in names):
                     open_compiled(model, args, ctx, stack)
                 open_sessions(model, names, args, ctx, stack)

@@ -23,9 +23,16 @@ $py -c "import chdb" 2>/dev/null && cat_flag=
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   $py -c "import torch, transformers, sys, os; from dmi.storage import _native; print('torch', torch.__version__, 'transformers', transformers.__version__, 'python', sys.version.split()[0], 'cpus', os.cpu_count(), 'native', _native.ACTIVE)"
   df -h /tmp | tail -1; } 2>&1 | tee "$out/machine.txt"
-timeout "${TEST_S:-150}" $py -m pytest -q -p no:cacheprovider -W default tests/test_capture_gpu.py \
-  --durations=8 2>&1 | tee "$out/tests.log" | tail -40
-timeout "${EAGER_S:-220}" $py bench/bench_capture_gpu.py $cat_flag --rounds "${ROUNDS:-3}" > "$out/eager.log" 2>&1
-echo "eager bench rc $?"; tail -25 "$out/eager.log"
-timeout "${COMPILED_S:-170}" $py bench/bench_capture_gpu.py --compiled $cat_flag --rounds "${ROUNDS:-3}" > "$out/compiled.log" 2>&1
-echo "compiled bench rc $?"; tail -25 "$out/compiled.log"
+stages=" ${STAGES:-tests eager compiled} "  # which stages run, e.g. STAGES=eager
+if [[ $stages == *" tests "* ]]; then
+  timeout "${TEST_S:-150}" $py -m pytest -q -p no:cacheprovider -W default tests/test_capture_gpu.py \
+    --durations=8 2>&1 | tee "$out/tests.log" | tail -40
+fi
+if [[ $stages == *" eager "* ]]; then
+  timeout "${EAGER_S:-220}" $py bench/bench_capture_gpu.py $cat_flag --rounds "${ROUNDS:-3}" > "$out/eager.log" 2>&1
+  echo "eager bench rc $?"; tail -25 "$out/eager.log"
+fi
+if [[ $stages == *" compiled "* ]]; then
+  timeout "${COMPILED_S:-170}" $py bench/bench_capture_gpu.py --compiled $cat_flag --rounds "${ROUNDS:-3}" > "$out/compiled.log" 2>&1
+  echo "compiled bench rc $?"; tail -25 "$out/compiled.log"
+fi

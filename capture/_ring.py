@@ -147,8 +147,9 @@ class Ring:
         self._backlog = 0  # bytes in those slots
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        return buf.pin_memory() if self.pin else buf
+        """A slot's buffer, pinned where the ring pins: allocated pinned, not pinned by a copy
+        (``Tensor.pin_memory()`` copies the whole buffer; the GPU bench's ring is 2 GiB)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
 
     @property
     def n_slots(self) -> int:

@@ -52,7 +52,7 @@ def test_cuda_capture_is_bit_exact_and_uses_pinned_slots():
                          output_hidden_states=True, return_dict_in_generate=True)
     w = MemoryWriter()
     with attach(model, hooks="resid_pre attn_q", writer=w) as cap:
-        assert cap.ring.pin
+        assert cap.ring.pin and all(slot.buffer.is_pinned() for slot in cap.ring._slots)
         rids, out = cap.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                                  return_dict_in_generate=True)
     assert cap._cuda_side_stream is not None
@@ -131,6 +131,11 @@ def test_cuda_graph_replays_record_each_calls_own_values():
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(run=False, strict=True, reason=(
+    "not run: on an H200 (torch 2.11.0+cu130, transformers 5.17.0, 2026-12-04) this crashed the "
+    "process (SIGSEGV in inductor's static Triton launcher while cudagraph trees recorded the "
+    "decode graph); generate under CUDA graphs also fails there without DMI (docs/capture.md, "
+    "'CUDA graphs')"))
 def test_cuda_graphs_generate_the_same_tokens_with_and_without_capture():
     """Generation under CUDA graphs needs a static cache: a dynamic one keeps the graph's
     outputs (each step's keys and values), which the next replay overwrites."""
