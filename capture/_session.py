@@ -283,14 +283,15 @@ class CaptureSession:
 
     # -- hooks ----------------------------------------------------------------------------------
     def _install(self) -> None:
+        """The model-level hooks, then the taps. Every hook that is Python (all of them but the
+        compiled taps) runs outside any graph: a ``torch.compile`` DMI did not see at attach
+        (one ``generate`` starts itself, a submodule compiled later) breaks its graph there
+        and runs the hook eagerly, instead of tracing it (which fails to compile)."""
         m = self.arch.model  # under torch.compile(model): the module it wraps
-        pre, post = self._on_model_pre, self._on_model_post
-        if self.compiled:
-            pre, post = outside_graph(pre), outside_graph(post)
-        self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-        self._handles.append(m.register_forward_hook(post, always_call=True))
+        self._handles.append(m.register_forward_pre_hook(outside_graph(self._on_model_pre), with_kwargs=True))
+        self._handles.append(m.register_forward_hook(outside_graph(self._on_model_post), always_call=True))
         if callable(getattr(m, "generate", None)):
-            self._handles.append(_GenerateGuard(m))
+            self._handles.append(_GenerateGuard(m, eager=not self.compiled))
         if self.compiled:
             self._install_compiled()
             return
@@ -317,9 +318,11 @@ class CaptureSession:
             if tap.module is None:
                 raise AttachError(f"module for {[e.hook for e in tap.emissions]} not found")
             if tap.kind == "pre":
-                self._handles.append(tap.module.register_forward_pre_hook(self._pre_hook(tap), with_kwargs=True))
+                hook = outside_graph(self._pre_hook(tap))
+                self._handles.append(tap.module.register_forward_pre_hook(hook, with_kwargs=True))
             else:
-                self._handles.append(tap.module.register_forward_hook(self._post_hook(tap), with_kwargs=True))
+                hook = outside_graph(self._post_hook(tap))
+                self._handles.append(tap.module.register_forward_hook(hook, with_kwargs=True))
 
     def _remove_hooks(self) -> None:
         while self._handles:
@@ -564,18 +567,24 @@ class CaptureSession:
 
 
 class _GenerateGuard:
-    """Refuses beam search in a ``model.generate`` called directly inside the ``with`` block,
-    before the model runs: seen only through its forwards, beam rows would be recorded as
-    requests although beam search reorders and forks them every step. Installed as an
-    instance attribute over the class's ``generate``; ``remove()`` restores the original."""
+    """Wraps ``model.generate`` while the session is attached (``cap.generate`` goes through
+    it too). Refuses beam search before the model runs: seen only through its forwards, beam
+    rows would be recorded as requests although beam search reorders and forks them every
+    step. In an eager session (``eager``) it also turns off the compilation transformers
+    starts by itself (``disable_compile=True``; it compiles the decode steps with CUDA graphs
+    when a static cache is used on a GPU), unless the caller configured compilation: eager
+    hooks must run as Python, between kernels launched one by one. Installed as an instance
+    attribute over the class's ``generate``; ``remove()`` restores the original."""
 
-    def __init__(self, model):
+    def __init__(self, model, *, eager: bool):
         self._model = model
         original = model.generate
 
         @functools.wraps(original)
         def generate(*args, **kwargs):
             sequences_per_prompt(getattr(model, "generation_config", None), kwargs)
+            if eager and not _compilation_configured(model, kwargs):
+                kwargs["disable_compile"] = True
             return original(*args, **kwargs)
 
         self._guard = generate
@@ -584,6 +593,18 @@ class _GenerateGuard:
     def remove(self) -> None:
         if vars(self._model).get("generate") is self._guard:
             del self._model.generate
+
+
+def _compilation_configured(model, generate_kwargs: dict) -> bool:
+    """Whether the caller chose how transformers' ``generate`` compiles (or that it does not):
+    ``disable_compile`` or ``compile_config`` passed, or set on the generation config used.
+    Also true where this transformers has no ``disable_compile`` (nothing to turn off)."""
+    if "disable_compile" in generate_kwargs or "compile_config" in generate_kwargs:
+        return True
+    config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    if config is None or not hasattr(config, "disable_compile"):
+        return True
+    return bool(config.disable_compile) or getattr(config, "compile_config", None) is not None
 
 
 class _OneSpan:

@@ -308,3 +308,66 @@ def test_inductor_generates_the_same_tokens_with_and_without_capture(inductor_mo
     plain = inductor_model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
     assert torch.equal(captured, plain)
     assert torch.equal(plain, eager_sequences[:, : plain.shape[1]])
+
+
+# -- a compilation the session did not see: the one transformers' generate starts --------------------
+def _auto_compile_config(backend="aot_eager"):
+    """What ``generate`` compiles its decode steps with (on a GPU with a static cache; here
+    forced on the CPU through the config's all-devices switch)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(backend=backend)
+    config._compile_all_devices = True
+    return config
+
+
+def test_a_compile_generate_starts_runs_the_eager_hooks_outside_its_graph():
+    """Traced, the eager hooks fail to compile (their ring copies mutate views dynamo cannot
+    functionalise); run outside the graph, every record is what the compiled steps computed."""
+    model = _model()
+    ids, mask = left_padded_batch()
+    pads = (mask == 0).sum(1).tolist()
+    w = MemoryWriter()
+    with attach(model, hooks="resid_pre logits", writer=w, decode_chunk_steps=1) as cap:
+        rids, out = cap.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False,
+                                 cache_implementation="static", compile_config=_auto_compile_config(),
+                                 output_hidden_states=True, output_logits=True, return_dict_in_generate=True)
+    assert not cap.compiled and hasattr(model, "_compiled_call")  # the decode steps ran compiled
+    checked = 0
+    for i, rid in enumerate(rids):
+        for k, data, _ in w.records:
+            if k.request_id != rid:
+                continue
+            if k.hook == "resid_pre":
+                hidden = out.hidden_states[k.step][k.layer]
+                want = hidden[i, pads[i]:] if k.step == 0 else hidden[i]
+            else:
+                want = out.logits[k.step][i : i + 1]
+            assert torch.equal(data, want.reshape(data.shape)), k
+            checked += 1
+    assert checked == len(rids) * N_NEW * (model.config.num_hidden_layers + 1)
+
+
+def test_an_eager_session_turns_off_the_compile_generate_would_start(monkeypatch):
+    """On a GPU with a static cache ``generate`` compiles its decode steps with CUDA graphs by
+    itself; here that choice is forced (the model says the hardware qualifies)."""
+    model = _model()
+    monkeypatch.setattr(model, "_valid_auto_compile_criteria", lambda model_kwargs, config: not config.disable_compile)
+    ids, mask = left_padded_batch()
+    w = MemoryWriter()
+    with attach(model, hooks="resid_post", writer=w) as cap:
+        cap.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False, cache_implementation="static")
+        model.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False, cache_implementation="static")
+    assert not hasattr(model, "_compiled_call")
+    assert len({k.request_id for k, _, _ in w.records}) == 2 * ids.shape[0]
+
+
+def test_compilation_the_caller_configured_is_left_alone():
+    from dmi.capture._session import _compilation_configured
+
+    model = _model()
+    assert not _compilation_configured(model, {})
+    assert _compilation_configured(model, {"disable_compile": False})
+    assert _compilation_configured(model, {"compile_config": _auto_compile_config()})
+    model.generation_config.compile_config = _auto_compile_config()
+    assert _compilation_configured(model, {})
