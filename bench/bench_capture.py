@@ -69,6 +69,14 @@ shared machine hits all of them alike:
                           ``cap.generate`` plus ``cap.flush()`` (the round's packs sealed and
                           published). Its ratio is to ``compiled baseline``.
 
+* ``hf-compiled baseline`` a copy of the model whose ``generate`` compiles the decode steps
+                          itself (static cache, transformers' default compile config: inductor
+                          with ``reduce-overhead``, so CUDA graphs on a GPU; forced on the CPU),
+                          nothing attached
+* ``hf-compiled dmi resid_post`` another such copy attached with ``compiled=True`` once for
+                          the run: the capture op inside the decode steps' graph (and their CUDA
+                          graphs). Its ratio is to ``hf-compiled baseline``.
+
 Attaching to a compiled model clears torch.compile's caches and turns on dynamo's hook
 guards until detach (docs/capture.md), so the compiled session stays attached across rounds
 (both compiled configurations run under the same guards), and both run once, untimed,
@@ -154,10 +162,10 @@ def gen_kwargs(args):
     return kw
 
 
-def run_baseline(model, ids, mask, args, ctx):
+def run_baseline(model, ids, mask, args, ctx, **extra):
     sync()
     t0 = time.perf_counter()
-    out = model.generate(ids, attention_mask=mask, **gen_kwargs(args))
+    out = model.generate(ids, attention_mask=mask, **gen_kwargs(args), **extra)
     sync()
     return time.perf_counter() - t0, {"sequences": out}
 
@@ -279,6 +287,36 @@ def run_in_session(hooks):
     return run
 
 
+def hf_compiled_kwargs(args) -> dict:
+    """``generate`` arguments under which transformers compiles the decode steps itself: a
+    static cache and its default compile config (inductor, ``reduce-overhead``: CUDA graphs on
+    a GPU), forced on other devices through the config's all-devices switch."""
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    config._compile_all_devices = not args.device.startswith("cuda")
+    return {"cache_implementation": "static", "compile_config": config}
+
+
+def open_hf_compiled(model, args, ctx, stack) -> None:
+    """Two copies of ``model`` whose ``generate`` compiles its decode steps: one plain, one
+    attached for the run with ``compiled=True`` (the capture op inside the graph)."""
+    from dmi.capture import attach
+
+    ctx["hf_plain"] = copy_of(model)
+    ctx["hf_session"] = stack.enter_context(attach(
+        copy_of(model), hooks="resid_post", store=ctx["store"], catalog=ctx["catalog"], compiled=True,
+        model_id="bench-llama-hf-compiled", ring_slots=args.ring_slots, slot_bytes=args.slot_mib << 20))
+
+
+def run_hf_compiled_baseline(model, ids, mask, args, ctx):
+    return run_baseline(ctx["hf_plain"], ids, mask, args, ctx, **hf_compiled_kwargs(args))
+
+
+def run_hf_compiled_dmi(model, ids, mask, args, ctx):
+    return run_session_round(ctx["hf_session"], ids, mask, args, **hf_compiled_kwargs(args))
+
+
 def run_compiled_baseline(model, ids, mask, args, ctx):
     return run_baseline(ctx["compiled_plain"], ids, mask, args, ctx)
 
@@ -287,13 +325,13 @@ def run_compiled_dmi(model, ids, mask, args, ctx):
     return run_session_round(ctx["compiled_session"], ids, mask, args)
 
 
-def run_session_round(cap, ids, mask, args):
+def run_session_round(cap, ids, mask, args, **extra):
     """One round on a session attached for the whole run: ``cap.generate`` plus
     ``cap.flush()`` (the round's packs sealed and published), timed together."""
     before = cap.stats
     sync()
     t0 = time.perf_counter()
-    rids, out = cap.generate(ids, attention_mask=mask, **gen_kwargs(args))
+    rids, out = cap.generate(ids, attention_mask=mask, **gen_kwargs(args), **extra)
     sync()
     t1 = time.perf_counter()
     cap.flush()
@@ -377,10 +415,13 @@ CONFIGS = {
     "naive all_but_patterns": run_naive("all_but_patterns"),
     "compiled baseline": run_compiled_baseline,
     "compiled dmi resid_post": run_compiled_dmi,
+    "hf-compiled baseline": run_hf_compiled_baseline,
+    "hf-compiled dmi resid_post": run_hf_compiled_dmi,
 }
 ONE_SESSION = {"dmi resid_post one session": "resid_post", "dmi all_but_patterns one session": "all_but_patterns"}
 """Configurations captured by one session attached before the first round (``open_sessions``)."""
 RATIO_TO = {"compiled baseline": "compiled baseline", "compiled dmi resid_post": "compiled baseline",
+            "hf-compiled baseline": "hf-compiled baseline", "hf-compiled dmi resid_post": "hf-compiled baseline",
             "baseline copy": "baseline copy", **{n: "baseline copy" for n in ONE_SESSION}}
 """Configurations whose ratio is to another baseline than ``baseline``."""
 
@@ -436,9 +477,11 @@ def main(argv=None):
                 run_baseline(model, ids, mask, argparse.Namespace(new=2, cache=args.cache), ctx)  # warm-up: the rounds' shapes
                 if any(n.startswith("compiled") for n in names):
                     open_compiled(model, args, ctx, stack)
+                if any(n.startswith("hf-compiled") for n in names):
+                    open_hf_compiled(model, args, ctx, stack)
                 open_sessions(model, names, args, ctx, stack)
                 for n in names:
-                    if n.startswith("compiled"):
+                    if n.startswith(("compiled", "hf-compiled")):
                         CONFIGS[n](model, ids, mask, args, ctx)  # compile its graphs, untimed
                 results: dict[str, list] = {n: [] for n in names}
                 refs: dict[str, torch.Tensor] = {}  # compiled kernels may round differently from eager

@@ -11,12 +11,12 @@ cannot cost the eager figures:
   drain's work taken away — ``hooks only`` — and one session for the run against
   ``baseline copy``); DMI all hooks but patterns with one and with eight encode
   threads; naive hooks + ``torch.save`` for both selections;
-* ``--compiled``: baseline, ``compiled baseline`` and ``compiled dmi resid_post`` under
-  ``--compile-mode reduce-overhead`` (inductor plus CUDA graphs, cudagraph trees): the capture
-  op replays inside the graph, writing into its fixed-address staging buffer. Every row of this
-  set generates with a static cache (``--cache static``): under CUDA graphs the dynamic cache
-  keeps each replay's keys and values, which the next replay overwrites (torch raises
-  "accessing tensor output of CUDAGraphs that has been overwritten").
+* ``--compiled``: baseline, ``hf-compiled baseline`` and ``hf-compiled dmi resid_post``:
+  transformers' ``generate`` compiles the decode steps itself (static cache, inductor with
+  ``reduce-overhead``: CUDA graphs, cudagraph trees), and the session attached with
+  ``compiled=True`` has the capture op replay inside them, writing into its fixed-address
+  staging buffer. (The ``compiled ...`` rows, ``model.forward`` compiled by hand, failed on the
+  first GPU run without DMI: docs/benchmarks.md, stop 38.)
 
 ``--no-catalog`` (packs sealed, nothing published) where chDB cannot be installed: the GPU
 machines lent to this project take packages as wheels of at most 64 MiB in all, and chDB's
@@ -42,7 +42,7 @@ GPU_DEFAULTS = ["--device", "cuda", "--layers", "16", "--hidden", "2048", "--int
                 "--ring-slots", "8", "--slot-mib", "256", "--compile-mode", "reduce-overhead"]
 EAGER = ("baseline,dmi resid_post,dmi resid_post hooks only,naive resid_post,dmi all_but_patterns,dmi all_but_patterns 8 encode threads,"
          "naive all_but_patterns,baseline copy,dmi resid_post one session")
-COMPILED = "baseline,compiled baseline,compiled dmi resid_post"
+COMPILED = "baseline,hf-compiled baseline,hf-compiled dmi resid_post"
 
 
 def main(argv=None):
@@ -55,7 +55,6 @@ def main(argv=None):
     if "--compiled" in argv:
         argv.remove("--compiled")
         configs = COMPILED
-        argv = ["--cache", "static"] + argv  # CUDA graphs need it: see bench_capture's --cache
     argv = ["--configs", configs] + argv
     if "--quick" in argv:
         argv.remove("--quick")

@@ -151,3 +151,33 @@ def test_cuda_graphs_generate_the_same_tokens_with_and_without_capture():
     for rid in rids:  # generate asks each forward for the last position's logits only
         rows = sum(k.n_tokens for k, _, _ in w.records if k.request_id == rid and k.hook == "logits")
         assert rows == 3, rid
+
+
+@pytest.mark.slow
+def test_cuda_graphs_capture_the_decode_steps_generate_compiles():
+    """How to capture under CUDA graphs with transformers' ``generate``: with a static cache it
+    compiles its decode steps with CUDA graphs by itself, and a session attached with
+    ``compiled=True`` has the capture op replay inside them. Not yet run on a GPU (written
+    after the stop-38 runs). The replayed steps' own outputs are not kept (the next replay
+    overwrites them), so the references are the tokens of a plain run and the embeddings:
+    layer 0's ``resid_pre`` is the embedding of the step's token, exact under any kernels."""
+    model = tiny("llama", num_hidden_layers=2).cuda()
+    ids, mask, pads = _cuda_batch()
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="static")
+    w = MemoryWriter()
+    with attach(model, hooks="resid_pre logits", writer=w, decode_chunk_steps=1, compiled=True) as cap:
+        rids, captured = cap.generate(ids, **kw)
+    assert hasattr(model, "_compiled_call")  # generate compiled the decode steps
+    plain = model.generate(ids, **kw)
+    assert torch.equal(captured, plain)
+    embed = model.get_input_embeddings()
+    for i, rid in enumerate(rids):
+        got = {k.step: d for k, d, _ in w.records if k.request_id == rid and k.hook == "resid_pre" and k.layer == 0}
+        assert sorted(got) == [0, 1, 2, 3]
+        tokens = captured[i, pads[i]:]
+        with torch.no_grad():
+            want = embed(tokens).cpu()
+        prompt = ids.shape[1] - pads[i]
+        assert torch.equal(got[0], want[:prompt])
+        for step in (1, 2, 3):
+            assert torch.equal(got[step], want[prompt + step - 1 : prompt + step]), (rid, step)

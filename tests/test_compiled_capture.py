@@ -362,6 +362,27 @@ def test_an_eager_session_turns_off_the_compile_generate_would_start(monkeypatch
     assert len({k.request_id for k, _, _ in w.records}) == 2 * ids.shape[0]
 
 
+def test_a_compiled_session_captures_inside_the_steps_generate_compiles():
+    """``compiled=True`` on an uncompiled model: the capture op is traced into the graph
+    ``generate`` compiles its decode steps into (CUDA graphs on a GPU); the prefill runs the
+    same op eagerly. Every record is what those steps computed."""
+    model = _model()
+    ids, mask = left_padded_batch()
+    pads = (mask == 0).sum(1).tolist()
+    w = MemoryWriter()
+    with attach(model, hooks="resid_pre logits", writer=w, decode_chunk_steps=1, compiled=True) as cap:
+        rids, out = cap.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False,
+                                 cache_implementation="static", compile_config=_auto_compile_config(),
+                                 output_hidden_states=True, output_logits=True, return_dict_in_generate=True)
+    assert cap.compiled and hasattr(model, "_compiled_call")
+    for i, rid in enumerate(rids):
+        for k, data, _ in w.records:
+            if k.request_id == rid and k.hook == "resid_pre":
+                hidden = out.hidden_states[k.step][k.layer]
+                assert torch.equal(data, hidden[i, pads[i]:] if k.step == 0 else hidden[i]), k
+    assert len(w.records) == len(rids) * N_NEW * (model.config.num_hidden_layers + 1)
+
+
 def test_compilation_the_caller_configured_is_left_alone():
     from dmi.capture._session import _compilation_configured
 
