@@ -7,7 +7,9 @@ slot's ``uint8`` buffer and viewing the slice twice (dtype, then shape); since t
 ``as_strided`` over a view of the whole buffer in that dtype, made once per slot and dtype
 (``Slot.rows``). Timed here in a loop on one thread, under ``torch.inference_mode`` as a
 capture runs, for a decode-sized region (``[8, 576]`` bf16, SmolLM2's hidden size) and a
-prefill-sized one (``[1024, 576]``); plus the copy into it, for scale. Idle-machine figures;
+prefill-sized one (``[1024, 576]``); plus the copy into it, for scale. Last, what a hook's
+call costs when it runs outside any graph (``outside_graph``), as every Python hook of a
+session does since stop 38, against a plain call. Idle-machine figures;
 under a model that keeps both cores busy each piece takes several times longer
 (``bench_capture.py``'s ``hooks only`` row measures the whole hook path there).
 
@@ -66,6 +68,21 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for name, before, after, copy in rows:
         print(f"| {name} | {before:.2f} | {after:.2f} | {copy:.2f} |")
+    plain, outside = hook_call_us()
+    print("\n| a forward hook's call | µs |\n|---|---:|")
+    print(f"| plain Python function | {plain:.2f} |\n| run outside any graph (``outside_graph``, since stop 38) | {outside:.2f} |")
+
+
+def hook_call_us() -> tuple[float, float]:
+    """A hook's call, plain and wrapped as every Python hook of a session is since stop 38
+    (``torch._dynamo.disable``: a compile DMI did not see breaks its graph there)."""
+    from dmi.capture._compiled import outside_graph
+
+    def hook(module, args, kwargs, output):
+        return None
+
+    wrapped = outside_graph(hook)
+    return per_call_us(lambda: hook(None, (), {}, None)), per_call_us(lambda: wrapped(None, (), {}, None))
 
 
 if __name__ == "__main__":
