@@ -7,6 +7,10 @@
 #
 # WHEEL_DIR: wheels of DMI's dependencies missing on that machine (zstandard, xxhash, ...),
 # installed with --no-deps first. Without chDB there the benchmark runs with --no-catalog.
+# For the lent H200 (Python 3.12, no network) they were fetched here, into an ignored folder
+# carried with the run (stop 38):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl zstandard xxhash
 # Warnings are shown, not raised (-W default): that machine's torch and transformers are
 # other versions than CI's, and their deprecations are not what these checks are for.
 set -u
