@@ -156,10 +156,7 @@ def sync():
 
 
 def gen_kwargs(args):
-    kw = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False)
-    if args.cache:
-        kw["cache_implementation"] = args.cache
-    return kw
+    return dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False)
 
 
 def run_baseline(model, ids, mask, args, ctx, **extra):
@@ -449,9 +446,6 @@ def main(argv=None):
     p.add_argument("--no-catalog", action="store_true",
                    help="capture with catalog=None (packs sealed, nothing published, no lease): for a "
                         "machine where chDB cannot be installed")
-    p.add_argument("--cache", default=None,
-                   help="generate's cache_implementation for every configuration (e.g. 'static', which "
-                        "CUDA graphs need: a dynamic cache keeps graph outputs the next replay overwrites)")
     p.add_argument("--compile-mode", default=None,
                    help="torch.compile mode of the compiled configurations (default: inductor's default)")
     args = p.parse_args(argv)
@@ -474,7 +468,7 @@ def main(argv=None):
         ctx = {"store": PackStore.local(os.path.join(tmp, "packs")), "catalog": catalog, "tmp": tmp}
         try:
             with torch.inference_mode(), contextlib.ExitStack() as stack:
-                run_baseline(model, ids, mask, argparse.Namespace(new=2, cache=args.cache), ctx)  # warm-up: the rounds' shapes
+                run_baseline(model, ids, mask, argparse.Namespace(new=2), ctx)  # warm-up: the rounds' shapes
                 if any(n.startswith("compiled") for n in names):
                     open_compiled(model, args, ctx, stack)
                 if any(n.startswith("hf-compiled") for n in names):

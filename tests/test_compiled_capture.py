@@ -16,6 +16,7 @@ Models are tiny (2 layers, hidden 32) and the inductor-compiled model is built o
 from __future__ import annotations
 
 import threading
+import types
 
 import pytest
 import torch
@@ -392,3 +393,8 @@ def test_compilation_the_caller_configured_is_left_alone():
     assert _compilation_configured(model, {"compile_config": _auto_compile_config()})
     model.generation_config.compile_config = _auto_compile_config()
     assert _compilation_configured(model, {})
+    model.generation_config.compile_config = None
+    model.generation_config.disable_compile = True
+    assert _compilation_configured(model, {})
+    older = types.SimpleNamespace(compile_config=None)  # a transformers without disable_compile
+    assert _compilation_configured(_model(), {"generation_config": older})
