@@ -92,7 +92,8 @@ gguf accelerate``) and its one-time conversion happens before any clock starts.
 Reported: tokens/s (batch × new tokens / wall time), and the ratio to the baseline of the
 same round (median over rounds, and the lowest and highest of them). For DMI also where the
 time goes: time inside ``generate``, the tail of closing (last packs sealed + published),
-drain-thread busy time, ring waits. Every round's generated tokens are compared with the
+drain-thread busy time, how long acquiring the publisher lease took (beside the drain; per-call
+sessions only), ring waits. Every round's generated tokens are compared with the
 first round of its reference configuration (``baseline``, or the one its ratio is to); a round
 that differs is marked, counted in the last column, and makes the script exit 1 after the
 table. ``--quick`` runs a small version for a smoke test.
@@ -185,6 +186,7 @@ def run_dmi(hooks, writer_options=None, encode_threads=1, drain_nice=None, direc
         s = cap.stats
         return t2 - t0, {"sequences": out, "generate_s": t1 - t0, "close_s": t2 - t1,
                          "drain_busy_s": s["drain_busy_seconds"], "hook_s": s["hook_seconds"], "ring_waits": s["ring_waits"],
+                         "lease_s": s["lease_seconds"],
                          "ring_wait_s": s["ring_wait_seconds"], "records": s["records"],
                          "packs": s["packs_published"], "bytes": s["reserved_bytes"]}
     return run
@@ -512,9 +514,9 @@ def report(args, names, results):
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs{gpu}, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}\n")
     print("| configuration | tokens/s (median) | × baseline (median of per-round ratios) | "
-          "per-round ratios min–max | generate s | close s | model-thread hook s | drain busy s | ring waits | "
+          "per-round ratios min–max | generate s | close s | model-thread hook s | drain busy s | lease s | ring waits | "
           "captured bytes | rounds with the reference's tokens |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in names:
         base = [s for s, _ in results.get(RATIO_TO.get(n, "baseline"), [])]
         secs = [s for s, _ in results[n]]
@@ -525,12 +527,12 @@ def report(args, names, results):
         infos = [i for _, i in results[n]]
 
         def med(k):
-            vals = [i[k] for i in infos if k in i]
+            vals = [i[k] for i in infos if i.get(k) is not None]
             return statistics.median(vals) if vals else None
 
         fmt = lambda v, f="{:.2f}": "" if v is None else f.format(v)  # noqa: E731
         print(f"| {n} | {tps:.1f} | {ratio:.3f} | {spread} | {fmt(med('generate_s'))} | {fmt(med('close_s'))} | "
-              f"{fmt(med('hook_s'))} | {fmt(med('drain_busy_s'))} | {fmt(med('ring_waits'), '{:.0f}')} | "
+              f"{fmt(med('hook_s'))} | {fmt(med('drain_busy_s'))} | {fmt(med('lease_s'))} | {fmt(med('ring_waits'), '{:.0f}')} | "
               f"{fmt(med('bytes'), '{:,.0f}')} | {sum(i['same_tokens'] for i in infos)}/{len(infos)} |")
 
 

@@ -22,6 +22,15 @@ each releasing the GIL — so N records encode at once); the drain thread waits 
 them before it frees the slot or seals a pack. Records then reach a pack in the order their
 encoding finished, not the order they were cut (each is found by its key, never by its place).
 
+**Working before the lease is held**: ``start`` (the session's publisher lease) runs on a
+thread of its own beside the drain's, at the drain's priority, so slots are cut, encoded and
+written from the first step while the catalog answers: acquiring a lease is a few catalog
+statements, and below a model on the CPU they can take the whole call (``stats.start_seconds``;
+docs/capture.md, "The lease beside the drain", has the measurements). Only
+publishing waits for it: packs sealed before it is held stay in ``ctx.sealed`` until it is; a
+seal or flush waits for it. If it fails, the error surfaces like any other (nothing is
+published); packs already sealed stay in the store, unpublished, for ``dmi recover``.
+
 **Publishing at most every ``publish_interval`` seconds**: a seal asked for because requests
 finished (:meth:`Drain.seal_soon`) stores those requests' rows at once, and seals and
 publishes the pack at once only if the last such seal is at least ``publish_interval`` ago;
@@ -49,7 +58,8 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -76,6 +86,7 @@ class DrainStats:
     busy_seconds: float = 0.0
     codec_switches: int = 0  # times the drain went from the writer's codec to the fallback
     records_fallback: int = 0  # records stored with the fallback codec
+    start_seconds: float | None = None  # how long ``start`` (the lease) took; None until it succeeded
 
 
 @dataclass(slots=True)
@@ -131,7 +142,8 @@ class Drain:
         self._tick_seconds = tick_seconds
         self._last_tick = time.monotonic()
         self.stats = DrainStats()
-        self._start = start  # called first on the thread (acquire the publisher lease)
+        self._start = start  # called on a thread of its own as the drain starts (acquire the publisher lease)
+        self._started: Future | None = None  # that call; publishing waits for it
         self.decode_chunk_steps = decode_chunk_steps
         self.decode_chunk_bytes = decode_chunk_bytes
         self._staged: dict[tuple[str, int], _Staged] = {}
@@ -223,11 +235,7 @@ class Drain:
             self._lower_priority()
         except OSError as exc:  # surfaced by check()
             self.error = exc
-        if self._start is not None:
-            try:
-                self._start()
-            except BaseException as exc:  # noqa: BLE001 - surfaced by check()
-                self.error = exc
+        self._begin_start()
         while True:
             try:
                 item = self._q.get(timeout=self._wait_seconds())
@@ -238,7 +246,8 @@ class Drain:
                     self._seal_now()
                 except BaseException as exc:  # noqa: BLE001 - surfaced by check()
                     self.error = exc
-            if self._tick is not None and self.error is None and (
+            self._check_started()
+            if self._tick is not None and self.error is None and self._has_started() and (
                 time.monotonic() - self._last_tick >= self._tick_seconds
             ):
                 try:
@@ -256,6 +265,7 @@ class Drain:
                     if self.error is None:
                         self.error = exc
                 finally:
+                    self._join_start()
                     if self._encoders is not None:
                         self._encoders.shutdown(wait=True)
                 return
@@ -291,6 +301,38 @@ class Drain:
             finally:
                 self.ring.release(item)
 
+    def _begin_start(self) -> None:
+        """Call ``start`` on a thread of its own, made here so that it runs at the drain's nice level."""
+        if self._start is None:
+            return
+        starter = ThreadPoolExecutor(1, thread_name_prefix=f"{self._thread.name}-start")
+        self._started = starter.submit(self._timed_start)
+        starter.shutdown(wait=False)
+
+    def _timed_start(self) -> None:
+        t0 = time.perf_counter()
+        self._start()
+        self.stats.start_seconds = time.perf_counter() - t0
+
+    def _has_started(self) -> bool:
+        return self._started is None or self._started.done()
+
+    def _check_started(self) -> None:
+        """A failed ``start`` becomes the drain's error as soon as it is known."""
+        started = self._started
+        if self.error is None and started is not None and started.done() and started.exception() is not None:
+            self.error = started.exception()
+
+    def _join_start(self) -> None:
+        """Wait for ``start`` to finish, whatever its outcome (already the drain's error if it failed)."""
+        if self._started is not None:
+            futures.wait([self._started])
+
+    def _await_start(self) -> None:
+        """Wait for ``start`` to finish (its failure raised): publishing needs what it acquires."""
+        if self._started is not None:
+            self._started.result()
+
     def _wait_seconds(self) -> float:
         """How long the thread may wait for work: until the next lease tick or a seal due."""
         if self._seal_due is None:
@@ -319,6 +361,7 @@ class Drain:
 
     def _seal_now(self) -> None:
         self._seal_due = None
+        self._await_start()
         self._flush_losses()
         desc = self.writer.seal()
         if desc is not None and all(d is not desc for d in self.ctx.sealed):
@@ -327,9 +370,12 @@ class Drain:
         self._last_seal = time.monotonic()
 
     def _publish_sealed(self) -> None:
+        """Publish the packs sealed so far — once ``start`` has acquired the lease; until then
+        they wait in ``ctx.sealed``."""
         sealed = self.ctx.sealed
-        if not sealed:
+        if not sealed or not self._has_started():
             return
+        self._await_start()
         batch = list(sealed)
         sealed.clear()
         self.stats.packs_sealed += len(batch)

@@ -209,6 +209,7 @@ class CaptureSession:
             "packs_published": d.packs_published,
             "seals_deferred": d.seals_deferred,
             "drain_busy_seconds": d.busy_seconds,
+            "lease_seconds": d.start_seconds,
             "codec_switches": d.codec_switches,
             "records_fallback_codec": d.records_fallback,
             "hook_seconds": self._hook_seconds,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -103,7 +104,7 @@ def test_drop_policy_counts_every_dropped_record_in_the_catalog(store_and_catalo
     assert {r["hook"] for r in losses} == {"resid_post"}
 
 
-def test_a_held_publishing_scope_surfaces_and_nothing_is_published(store_and_catalog):
+def test_a_held_publishing_scope_surfaces_nothing_is_published_and_what_was_sealed_is_recoverable(store_and_catalog):
     from dmi.storage.errors import DrainError, LeaseHeldError
 
     store, catalog = store_and_catalog
@@ -118,6 +119,94 @@ def test_a_held_publishing_scope_surfaces_and_nothing_is_published(store_and_cat
     assert isinstance(e.value.__cause__, LeaseHeldError)
     assert catalog.find_records("m-held") == []
     other.release()
+    # the drain wrote while the lease was asked for: what it sealed is in the store, and recovery
+    # publishes it once the scope is free — the forward's records, one per request and layer
+    assert len(catalog.recover(store)) == 1
+    layers = model.config.num_hidden_layers
+    assert len(catalog.find_records("m-held", hook="resid_post")) == ids.shape[0] * layers
+
+
+class _SlowLeaseCatalog:
+    """The real catalog, with its publishers' ``acquire`` held until ``gate`` opens. It stands
+    in for a catalog that answers slowly — below a model on the CPU the drain's lease
+    statements took a whole ``generate`` on this project's machine — which the real one cannot
+    be made to do on demand."""
+
+    def __init__(self, catalog):
+        self._catalog = catalog
+        self.gate = threading.Event()
+        self.asked = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._catalog, name)
+
+    def publisher(self, *args, **kwargs):
+        publisher = self._catalog.publisher(*args, **kwargs)
+        acquire = publisher.acquire
+
+        def acquire_when_let():
+            self.asked.set()
+            assert self.gate.wait(60), "the test never opened the gate"
+            return acquire()
+
+        publisher.acquire = acquire_when_let
+        return publisher
+
+
+def test_the_drain_writes_while_the_lease_is_acquired_and_publishes_once_it_is_held(store_and_catalog):
+    """Six steps through a ring of two one-step slots while the lease is still being acquired:
+    the drain frees the slots as the model fills them (a drain that waited for the lease first
+    would leave the model waiting for a slot until ``RingFullError``), and publishes nothing
+    until the lease is held. Nor does it renew a lease it does not hold yet: the gate stays shut
+    for more than a renewal's interval (a third of ``lease_seconds``) and two keep-alive ticks."""
+    store, catalog = store_and_catalog
+    slow = _SlowLeaseCatalog(catalog)
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    try:
+        with attach(model, hooks="resid_post", store=store, catalog=slow, model_id="m-slow-lease",
+                    ring_slots=2, slot_bytes=8192, ring_timeout=5, decode_chunk_steps=1,
+                    writer_options={"max_records": 6}, lease_seconds=2.0) as cap:
+            rids, _ = cap.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+            assert slow.asked.is_set() and not slow.gate.is_set()
+            assert cap.stats["slots_submitted"] == 6
+            assert catalog.find_records("m-slow-lease") == []
+            assert cap.stats["packs_published"] == 0
+            time.sleep(1.5)
+            slow.gate.set()
+    finally:
+        slow.gate.set()
+    layers = model.config.num_hidden_layers
+    assert cap.stats["packs_published"] >= 3
+    assert len(catalog.find_records("m-slow-lease", hook="resid_post")) == len(rids) * layers * 6
+
+
+def test_a_lease_refused_while_the_model_runs_stops_it_at_a_following_step(store_and_catalog):
+    """The lease is refused after the model started: the refusal stops the model's next
+    forwards (each step checks the drain), not only the flush at the end."""
+    from dmi.storage.errors import DrainError, LeaseHeldError
+
+    store, catalog = store_and_catalog
+    other = catalog.publisher("capture/held-later", holder="someone-else")
+    other.acquire()
+    slow = _SlowLeaseCatalog(catalog)
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    try:
+        with pytest.raises(DrainError) as e:
+            with attach(model, hooks="resid_post", store=store, catalog=slow, model_id="m-held-later",
+                        publish_scope="capture/held-later") as cap:
+                cap.forward(ids, attention_mask=mask)
+                slow.gate.set()
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    cap.forward(ids, attention_mask=mask)
+                pytest.fail("the refused lease never stopped the model's forwards")
+    finally:
+        slow.gate.set()
+        other.release()
+    assert isinstance(e.value.__cause__, LeaseHeldError)
+    assert catalog.find_records("m-held-later") == []
 
 
 def test_two_tensor_parallel_ranks_of_one_run_publish_side_by_side(store_and_catalog):
