@@ -8,7 +8,8 @@ each byte once into a staging buffer it reuses, and the disk reads it from there
 (``bench/bench_storage.py``'s ``dmi raw`` row and its ``buffered writes`` row; docs/pack-format.md,
 "Writing around the page cache").
 
-A :class:`DirectFile` fills :data:`STAGING_BYTES` buffers in order. A full one is written by
+A :class:`DirectFile` fills :data:`STAGING_BYTES` buffers in order, behind an Arrow buffer of
+:data:`ARROW_BUFFER_BYTES` that gathers the IPC writer's small pieces before they cost a Python call. A full one is written by
 ``pwrite`` on the file's own write thread (the GIL is released) while the next one fills; at
 most :data:`STAGING_BUFFERS` are in flight, so a slow disk holds the writer back instead of
 piling up memory. :meth:`DirectFile.close` writes the tail, zero-padded to
@@ -31,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["DIRECT_ALIGNMENT", "STAGING_BUFFERS", "STAGING_BYTES", "DirectFile", "open_direct"]
+__all__ = ["ARROW_BUFFER_BYTES", "DIRECT_ALIGNMENT", "STAGING_BUFFERS", "STAGING_BYTES", "DirectFile", "open_direct"]
 
 DIRECT_ALIGNMENT = 4096
 """Offset, length and buffer address of a direct read or write are multiples of this: 4 KiB
@@ -42,6 +43,12 @@ STAGING_BYTES = 4 * 1024 * 1024
 
 STAGING_BUFFERS = 3
 """Buffers one file fills and writes in turn: one filling, the others on their way to disk."""
+
+ARROW_BUFFER_BYTES = 256 * 1024
+"""Arrow's own buffer in front of a :class:`DirectFile`: the IPC writer writes a record batch
+as dozens of pieces (each column's buffers, padding, the metadata); gathered here in C++, they
+reach the file's Python ``write`` once per this many bytes, and a piece at least this large
+goes straight through."""
 
 _POOL_KEPT = 8
 _pool: list[np.ndarray] = []
@@ -71,7 +78,7 @@ def open_direct(path: str) -> pa.NativeFile | None:
         if exc.errno != errno.EINVAL:
             raise
         return None
-    return pa.PythonFile(DirectFile(fd), mode="w")
+    return pa.BufferedOutputStream(pa.PythonFile(DirectFile(fd), mode="w"), buffer_size=ARROW_BUFFER_BYTES)
 
 
 def _take_buffer() -> np.ndarray:

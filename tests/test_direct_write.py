@@ -75,9 +75,25 @@ def test_buffers_are_reused_by_the_next_file(tmp_path):
     kept = {id(b) for b in _direct_write._pool}
     second = direct_or_skip(str(tmp_path / "b"))
     second.write(np.ones(10, dtype=np.uint8))
+    second.flush()  # through Arrow's buffer to the file's own
     taken = {id(b) for b in _direct_write._pool}
     assert len(kept) >= 2 and len(kept - taken) == 1  # the second file took one kept buffer
     second.close()
+
+
+def test_a_record_batch_reaches_the_file_in_few_writes(tmp_path, monkeypatch):
+    """Arrow writes a record batch as dozens of small pieces; its buffer gathers them, so the
+    file's Python ``write`` runs about once per ``ARROW_BUFFER_BYTES``, not once per piece."""
+    direct_or_skip(str(tmp_path / "probe")).close()
+    calls = []
+    real_write = _direct_write.DirectFile.write
+    monkeypatch.setattr(_direct_write.DirectFile, "write", lambda self, data: calls.append(1) or real_write(self, data))
+    with PackWriter(PackStore.local(tmp_path / "packs"), codec="raw") as writer:
+        for layer in range(40):
+            writer.append(RecordKey("model", "run", "req", "resid_post", layer, 0, 4), torch.ones(4, 8))
+        desc = writer.seal()
+    assert desc.size < _direct_write.ARROW_BUFFER_BYTES
+    assert 1 <= len(calls) <= 2, len(calls)
 
 
 def write_pack(store, records: int = 5) -> tuple:
@@ -105,7 +121,7 @@ def test_a_store_writes_direct_by_default(tmp_path):
     store = PackStore.local(tmp_path)
     sink = store.create("a" * 32)
     try:
-        assert isinstance(sink.stream, pa.PythonFile)  # a DirectFile, not an OSFile
+        assert isinstance(sink.stream, pa.BufferedOutputStream)  # Arrow's buffer before a DirectFile, not an OSFile
         assert sink._writeback_from is None  # nothing to start early: bytes go to disk as written
     finally:
         sink.abort()
