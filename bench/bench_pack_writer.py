@@ -23,6 +23,9 @@ Configurations (``--configs``, comma-separated):
 * ``raw buffered`` ...            the same writer into a store that writes through the page
                                   cache (``LocalPackStore(direct_writes=False)``) instead of
                                   around it
+* ``raw unbuffered`` ...          direct writes without Arrow's buffer in front of the file
+                                  (every piece of a record batch a Python ``write``, as
+                                  before commit c11ee65)
 * ``safetensors``                 one ``save_file`` per request, fsync'd (the peer's row of
                                   ``bench_storage.py``)
 
@@ -44,6 +47,7 @@ batch written (columns included), the seal.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import random
@@ -86,10 +90,12 @@ def make_config(spec: str):
     if spec == "safetensors":
         return spec, Safetensors().write
     codec, *options = spec.split()
-    cls, kwargs, direct_writes = _writer.PackWriter, {}, True
+    cls, kwargs, direct_writes, arrow_buffer = _writer.PackWriter, {}, True, True
     for option in options:
         if option == "buffered":
             direct_writes = False
+        elif option == "unbuffered":
+            arrow_buffer = False
         elif option.startswith("@"):
             cls = writer_at(option[1:])
         elif option.startswith("batch="):
@@ -98,11 +104,33 @@ def make_config(spec: str):
             raise SystemExit(f"unknown option {option!r} in {spec!r}")
 
     def write(root, data):
-        with cls(LocalPackStore(root, direct_writes=direct_writes), codec=codec, **kwargs) as w:
-            for (r, i), t in data.items():
-                w.append(key_of(r, i, t.shape[0]), t)
+        with without_arrow_buffer(not arrow_buffer):
+            with cls(LocalPackStore(root, direct_writes=direct_writes), codec=codec, **kwargs) as w:
+                for (r, i), t in data.items():
+                    w.append(key_of(r, i, t.shape[0]), t)
 
     return spec, write
+
+
+@contextlib.contextmanager
+def without_arrow_buffer(active: bool):
+    """While ``active``: local packs opened for direct writes without Arrow's buffer in front."""
+    if not active:
+        yield
+        return
+    from dmi.storage import _store
+
+    real = _store.open_direct
+
+    def unbuffered(path):
+        stream = real(path)
+        return None if stream is None else stream.detach()
+
+    _store.open_direct = unbuffered
+    try:
+        yield
+    finally:
+        _store.open_direct = real
 
 
 def measure(write, root, data) -> tuple[float, int, float]:
