@@ -11,8 +11,7 @@ When the open slot is *submitted* to the drain thread (which turns it into recor
 * when the next tensor does not fit in it (it is full);
 * at the end of a step (:meth:`Ring.end_step`) when the drain has fewer than
   ``HANDOVER_DEPTH`` (2) slots in hand — so the drain always has the next slot queued
-  behind the one it works on, and otherwise (the drain is behind, or still acquiring its
-  publisher lease at the start) the open slot keeps taking the next steps' bytes: the ring
+  behind the one it works on, and otherwise (the drain is behind) the open slot keeps taking the next steps' bytes: the ring
   absorbs the start instead of spending a slot per step;
 * on :meth:`Ring.submit` — the session's ``flush()`` and detach.
 

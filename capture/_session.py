@@ -934,7 +934,7 @@ def _make_writer(store, ctx: KeyContext, run_id: str, options: dict | None):
 
 
 class _Publishing:
-    """The session's publisher lease: acquired on the drain thread as it starts, kept alive
+    """The session's publisher lease: acquired beside the drain thread as it starts, kept alive
     by it, released at detach. Packs are published as they seal; dropped records are counted in
     the catalog's losses."""
 
@@ -947,9 +947,9 @@ class _Publishing:
         self._renewed = time.monotonic()
 
     def start(self) -> None:
-        """Acquire the lease — on the drain thread, so attaching never waits on the catalog;
-        a failure (e.g. ``LeaseHeldError``) surfaces as ``DrainError`` at the next slot,
-        ``flush()`` or exit, before anything is published."""
+        """Acquire the lease — on a thread beside the drain's, so neither attaching nor the
+        drain's work waits on the catalog; a failure (e.g. ``LeaseHeldError``) surfaces as
+        ``DrainError`` at the next step, ``flush()`` or exit, before anything is published."""
         self.publisher.acquire()
         self._renewed = time.monotonic()
 

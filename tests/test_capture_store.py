@@ -104,7 +104,7 @@ def test_drop_policy_counts_every_dropped_record_in_the_catalog(store_and_catalo
     assert {r["hook"] for r in losses} == {"resid_post"}
 
 
-def test_a_held_publishing_scope_surfaces_nothing_is_published_and_what_was_sealed_is_recoverable(store_and_catalog):
+def test_a_held_publishing_scope_surfaces_and_nothing_is_published(store_and_catalog):
     from dmi.storage.errors import DrainError, LeaseHeldError
 
     store, catalog = store_and_catalog
@@ -119,11 +119,6 @@ def test_a_held_publishing_scope_surfaces_nothing_is_published_and_what_was_seal
     assert isinstance(e.value.__cause__, LeaseHeldError)
     assert catalog.find_records("m-held") == []
     other.release()
-    # the drain wrote while the lease was asked for: what it sealed is in the store, and recovery
-    # publishes it once the scope is free — the forward's records, one per request and layer
-    assert len(catalog.recover(store)) == 1
-    layers = model.config.num_hidden_layers
-    assert len(catalog.find_records("m-held", hook="resid_post")) == ids.shape[0] * layers
 
 
 class _SlowLeaseCatalog:
@@ -183,7 +178,9 @@ def test_the_drain_writes_while_the_lease_is_acquired_and_publishes_once_it_is_h
 
 def test_a_lease_refused_while_the_model_runs_stops_it_at_a_following_step(store_and_catalog):
     """The lease is refused after the model started: the refusal stops the model's next
-    forwards (each step checks the drain), not only the flush at the end."""
+    forwards (each step checks the drain), not only the flush at the end; nothing is published,
+    and what the drain wrote meanwhile is sealed in the store, where recovery publishes it
+    once the scope is free."""
     from dmi.storage.errors import DrainError, LeaseHeldError
 
     store, catalog = store_and_catalog
@@ -197,6 +194,10 @@ def test_a_lease_refused_while_the_model_runs_stops_it_at_a_following_step(store
             with attach(model, hooks="resid_post", store=store, catalog=slow, model_id="m-held-later",
                         publish_scope="capture/held-later") as cap:
                 cap.forward(ids, attention_mask=mask)
+                per_forward = ids.shape[0] * model.config.num_hidden_layers
+                written_by = time.monotonic() + 30
+                while cap.stats["records"] < per_forward and time.monotonic() < written_by:
+                    time.sleep(0.01)
                 slow.gate.set()
                 deadline = time.monotonic() + 30
                 while time.monotonic() < deadline:
@@ -207,6 +208,9 @@ def test_a_lease_refused_while_the_model_runs_stops_it_at_a_following_step(store
         other.release()
     assert isinstance(e.value.__cause__, LeaseHeldError)
     assert catalog.find_records("m-held-later") == []
+    assert len(catalog.recover(store)) >= 1
+    recovered = len(catalog.find_records("m-held-later", hook="resid_post"))
+    assert recovered >= per_forward and recovered % per_forward == 0  # whole forwards, the first one at least
 
 
 def test_two_tensor_parallel_ranks_of_one_run_publish_side_by_side(store_and_catalog):
