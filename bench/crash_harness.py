@@ -16,7 +16,9 @@ one of these moments:
 The child lands the first five itself: an environment variable (``DMI_CRASH_AT=phase:k``)
 makes the harness's own wrappers around those functions send SIGKILL to their process on the
 k-th call (nothing in DMI is changed for this). k is drawn from the number of calls a clean
-calibration run makes. Before each record is appended the child writes its key and the SHA-256
+calibration run makes. How many publishes a run makes depends on when its lease is held (packs
+sealed before then wait for it and go in one publish), so a publishing phase's k can exceed a
+trial's own count: that trial is reported as not killed, never as a kill. Before each record is appended the child writes its key and the SHA-256
 of its bytes to a side file, and the ids of packs it begins and seals.
 
 After each trial the parent runs ``Store.recover()`` (what ``dmi recover`` runs) and checks:
