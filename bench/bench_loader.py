@@ -29,6 +29,10 @@ the run, to a loop that touches each batch (a sum, so nothing is lazily skipped)
   through the page cache and (row ``cold-read limit, O_DIRECT``) around it, each twice before
   the first round and once more just before and just after every cold run; the ``x cold-read
   limit`` column is to the best of all these reads
+* ``shuffled-read limit``: the packs read ``O_DIRECT`` in record-sized pieces, the pieces in a
+  seeded random order over ``--read-threads`` threads (no decoding, no copying), with every
+  cold-read limit measurement: what the disk gives the shuffled loader's access pattern. The
+  ratio columns stay to the sequential reads
 * ``x limit beside it``: each cold run's rate over the disk's rate at that moment — the faster
   of the cached and ``O_DIRECT`` reads just before it and just after it — median (and range)
   over the rounds. This VM's disk gives the same sequential read at 0.6 to 2.9 GB/s within
@@ -285,14 +289,47 @@ def cold_read_limit(packs_root: str, direct: bool = False) -> tuple[int, float]:
     return total, seconds
 
 
-def limit_now(packs_root: str, limits: dict[bool, float]) -> float:
+def shuffled_read_limit(packs_root: str, piece: int, threads: int) -> tuple[int, float]:
+    """Bytes of every pack file read ``O_DIRECT`` in ``piece``-byte pieces (a record's size,
+    whole blocks), the pieces in a seeded random order over ``threads`` threads: what the disk
+    gives a reader that must fetch records in shuffled order, with no decoding or copying."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    os.sync()
+    drop_cache(packs_root)
+    piece += -piece % 4096
+    paths = sorted(files_under(packs_root))
+    pieces = [(i, offset) for i, path in enumerate(paths) for offset in range(0, os.path.getsize(path), piece)]
+    random.Random(0).shuffle(pieces)
+    fds = [os.open(path, os.O_RDONLY | os.O_DIRECT) for path in paths]
+    buffers = [mmap.mmap(-1, piece) for _ in range(threads)]
+    try:
+        def read_share(t: int) -> int:
+            return sum(os.preadv(fds[i], [buffers[t]], offset) for i, offset in pieces[t::threads])
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            total = sum(pool.map(read_share, range(threads)))
+        seconds = time.perf_counter() - start
+    finally:
+        for fd in fds:
+            os.close(fd)
+        for buffer in buffers:
+            buffer.close()
+    return total, seconds
+
+
+def limit_now(packs_root: str, limits: dict, piece: int, threads: int) -> float:
     """The disk's rate now, bytes/s: the faster of a cached and an ``O_DIRECT`` sequential read
-    of the packs; each read also joins ``limits`` (the best seconds of each kind in the run)."""
+    of the packs. Each read, and a shuffled read of record-sized pieces, also joins ``limits``
+    (the best seconds of each kind in the run)."""
     best = 0.0
     for direct in (False, True):
         nbytes, seconds = cold_read_limit(packs_root, direct)
-        limits[direct] = min(limits[direct], seconds)
+        limits[direct] = min(limits.get(direct, seconds), seconds)
         best = max(best, nbytes / seconds)
+    seconds = shuffled_read_limit(packs_root, piece, threads)[1]
+    limits["shuffled"] = min(limits.get("shuffled", seconds), seconds)
     return best
 
 
@@ -349,11 +386,11 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
     if "safetensors chunks" in args.methods:
         write_safetensors(st_root, args, dtype)
     packs_root = os.path.join(dmi_home, "packs")
-    limits = {}  # each twice: the disk's speed drifts on a VM
-    for direct in (False, True, False, True):
-        nbytes, seconds = cold_read_limit(packs_root, direct)
-        limits[direct] = min(limits.get(direct, seconds), seconds)
-    limit_bytes = nbytes
+    limits: dict = {}  # best seconds of each kind of read; each twice: the disk's speed drifts on a VM
+    piece = args.tokens * args.hidden * itemsize  # one record's bytes
+    for _ in range(2):
+        limit_now(packs_root, limits, piece, args.read_threads)
+    limit_bytes = cold_read_limit(packs_root)[0]
 
     sizes = [args.tokens] * args.requests
     ideal = ideal_distinct(sizes, total_rows, args.batch)
@@ -383,7 +420,7 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
         for method, (files, make) in methods.items():
             for cache in ("cold", "warm"):
                 if cache == "cold":
-                    before = limit_now(packs_root, limits)
+                    before = limit_now(packs_root, limits, piece, args.read_threads)
                     drop_cache(files)
                 else:
                     consume(make())
@@ -393,8 +430,8 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
                 runs.setdefault((method, cache), []).append((seconds, cpu, first_s))
                 if cache == "cold":
                     rate = total_rows * args.hidden * itemsize / seconds
-                    beside.setdefault(method, []).append(rate / max(before, limit_now(packs_root, limits)))
-    limit_s = min(limits.values())
+                    beside.setdefault(method, []).append(rate / max(before, limit_now(packs_root, limits, piece, args.read_threads)))
+    limit_s = min(limits[False], limits[True])
     limit = limit_bytes / limit_s
     rounds = f"; median of {args.rounds} rounds, methods interleaved" if args.rounds > 1 else ""
     print(f"\n### {name}: {total_rows} token rows x {args.hidden} = {total_rows * args.hidden * itemsize / 1e9:.2f} GB "
@@ -409,9 +446,10 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
         paired = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-"
         print(f"| {method} | {cache} | {total_rows / seconds:,.0f} | {rate / 1e9:.2f} | {rate / limit:.2f} | "
               f"{paired} | {first_s:.2f} | {cpu:.2f} | {quality[method.split(' @')[0]]:.1f} |")
-    for direct, name in ((False, "cold-read limit"), (True, "cold-read limit, O_DIRECT")):
-        rate = limit_bytes / limits[direct]
-        print(f"| {name} | cold | {total_rows / limits[direct]:,.0f} | {rate / 1e9:.2f} | {rate / limit:.2f} "
+    for kind, name in ((False, "cold-read limit"), (True, "cold-read limit, O_DIRECT"),
+                       ("shuffled", f"shuffled-read limit, O_DIRECT, {args.read_threads} threads")):
+        rate = limit_bytes / limits[kind]
+        print(f"| {name} | cold | {total_rows / limits[kind]:,.0f} | {rate / 1e9:.2f} | {rate / limit:.2f} "
               "| - | - | - | - |")
 
     if args.sae_steps:
