@@ -92,7 +92,9 @@ gguf accelerate``) and its one-time conversion happens before any clock starts.
 Reported: tokens/s (batch × new tokens / wall time), and the ratio to the baseline of the
 same round (median over rounds, and the lowest and highest of them). For DMI also where the
 time goes: time inside ``generate``, the tail of closing (last packs sealed + published),
-drain-thread busy time, how long acquiring the publisher lease took (beside the drain; per-call
+drain-thread busy time (wall time; at nice 19 below a CPU model mostly time spent waiting
+for a core), the drain's CPU time (its thread and its encoding threads' appends: the work
+itself), how long acquiring the publisher lease took (beside the drain; per-call
 sessions only), ring waits. Every round's generated tokens are compared with the
 first round of its reference configuration (``baseline``, or the one its ratio is to); a round
 that differs is marked, counted in the last column, and makes the script exit 1 after the
@@ -185,7 +187,8 @@ def run_dmi(hooks, writer_options=None, encode_threads=1, drain_nice=None, direc
         t2 = time.perf_counter()
         s = cap.stats
         return t2 - t0, {"sequences": out, "generate_s": t1 - t0, "close_s": t2 - t1,
-                         "drain_busy_s": s["drain_busy_seconds"], "hook_s": s["hook_seconds"], "ring_waits": s["ring_waits"],
+                         "drain_busy_s": s["drain_busy_seconds"], "drain_cpu_s": s["drain_cpu_seconds"],
+                         "hook_s": s["hook_seconds"], "ring_waits": s["ring_waits"],
                          "lease_s": s["lease_seconds"],
                          "ring_wait_s": s["ring_wait_seconds"], "records": s["records"],
                          "packs": s["packs_published"], "bytes": s["reserved_bytes"]}
@@ -362,7 +365,8 @@ def run_session_round(cap, ids, mask, args, **extra):
     s = cap.stats
     delta = lambda k: s[k] - before[k]  # noqa: E731 - the session's counters span every round
     return t2 - t0, {"sequences": out, "generate_s": t1 - t0, "close_s": t2 - t1,
-                     "drain_busy_s": delta("drain_busy_seconds"), "hook_s": delta("hook_seconds"),
+                     "drain_busy_s": delta("drain_busy_seconds"), "drain_cpu_s": delta("drain_cpu_seconds"),
+                     "hook_s": delta("hook_seconds"),
                      "ring_waits": delta("ring_waits"), "ring_wait_s": delta("ring_wait_seconds"),
                      "records": delta("records"), "packs": delta("packs_published"),
                      "bytes": delta("reserved_bytes")}
@@ -540,9 +544,9 @@ def report(args, names, results):
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs{gpu}, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}\n")
     print("| configuration | tokens/s (median) | × baseline (median of per-round ratios) | "
-          "per-round ratios min–max | generate s | close s | model-thread hook s | drain busy s | lease s | ring waits | "
-          "captured bytes | rounds with the reference's tokens |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "per-round ratios min–max | generate s | close s | model-thread hook s | drain busy s | drain CPU s | lease s | "
+          "ring waits | captured bytes | rounds with the reference's tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in names:
         base = [s for s, _ in results.get(RATIO_TO.get(n, "baseline"), [])]
         secs = [s for s, _ in results[n]]
@@ -558,7 +562,7 @@ def report(args, names, results):
 
         fmt = lambda v, f="{:.2f}": "" if v is None else f.format(v)  # noqa: E731
         print(f"| {n} | {tps:.1f} | {ratio:.3f} | {spread} | {fmt(med('generate_s'))} | {fmt(med('close_s'))} | "
-              f"{fmt(med('hook_s'))} | {fmt(med('drain_busy_s'))} | {fmt(med('lease_s'))} | {fmt(med('ring_waits'), '{:.0f}')} | "
+              f"{fmt(med('hook_s'))} | {fmt(med('drain_busy_s'))} | {fmt(med('drain_cpu_s'))} | {fmt(med('lease_s'))} | {fmt(med('ring_waits'), '{:.0f}')} | "
               f"{fmt(med('bytes'), '{:,.0f}')} | {sum(i['same_tokens'] for i in infos)}/{len(infos)} |")
 
 

@@ -84,6 +84,8 @@ class DrainStats:
     seals_deferred: int = 0  # seals asked for (seal_soon) that waited for publish_interval
     records_lost: int = 0
     busy_seconds: float = 0.0
+    thread_cpu_seconds: float = 0.0  # the drain thread's CPU time, as of its latest turn of the loop
+    encoder_cpu_seconds: float = 0.0  # CPU time of the appends its encoding threads ran
     codec_switches: int = 0  # times the drain went from the writer's codec to the fallback
     records_fallback: int = 0  # records stored with the fallback codec
     start_seconds: float | None = None  # how long ``start`` (the lease) took; None until it succeeded
@@ -255,6 +257,7 @@ class Drain:
                 except BaseException as exc:  # noqa: BLE001 - surfaced by check()
                     self.error = exc
                 self._last_tick = time.monotonic()
+            self.stats.thread_cpu_seconds = time.thread_time()
             if item is _IDLE:
                 continue
             if item is None:
@@ -278,6 +281,7 @@ class Drain:
                             self._seal_and_publish(item.request_ids)
                     except BaseException as exc:  # noqa: BLE001 - surfaced by check()
                         self.error = exc
+                self.stats.thread_cpu_seconds = time.thread_time()  # counted before the caller reads it
                 item.done.set()
                 continue
             if isinstance(item, LostRecords):
@@ -446,7 +450,7 @@ class Drain:
         if self._encoders is None:
             self.writer.append(key, data, **options)
         else:
-            self._writes.append(self._encoders.submit(self.writer.append, key, data, **options))
+            self._writes.append(self._encoders.submit(_timed_append, self.writer, key, data, options))
 
     def _wait_writes(self) -> None:
         """Wait for every append handed to the encoders; the first failure is raised after all finished."""
@@ -454,7 +458,7 @@ class Drain:
         failure = None
         for write in writes:
             try:
-                write.result()
+                self.stats.encoder_cpu_seconds += write.result()
             except BaseException as exc:  # noqa: BLE001 - raised below, once every write is done
                 failure = failure or exc
         if failure is not None:
@@ -641,6 +645,13 @@ class _OpenRun:
         contiguous = self.rows[-1] - first == n - 1
         index = None if contiguous else torch.tensor(self.rows, dtype=torch.long)
         return _Run(self.plan, self.span, n, first, index)
+
+
+def _timed_append(writer, key: RecordKey, data, options: dict) -> float:
+    """``writer.append`` on an encoding thread; returns the CPU seconds it took there."""
+    start = time.thread_time()
+    writer.append(key, data, **options)
+    return time.thread_time() - start
 
 
 def _switchable(writer, codec: str) -> bool:

@@ -209,6 +209,7 @@ class CaptureSession:
             "packs_published": d.packs_published,
             "seals_deferred": d.seals_deferred,
             "drain_busy_seconds": d.busy_seconds,
+            "drain_cpu_seconds": d.thread_cpu_seconds + d.encoder_cpu_seconds,
             "lease_seconds": d.start_seconds,
             "codec_switches": d.codec_switches,
             "records_fallback_codec": d.records_fallback,

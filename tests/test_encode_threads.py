@@ -203,3 +203,32 @@ def test_one_openmp_thread_changes_only_the_calling_thread(two_model_threads):
     expected = 1 if sys.platform.startswith("linux") else 2
     assert seen == [expected]
     assert torch.get_num_threads() == 2
+
+
+class _BusyWriter(MemoryWriter):
+    """Spends a known CPU time on each append (a busy loop timed by its thread's own clock):
+    CPU the drain's figure must count on whichever thread ran the append."""
+
+    CPU_PER_APPEND = 0.01
+
+    def append(self, key, data, **options):
+        end = time.thread_time() + self.CPU_PER_APPEND
+        while time.thread_time() < end:
+            pass
+        super().append(key, data, **options)
+
+
+@pytest.mark.parametrize("encode_threads", [1, 2])
+def test_the_drain_s_cpu_seconds_count_the_appends_of_every_encoding_thread(encode_threads):
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    writer = _BusyWriter()
+    cpu_before = time.process_time()
+    with attach(model, hooks="resid_post", writer=writer, encode_threads=encode_threads) as cap:
+        cap.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        cap.flush()
+        assert cap.stats["drain_cpu_seconds"] >= len(writer.records) * _BusyWriter.CPU_PER_APPEND  # read mid-session
+    process_cpu = time.process_time() - cpu_before
+    appends_cpu = len(writer.records) * _BusyWriter.CPU_PER_APPEND
+    assert len(writer.records) >= 8
+    assert appends_cpu <= cap.stats["drain_cpu_seconds"] <= process_cpu
