@@ -390,7 +390,7 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
     piece = args.tokens * args.hidden * itemsize  # one record's bytes
     for _ in range(2):
         limit_now(packs_root, limits, piece, args.read_threads)
-    limit_bytes = cold_read_limit(packs_root)[0]
+    limit_bytes = sum(os.path.getsize(path) for path in files_under(packs_root))
 
     sizes = [args.tokens] * args.requests
     ideal = ideal_distinct(sizes, total_rows, args.batch)

@@ -1,0 +1,140 @@
+"""Where a cold shuffled epoch's time goes: start-up, window reads, and the tail after them.
+
+One selection of raw-codec packs (as ``bench_loader.py`` writes it: ``--requests`` requests x
+``--tokens`` tokens x d ``--hidden``, bf16), read cold by the shuffled loader (``direct_io``
+as chosen) ``--rounds`` times. Each window's read (``WindowReader.read``, timed from outside:
+the loader is not changed) is logged with its start and end, and each epoch is split into
+
+* **start-up**: from the iterator's creation until the first window read starts (catalog
+  query, plan, threads);
+* **reads**: from the first window read's start to the last one's end, with the bytes read
+  in between (2 windows are read at once by default, so this is the loader's read rate);
+* **tail**: from the last window read's end until the last batch was delivered (the last
+  window's batches gathered and handed out).
+
+Beside each epoch, the packs are read the way the disk is fastest for this access pattern
+and with no decoding or copying: ``O_DIRECT`` in record-sized pieces in a seeded random
+order over ``--read-threads`` threads (``bench_loader.shuffled_read_limit``), once before
+and once after; the epoch's read rate is set against the faster of the two.
+
+    python bench/bench_loader_timeline.py                 # 2 GB, direct I/O, 3 rounds
+    python bench/bench_loader_timeline.py --cached        # through the page cache
+    python bench/bench_loader_timeline.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_loader  # noqa: E402
+
+from dmi import _loader_read  # noqa: E402
+
+
+class WindowLog:
+    """Records (start, end) of every ``WindowReader.read`` while installed."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
+        self._lock = threading.Lock()
+        self._original = _loader_read.WindowReader.read
+
+    def __enter__(self) -> WindowLog:
+        original, log = self._original, self
+
+        def read(reader, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(reader, *args, **kwargs)
+            finally:
+                with log._lock:
+                    log.spans.append((start, time.perf_counter()))
+
+        _loader_read.WindowReader.read = read
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _loader_read.WindowReader.read = self._original
+
+
+def epoch(store, args, direct: bool) -> dict:
+    """One cold shuffled epoch: its total, start-up, read span and tail, seconds."""
+    bench_loader.drop_cache(args.home)
+    with WindowLog() as log:
+        start = time.perf_counter()
+        _, batches = bench_loader.dmi_batches(store, args, torch.bfloat16, True, direct_io=direct)
+        rows = 0
+        for x in batches:
+            rows += x.shape[0]
+        end = time.perf_counter()
+    if rows != args.requests * args.tokens:
+        raise SystemExit(f"the loader delivered {rows} rows, not {args.requests * args.tokens}")
+    first_read = min(s for s, _ in log.spans)
+    last_read = max(e for _, e in log.spans)
+    return {"total": end - start, "startup": first_read - start, "reads": last_read - first_read,
+            "tail": end - last_read, "windows": len(log.spans)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="64 requests x 128 tokens x d 256")
+    parser.add_argument("--requests", type=int, default=954)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=4096)
+    parser.add_argument("--shuffle-buffer", type=int, default=65536)
+    parser.add_argument("--read-threads", type=int, default=4)
+    parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cached", action="store_true", help="read through the page cache, not O_DIRECT")
+    parser.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.tokens, args.hidden, args.batch, args.shuffle_buffer, args.rounds = 64, 128, 256, 512, 2048, 1
+    work = tempfile.mkdtemp(prefix="dmi-bench-timeline-", dir=args.dir)
+    args.home = os.path.join(work, "dmi")
+    try:
+        store = bench_loader.write_dmi(args.home, args, torch.bfloat16)
+        packs = os.path.join(args.home, "packs")
+        piece = args.tokens * args.hidden * 2
+        nbytes = args.requests * args.tokens * args.hidden * 2
+        print(f"# bench_loader_timeline: {platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, "
+              f"load average {os.getloadavg()[0]:.2f} at the start")
+        print(f"\n{args.requests} requests x {args.tokens} tokens x d {args.hidden}, bf16, {nbytes / 1e9:.2f} GB of "
+              f"raw-codec packs; batch {args.batch}, shuffle buffer {args.shuffle_buffer} rows, {args.read_threads} "
+              f"read threads, {args.prefetch} windows read ahead; {'page cache' if args.cached else 'direct I/O'}, "
+              f"cold; {args.rounds} round(s)\n")
+        print("| round | epoch s | GB/s | start-up s | reads s | read GB/s | tail s | windows | shuffled-read limit "
+              "GB/s (before, after) | read rate / limit |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        fractions = []
+        for r in range(args.rounds):
+            before = nbytes / bench_loader.shuffled_read_limit(packs, piece, args.read_threads)[1]
+            e = epoch(store, args, direct=not args.cached)
+            after = nbytes / bench_loader.shuffled_read_limit(packs, piece, args.read_threads)[1]
+            read_rate = nbytes / e["reads"]
+            fractions.append(read_rate / max(before, after))
+            print(f"| {r} | {e['total']:.2f} | {nbytes / e['total'] / 1e9:.2f} | {e['startup']:.2f} | {e['reads']:.2f} | "
+                  f"{read_rate / 1e9:.2f} | {e['tail']:.2f} | {e['windows']} | {before / 1e9:.2f}, {after / 1e9:.2f} | "
+                  f"{fractions[-1]:.2f} |")
+        print(f"\nmedian read rate / shuffled-read limit: {statistics.median(fractions):.2f}; load average "
+              f"{os.getloadavg()[0]:.2f} at the end")
+        store.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
