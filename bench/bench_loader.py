@@ -35,7 +35,7 @@ the run, to a loop that touches each batch (a sum, so nothing is lazily skipped)
   ratio columns stay to the sequential reads
 * ``x limit beside it``: each cold run's rate over the disk's rate at that moment — the faster
   of the cached and ``O_DIRECT`` reads just before it and just after it — median (and range)
-  over the rounds. This VM's disk gives the same sequential read at 0.6 to 2.9 GB/s within
+  over the rounds. This VM's disk gave the same sequential read at 0.6 to 3.1 GB/s within
   minutes, so the best read of a run is a burst the loader may never have been offered; the
   reads beside each run are what the disk gave then
 
