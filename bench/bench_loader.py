@@ -78,6 +78,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -293,8 +294,6 @@ def shuffled_read_limit(packs_root: str, piece: int, threads: int) -> tuple[int,
     """Bytes of every pack file read ``O_DIRECT`` in ``piece``-byte pieces (a record's size,
     whole blocks), the pieces in a seeded random order over ``threads`` threads: what the disk
     gives a reader that must fetch records in shuffled order, with no decoding or copying."""
-    from concurrent.futures import ThreadPoolExecutor
-
     os.sync()
     drop_cache(packs_root)
     piece += -piece % 4096

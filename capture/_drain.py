@@ -84,7 +84,7 @@ class DrainStats:
     seals_deferred: int = 0  # seals asked for (seal_soon) that waited for publish_interval
     records_lost: int = 0
     busy_seconds: float = 0.0
-    thread_cpu_seconds: float = 0.0  # the drain thread's CPU time, as of its latest turn of the loop
+    thread_cpu_seconds: float = 0.0  # the drain thread's CPU time, as of the latest flush or seal it was asked for
     encoder_cpu_seconds: float = 0.0  # CPU time of the appends its encoding threads ran
     codec_switches: int = 0  # times the drain went from the writer's codec to the fallback
     records_fallback: int = 0  # records stored with the fallback codec
@@ -257,7 +257,6 @@ class Drain:
                 except BaseException as exc:  # noqa: BLE001 - surfaced by check()
                     self.error = exc
                 self._last_tick = time.monotonic()
-            self.stats.thread_cpu_seconds = time.thread_time()
             if item is _IDLE:
                 continue
             if item is None:
