@@ -19,7 +19,12 @@ and once after; the epoch's read rate is set against the faster of the two.
 
     python bench/bench_loader_timeline.py                 # 2 GB, direct I/O, 3 rounds
     python bench/bench_loader_timeline.py --cached        # through the page cache
+    python bench/bench_loader_timeline.py --one-loader    # successive epochs of one loader
     python bench/bench_loader_timeline.py --quick
+
+Each epoch also reports the process's CPU seconds and minor page faults (memory mapped
+afresh): a new loader's first epoch maps its read regions and batches; a loader's later
+epochs read into the memory of the one before.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import resource
 import shutil
 import statistics
 import sys
@@ -69,22 +75,30 @@ class WindowLog:
         _loader_read.WindowReader.read = self._original
 
 
-def epoch(store, args, direct: bool) -> dict:
-    """One cold shuffled epoch: its total, start-up, read span and tail, seconds."""
+def epoch(store, args, direct: bool, loader=None) -> dict:
+    """One cold shuffled epoch (of ``loader``'s next epoch, else of a new loader): its total,
+    start-up, read span and tail, seconds; the process's CPU seconds and minor page faults."""
     bench_loader.drop_cache(args.home)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     with WindowLog() as log:
         start = time.perf_counter()
-        _, batches = bench_loader.dmi_batches(store, args, torch.bfloat16, True, direct_io=direct)
+        if loader is None:
+            _, batches = bench_loader.dmi_batches(store, args, torch.bfloat16, True, direct_io=direct)
+        else:
+            batches = iter(loader)
         rows = 0
         for x in batches:
             rows += x.shape[0]
         end = time.perf_counter()
+    after = resource.getrusage(resource.RUSAGE_SELF)
     if rows != args.requests * args.tokens:
         raise SystemExit(f"the loader delivered {rows} rows, not {args.requests * args.tokens}")
     first_read = min(s for s, _ in log.spans)
     last_read = max(e for _, e in log.spans)
     return {"total": end - start, "startup": first_read - start, "reads": last_read - first_read,
-            "tail": end - last_read, "windows": len(log.spans)}
+            "tail": end - last_read, "windows": len(log.spans),
+            "cpu": after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime,
+            "faults": after.ru_minflt - usage.ru_minflt}
 
 
 def main() -> None:
@@ -100,6 +114,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cached", action="store_true", help="read through the page cache, not O_DIRECT")
     parser.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
+    parser.add_argument("--one-loader", action="store_true",
+                        help="the rounds are successive epochs of one loader, not each a new loader's first")
     args = parser.parse_args()
     if args.quick:
         args.requests, args.tokens, args.hidden, args.batch, args.shuffle_buffer, args.rounds = 64, 128, 256, 512, 2048, 1
@@ -115,19 +131,24 @@ def main() -> None:
         print(f"\n{args.requests} requests x {args.tokens} tokens x d {args.hidden}, bf16, {nbytes / 1e9:.2f} GB of "
               f"raw-codec packs; batch {args.batch}, shuffle buffer {args.shuffle_buffer} rows, {args.read_threads} "
               f"read threads, {args.prefetch} windows read ahead; {'page cache' if args.cached else 'direct I/O'}, "
-              f"cold; {args.rounds} round(s)\n")
-        print("| round | epoch s | GB/s | start-up s | reads s | read GB/s | tail s | windows | shuffled-read limit "
-              "GB/s (before, after) | read rate / limit |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              f"cold; {args.rounds} round(s), "
+              f"{'successive epochs of one loader' if args.one_loader else 'each the first epoch of a new loader'}\n")
+        print("| round | epoch s | GB/s | start-up s | reads s | read GB/s | tail s | windows | CPU s | minor faults "
+              "(thousands) | shuffled-read limit GB/s (before, after) | read rate / limit |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        loader = None
+        if args.one_loader:
+            loader, _ = bench_loader.dmi_batches(store, args, torch.bfloat16, True, direct_io=not args.cached)
         fractions = []
         for r in range(args.rounds):
             before = nbytes / bench_loader.shuffled_read_limit(packs, piece, args.read_threads)[1]
-            e = epoch(store, args, direct=not args.cached)
+            e = epoch(store, args, direct=not args.cached, loader=loader)
             after = nbytes / bench_loader.shuffled_read_limit(packs, piece, args.read_threads)[1]
             read_rate = nbytes / e["reads"]
             fractions.append(read_rate / max(before, after))
             print(f"| {r} | {e['total']:.2f} | {nbytes / e['total'] / 1e9:.2f} | {e['startup']:.2f} | {e['reads']:.2f} | "
-                  f"{read_rate / 1e9:.2f} | {e['tail']:.2f} | {e['windows']} | {before / 1e9:.2f}, {after / 1e9:.2f} | "
+                  f"{read_rate / 1e9:.2f} | {e['tail']:.2f} | {e['windows']} | {e['cpu']:.2f} | {e['faults'] / 1e3:.0f} | "
+                  f"{before / 1e9:.2f}, {after / 1e9:.2f} | "
                   f"{fractions[-1]:.2f} |")
         print(f"\nmedian read rate / shuffled-read limit: {statistics.median(fractions):.2f}; load average "
               f"{os.getloadavg()[0]:.2f} at the end")

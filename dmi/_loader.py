@@ -85,12 +85,14 @@ class ActivationDataset(IterableDataset):
 
     Worker ``w`` of ``num_workers`` serves consumer slot ``rank * num_workers + w`` of the
     epoch's order. Used directly, it yields what the loader yields; :class:`TokenLoader`
-    wraps it in a DataLoader and keeps the resume state.
+    wraps it in a DataLoader and keeps the resume state. ``memory``: the pools to read into
+    (the loader's own, kept between epochs, when it reads in its own process); ``None``, new
+    pools for this iteration.
     """
 
     def __init__(self, plan: Plan, packs: PackStore, config: LoaderConfig, *, epoch: int, rank: int,
                  world_size: int, num_workers: int, cursors: tuple[tuple[int, int], ...] | None = None,
-                 rotation: int = 0, bookkeeping: bool = False):
+                 rotation: int = 0, bookkeeping: bool = False, memory: LoaderMemory | None = None):
         super().__init__()
         self.plan, self.packs, self.config = plan, packs, config
         self.epoch, self.rank, self.world_size = epoch, rank, world_size
@@ -98,6 +100,7 @@ class ActivationDataset(IterableDataset):
         self.cursors = cursors or ((0, 0),) * self.slots_per_rank
         self.rotation = rotation
         self.bookkeeping = bookkeeping
+        self.memory = memory
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
@@ -124,7 +127,7 @@ def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
     last = n_windows(order.total, slot, n_slots, cfg.shuffle_buffer, whole_batches=whole)
     io_pool = ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="dmi-loader-io")
     ahead = ThreadPoolExecutor(cfg.prefetch, thread_name_prefix="dmi-loader-window")
-    memory = LoaderMemory(cfg.prefetch)
+    memory = ds.memory if ds.memory is not None else LoaderMemory(cfg.prefetch)
     reader = WindowReader(ds.plan, ds.packs, cfg.fmt, max_gap=cfg.max_gap, on_error=cfg.on_error, io_pool=io_pool,
                           memory=memory, direct_io=cfg.direct_io)
 
@@ -242,6 +245,7 @@ class TokenLoader:
         self.scales = None if config.fmt.scales is None else dict(zip(self.features, config.fmt.scales))
         self.damaged_records: list[str] = []
         self.skipped_rows = 0
+        self._memory = LoaderMemory(config.prefetch)  # kept between epochs read in this process
         self.set_epoch(0)
 
     @property
@@ -280,7 +284,8 @@ class TokenLoader:
     def __iter__(self) -> Iterator[Any]:
         dataset = ActivationDataset(self.plan, self.packs, self.config, epoch=self.epoch, rank=self.rank,
                                     world_size=self.world_size, num_workers=self.num_workers,
-                                    cursors=tuple(self._cursors), rotation=self._next, bookkeeping=True)
+                                    cursors=tuple(self._cursors), rotation=self._next, bookkeeping=True,
+                                    memory=self._memory if self.num_workers == 0 else None)
         if self.num_workers == 0:
             items = iter(dataset)
         else:

@@ -22,13 +22,15 @@ __all__ = ["Arena", "LoaderMemory", "WindowMemory"]
 
 class WindowMemory:
     """At most ``keep`` regions, each lent again when the pool holds its only reference.
-    Windows are read ahead on several threads: taking a region is atomic."""
+    Windows are read ahead on several threads: taking a region is atomic. ``reused`` counts
+    the takes served by a region lent again, ``mapped`` those that got new memory."""
 
     def __init__(self, keep: int):
         self.keep = keep
         self._regions: list[torch.UntypedStorage] = []
         self._lock = threading.Lock()
         self.reused = 0
+        self.mapped = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of uint8 memory (uninitialised): a free region large enough, else a new one."""
@@ -42,6 +44,7 @@ class WindowMemory:
                 self.reused += 1
                 return _lend(region, nbytes)
         region = torch.UntypedStorage(nbytes)
+        self.mapped += 1
         if len(self._regions) < self.keep:
             self._regions.append(region)
         else:
@@ -56,15 +59,20 @@ class WindowMemory:
 
 
 class LoaderMemory:
-    """One consumer's pools for one epoch (freed with it: a loader between epochs holds no
-    memory): the read regions of the windows read ahead, of the one being consumed, and of
-    the one before it while a batch still takes rows from both; and batches — the one being
-    filled, the ones the training loop still holds (a batch of 4096 float32 rows of width
-    2048 is 32 MiB, which the C allocator maps afresh, and faults in, every time)."""
+    """One consumer's pools: the read regions of the windows read ahead, of the one being
+    consumed, and of the one before it while a batch still takes rows from both; and batches
+    — the one being filled, the ones the training loop still holds (a batch of 4096 float32
+    rows of width 2048 is 32 MiB, which the C allocator maps afresh, and faults in, every
+    time). A loader read in its own process keeps them from one epoch to the next (freed
+    with the loader), so only its first epoch maps fresh memory; a pickled copy starts empty."""
 
     def __init__(self, prefetch: int):
+        self.prefetch = prefetch
         self.reads = WindowMemory(prefetch + 2)
         self.batches = WindowMemory(BATCHES_KEPT)
+
+    def __reduce__(self):
+        return LoaderMemory, (self.prefetch,)
 
 
 BATCHES_KEPT = 4

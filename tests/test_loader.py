@@ -157,6 +157,43 @@ def test_rows_stay_exact_while_read_and_batch_memory_is_lent_again(store, monkey
     assert (memory.batches.reused > 0) is not keep
 
 
+def test_a_loader_reads_its_next_epoch_into_the_memory_of_the_last(store, monkeypatch):
+    """Fresh memory is mapped one page fault at a time, and on a VM whose free pages went back
+    to its host each fault waits for the host. A loader read in its own process keeps its
+    pools between epochs: its second epoch reads its windows into the regions of the first
+    (a new one only for a window larger than each of them) and its batches into the first's
+    batch memory, and each row is still its own token's."""
+    import dmi._loader as loader_module
+    from dmi._loader_memory import LoaderMemory
+
+    pools = []
+
+    class Recorded(LoaderMemory):
+        def __init__(self, prefetch):
+            super().__init__(prefetch)
+            pools.append(self)
+
+    monkeypatch.setattr(loader_module, "LoaderMemory", Recorded)
+    loader = store.loader("m", runs="r1", hooks="resid_post", layers=[0], batch_size=4, shuffle_buffer=12,
+                          with_tokens=True, seed=3, prefetch=2)
+    counts = []
+    for _ in range(2):
+        seen = Counter()
+        for x, tokens in loader:
+            for row, (run, request, pos) in zip(x, tokens):
+                assert torch.equal(row, _values(run, request, "resid_post", 0, pos)[0])
+            seen.update(tokens)
+            del x
+        assert seen == Counter(ALL_R1)
+        (memory,) = pools
+        counts.append((memory.reads.mapped, memory.reads.reused, memory.batches.mapped))
+    windows = -(-len(ALL_R1) // 12)
+    (mapped, reused, batches), (mapped_2, reused_2, batches_2) = counts
+    assert mapped + reused == windows and mapped_2 + reused_2 == 2 * windows
+    assert mapped_2 - mapped < mapped  # a window larger than every kept region still maps one
+    assert batches_2 == batches > 0
+
+
 def test_ranks_are_disjoint_and_complete(store):
     per_rank = []
     for rank in range(3):
