@@ -7,15 +7,15 @@ the run, to a loop that touches each batch (a sum, so nothing is lazily skipped)
 
 * ``dmi shuffled``: ``store.loader(...)`` over raw-codec packs with its defaults — global unit
   permutation plus a ``--shuffle-buffer``-row window shuffle, read in the training loop's
-  process on the loader's own threads (``num_workers=0``), through the page cache unless the
-  selection exceeds half the machine's memory
+  process on the loader's own threads (``num_workers=0``), around the page cache
+  (``O_DIRECT``; the default since stop 41)
 * ``dmi shuffled in worker processes``: the same loader with ``num_workers=--workers``: DataLoader
   worker processes, each with its own read threads, every batch sent between processes
-* ``dmi shuffled direct I/O``: ``dmi shuffled`` with ``direct_io=True``: the packs read
-  around the page cache (``O_DIRECT``), which the loader does by itself for a selection larger
-  than half the machine's memory (docs/loader.md, "Direct I/O")
+* ``dmi shuffled through the page cache``: ``dmi shuffled`` with ``direct_io=False`` (until
+  stop 41 the default for a selection under half the machine's memory; docs/loader.md,
+  "Direct I/O")
 * ``dmi sequential``: ``dmi shuffled`` with ``shuffle=False``
-* ``dmi shuffled @REV`` / ``dmi shuffled direct I/O @REV`` (with ``--rev REV``): those two rows
+* ``dmi shuffled @REV`` / ``dmi shuffled through the page cache @REV`` (with ``--rev REV``): those two rows
   with the loader as it was at git revision ``REV`` (its ``dmi/_loader.py``, ``_loader_read.py``
   and ``_loader_memory.py`` loaded with ``git show`` into this process; the rest is today's code)
 * ``datasets + mixing buffer`` (SAELens-style): a Hugging Face ``datasets`` folder (Arrow,
@@ -91,9 +91,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _at_revision import module_at  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-DIRECT = "dmi shuffled direct I/O"
+CACHED = "dmi shuffled through the page cache"
 WORKERS = "dmi shuffled in worker processes"
-METHODS = ("dmi shuffled", WORKERS, DIRECT, "dmi sequential", "datasets + mixing buffer",
+METHODS = ("dmi shuffled", WORKERS, CACHED, "dmi sequential", "datasets + mixing buffer",
            "safetensors chunks")
 
 
@@ -166,13 +166,14 @@ def write_safetensors(root: str, args, dtype: torch.dtype) -> None:
 
 def dmi_batches(store: dmi.Store, args, dtype: torch.dtype, shuffle: bool, workers: int = 0,
                 direct_io: bool | None = None, opener=None):
-    """(loader, its iterator); ``opener``: a revision's ``open_loader`` (``loader_at``) instead of today's."""
+    """(loader, its iterator); ``direct_io``: ``None`` leaves the loader's default; ``opener``: a
+    revision's ``open_loader`` (``loader_at``) instead of today's."""
     open_loader = store.loader if opener is None else functools.partial(opener, store.catalog, store.packs)
+    chosen = {} if direct_io is None else {"direct_io": direct_io}
     loader = open_loader("bench", hooks="resid_post", layers=[0], batch_size=args.batch, dtype=dtype,
                           shuffle=shuffle, shuffle_buffer=args.shuffle_buffer,
                           num_workers=workers,
-                          with_tokens=False, read_threads=args.read_threads, prefetch=args.prefetch,
-                          direct_io=direct_io)
+                          with_tokens=False, read_threads=args.read_threads, prefetch=args.prefetch, **chosen)
     return loader, iter(loader)
 
 
@@ -396,12 +397,12 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
     methods = {
         "dmi shuffled": (dmi_home, lambda: dmi_batches(store, args, dtype, True)[1]),
         WORKERS: (dmi_home, lambda: dmi_batches(store, args, dtype, True, workers=args.workers)[1]),
-        DIRECT: (dmi_home, lambda: dmi_batches(store, args, dtype, True, direct_io=True)[1]),
+        CACHED: (dmi_home, lambda: dmi_batches(store, args, dtype, True, direct_io=False)[1]),
         "dmi sequential": (dmi_home, lambda: dmi_batches(store, args, dtype, False)[1]),
         **({} if args.rev is None else {
             f"dmi shuffled @{args.rev}": (dmi_home, lambda: dmi_batches(store, args, dtype, True,
                                                                        opener=args.opener)[1]),
-            f"{DIRECT} @{args.rev}": (dmi_home, lambda: dmi_batches(store, args, dtype, True, direct_io=True,
+            f"{CACHED} @{args.rev}": (dmi_home, lambda: dmi_batches(store, args, dtype, True, direct_io=False,
                                                                    opener=args.opener)[1])}),
         "datasets + mixing buffer": (ds_root, lambda: mixing_buffer_batches(ds_root, args, dtype, None)),
         "safetensors chunks": (st_root, lambda: chunk_batches(st_root, args, dtype)),
@@ -474,7 +475,7 @@ def shuffle_quality(store: dmi.Store, args, dtype: torch.dtype, ds_root: str, st
         return lambda: dmi_batches(store, args, dtype, shuffle, workers)[0].shuffle_quality(
             args.quality_batches).requests_per_batch
 
-    return {"dmi shuffled": dmi_quality(True), WORKERS: dmi_quality(True, args.workers), DIRECT: dmi_quality(True),
+    return {"dmi shuffled": dmi_quality(True), WORKERS: dmi_quality(True, args.workers), CACHED: dmi_quality(True),
             "dmi sequential": dmi_quality(False), "datasets + mixing buffer": mixing, "safetensors chunks": chunks}
 
 
@@ -520,7 +521,7 @@ def main() -> None:
         raise SystemExit("the SAELens-style peer needs Hugging Face datasets: pip install datasets")
     args.opener = None if args.rev is None else loader_at(args.rev)
     if args.rev is not None:
-        args.methods += [f"dmi shuffled @{args.rev}", f"{DIRECT} @{args.rev}"]
+        args.methods += [f"dmi shuffled @{args.rev}", f"{CACHED} @{args.rev}"]
     if args.quick:
         args.requests, args.tokens, args.hidden, args.batch = 16, 128, 256, 256
         args.shuffle_buffer = args.mixing_buffer = 1024

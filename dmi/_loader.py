@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import multiprocessing
-import os
 import sys
 import warnings
 from collections import deque
@@ -363,7 +362,7 @@ def open_loader(catalog: Any, packs: PackStore, model_id: str, *, hooks: Any = "
                 seed: int = 0, shuffle_buffer: int = 65536, layout: str = "stack", with_tokens: bool = False,
                 normalize: bool = False, drop_last: bool = False, on_error: str = "raise", num_workers: int = 0,
                 rank: int | None = None, world_size: int | None = None, prefetch: int = 2, read_threads: int = 4,
-                max_gap: int = DEFAULT_MAX_GAP, direct_io: bool | None = None,
+                max_gap: int = DEFAULT_MAX_GAP, direct_io: bool = True,
                 multiprocessing_context: Any = None) -> TokenLoader:
     """Select, plan and configure a :class:`TokenLoader` (the arguments of ``Store.loader``)."""
     hook_names = _hook_names(hooks)
@@ -378,8 +377,9 @@ def open_loader(catalog: Any, packs: PackStore, model_id: str, *, hooks: Any = "
         raise InvalidArgumentError(f"on_error must be one of {ON_ERROR}, not {on_error!r}")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise InvalidArgumentError(f"dtype must be a torch.dtype or None, not {dtype!r}")
-    if direct_io not in (None, True, False):
-        raise InvalidArgumentError(f"direct_io must be True, False or None (decide by size), not {direct_io!r}")
+    if not isinstance(direct_io, bool):
+        raise InvalidArgumentError(f"direct_io must be True (around the page cache) or False (through it), "
+                                   f"not {direct_io!r}")
     rank, world_size = _rank_and_world(rank, world_size)
     if num_workers and fork_may_hang(multiprocessing_context):
         warnings.warn(FORK_HANG_WARNING, RuntimeWarning, stacklevel=3)
@@ -390,25 +390,9 @@ def open_loader(catalog: Any, packs: PackStore, model_id: str, *, hooks: Any = "
     scales = _unit_norm_scales(plan) if normalize else None
     config = LoaderConfig(batch_size, bool(shuffle), seed, shuffle_buffer, bool(drop_last), bool(with_tokens),
                           RowFormat(dtype, scales, layout), on_error, prefetch, read_threads, max_gap,
-                          _wants_direct_io(direct_io, entries))
+                          direct_io)
     return TokenLoader(plan, packs, config, rank=rank, world_size=world_size, num_workers=num_workers,
                        multiprocessing_context=multiprocessing_context)
-
-
-def _wants_direct_io(direct_io: bool | None, entries: Any) -> bool:
-    """``direct_io``, or when unset: whether the selection's bytes exceed half this machine's
-    memory — the page cache cannot keep them for the next epoch, so caching them only costs
-    CPU and evicts what it held (docs/loader.md, "Direct I/O")."""
-    if direct_io is not None:
-        return direct_io
-    return sum(e.payload.length for e in entries) > _physical_memory() // 2
-
-
-def _physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, OSError, ValueError):  # no sysconf (Windows): never decide for direct reads
-        return 1 << 62
 
 
 def _hook_names(hooks: Any) -> tuple[str, ...] | None:
