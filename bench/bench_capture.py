@@ -41,6 +41,9 @@ shared machine hits all of them alike:
 * ``dmi resid_post drain_nice=0``, ``dmi all_but_patterns drain_nice=0`` the same with
                           ``attach(drain_nice=0)``: the drain at the model's priority (the
                           default before stop 24)
+* ``dmi resid_post SCHED_IDLE``, ``dmi all_but_patterns SCHED_IDLE`` the same with the drain's
+                          threads also under Linux's ``SCHED_IDLE`` scheduling policy (they run
+                          only on cycles nothing else wants; nice 19 still claims a small share)
 * ``dmi resid_post one session``, ``dmi all_but_patterns one session`` the same captures by
                           one session attached (to a copy of the model, same weights) before
                           the first round and kept for the run, as a server capturing request
@@ -249,6 +252,29 @@ def lease_first(run):
     return wrapped
 
 
+def sched_idle(run):
+    """``run`` with the drain's threads also under Linux's ``SCHED_IDLE`` policy (inherited by
+    the threads the drain thread starts): they run only on cycles no other thread of the
+    machine wants, and never preempt one on waking, where nice 19 still claims a small share."""
+    def wrapped(model, ids, mask, args, ctx):
+        import os
+
+        from dmi.capture import _drain
+
+        lower = _drain.Drain._lower_priority
+
+        def lower_and_idle(drain):
+            lower(drain)
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+        _drain.Drain._lower_priority = lower_and_idle
+        try:
+            return run(model, ids, mask, args, ctx)
+        finally:
+            _drain.Drain._lower_priority = lower
+    return wrapped
+
+
 def with_switch_interval(run, seconds: float):
     """``run`` with the interpreter's GIL switch interval at ``seconds`` (``sys.setswitchinterval``)."""
     def wrapped(model, ids, mask, args, ctx):
@@ -435,6 +461,8 @@ CONFIGS = {
     "dmi all_but_patterns switch 1 ms": with_switch_interval(run_dmi("all_but_patterns"), 0.001),
     "dmi resid_post buffered writes": run_dmi("resid_post", direct_writes=False),
     "dmi all_but_patterns buffered writes": run_dmi("all_but_patterns", direct_writes=False),
+    "dmi resid_post SCHED_IDLE": sched_idle(run_dmi("resid_post")),
+    "dmi all_but_patterns SCHED_IDLE": sched_idle(run_dmi("all_but_patterns")),
     "dmi resid_post drain_nice=0": run_dmi("resid_post", drain_nice=0),
     "dmi all_but_patterns drain_nice=0": run_dmi("all_but_patterns", drain_nice=0),
     "baseline copy": run_baseline_copy,
