@@ -228,51 +228,45 @@ def hooks_only(run):
     return wrapped
 
 
+def _drain_patched(run, name: str, replace):
+    """``run`` with the drain's method ``name`` replaced by ``replace(original)`` while it runs."""
+    def wrapped(model, ids, mask, args, ctx):
+        from dmi.capture import _drain
+
+        original = getattr(_drain.Drain, name)
+        setattr(_drain.Drain, name, replace(original))
+        try:
+            return run(model, ids, mask, args, ctx)
+        finally:
+            setattr(_drain.Drain, name, original)
+    return wrapped
+
+
 def lease_first(run):
     """``run`` with a drain that waits for its publisher lease before it takes its first slot, as
     every drain did before the lease was acquired beside it (commit efd2025): what acquiring
     the lease while the model runs costs when the drain cannot work meanwhile."""
-    def wrapped(model, ids, mask, args, ctx):
+    def waiting(begin):
         from concurrent import futures
-
-        from dmi.capture import _drain
-
-        begin = _drain.Drain._begin_start
 
         def begin_and_wait(drain):
             begin(drain)
             if drain._started is not None:
                 futures.wait([drain._started])
-
-        _drain.Drain._begin_start = begin_and_wait
-        try:
-            return run(model, ids, mask, args, ctx)
-        finally:
-            _drain.Drain._begin_start = begin
-    return wrapped
+        return begin_and_wait
+    return _drain_patched(run, "_begin_start", waiting)
 
 
 def sched_idle(run):
     """``run`` with the drain's threads also under Linux's ``SCHED_IDLE`` policy (inherited by
     the threads the drain thread starts): they run only on cycles no other thread of the
     machine wants, and never preempt one on waking, where nice 19 still claims a small share."""
-    def wrapped(model, ids, mask, args, ctx):
-        import os
-
-        from dmi.capture import _drain
-
-        lower = _drain.Drain._lower_priority
-
+    def idling(lower):
         def lower_and_idle(drain):
             lower(drain)
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-
-        _drain.Drain._lower_priority = lower_and_idle
-        try:
-            return run(model, ids, mask, args, ctx)
-        finally:
-            _drain.Drain._lower_priority = lower
-    return wrapped
+        return lower_and_idle
+    return _drain_patched(run, "_lower_priority", idling)
 
 
 def with_switch_interval(run, seconds: float):

@@ -30,10 +30,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_storage import drop_cache, files_under  # noqa: E402
 
 
 def write_file(path: str, block: bytes, count: int) -> float:
@@ -65,16 +69,6 @@ def fill_fresh(nbytes: int) -> float:
     return seconds
 
 
-def drop(paths: list[str]) -> None:
-    """Drop the page-cache pages of ``paths`` (clean: the files were fsync'd)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def read_through_cache(paths: list[str]) -> float:
     """Seconds to read ``paths`` through the page cache."""
     t0 = time.perf_counter()
@@ -91,7 +85,7 @@ def timed(step) -> tuple[float, float]:
     before = os.times()
     seconds = step()
     after = os.times()
-    return seconds, after.user + after.system - before.user - before.system
+    return seconds, max(0.0, after.user + after.system - before.user - before.system)
 
 
 def main() -> None:
@@ -117,13 +111,12 @@ def main() -> None:
         time.sleep(5)  # freed anonymous pages are reported to the host after a delay: start from cold ones
         rows.append(("fresh memory", *timed(lambda: fill_fresh(nbytes))))
         rows.append(("fresh memory again", *timed(lambda: fill_fresh(nbytes))))
-        read = [second] if args.read is None else sorted(
-            os.path.join(d, f) for d, _, files in os.walk(args.read) for f in files)
+        read = [second] if args.read is None else sorted(files_under(args.read))
         read_bytes = sum(os.path.getsize(p) for p in read)
-        drop(read)
+        drop_cache(read)
         time.sleep(args.wait)
         rows.append((f"cold read, {args.wait:g} s after the drop", *timed(lambda: read_through_cache(read)), read_bytes))
-        drop(read)
+        drop_cache(read)
         rows.append(("cold read again, right after the drop", *timed(lambda: read_through_cache(read)), read_bytes))
     print(f"{args.mib} MiB; {os.cpu_count()} CPUs; load average {load:.2f} at the start, "
           f"{os.getloadavg()[0]:.2f} at the end; directory {args.dir or tempfile.gettempdir()}"

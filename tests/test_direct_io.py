@@ -158,8 +158,8 @@ def home(tmp_path):
         yield store
 
 
-def test_the_loader_yields_the_same_batches_reading_directly(home, monkeypatch):
-    _needs_direct(home.packs)
+def _count_direct_reads(monkeypatch) -> list[int]:
+    """The bytes of each direct range read from now on, one entry a read."""
     from dmi.storage._store import _LocalPackInput
 
     direct_reads = []
@@ -170,6 +170,12 @@ def test_the_loader_yields_the_same_batches_reading_directly(home, monkeypatch):
         return real(self, offset, out, needed)
 
     monkeypatch.setattr(_LocalPackInput, "read_direct_into", counted)
+    return direct_reads
+
+
+def test_the_loader_yields_the_same_batches_reading_directly(home, monkeypatch):
+    _needs_direct(home.packs)
+    direct_reads = _count_direct_reads(monkeypatch)
 
     def epoch(direct_io):
         loader = home.loader("m", batch_size=33, shuffle_buffer=100, dtype=None, with_tokens=True, seed=5,
@@ -191,16 +197,7 @@ def test_the_loader_reads_around_the_page_cache_unless_told_otherwise(home, monk
     "Direct I/O"), so the loader reads directly by default; ``direct_io=False`` reads through
     the cache."""
     _needs_direct(home.packs)
-    from dmi.storage._store import _LocalPackInput
-
-    direct_reads = []
-    real = _LocalPackInput.read_direct_into
-
-    def counted(self, offset, out, needed):
-        direct_reads.append(needed)
-        return real(self, offset, out, needed)
-
-    monkeypatch.setattr(_LocalPackInput, "read_direct_into", counted)
+    direct_reads = _count_direct_reads(monkeypatch)
     loader = home.loader("m", batch_size=33, shuffle_buffer=100)
     assert loader.config.direct_io is True
     assert sum(len(x) for x in loader) == sum(11 + r for r in range(20))

@@ -114,15 +114,8 @@ def test_every_token_once_per_epoch_aligned_and_bit_exact(store):
             assert torch.equal(row[1], full[(request, "mlp_out")][pos])
 
 
-@pytest.mark.parametrize("keep", [True, False], ids=["loop keeps batches", "loop drops batches"])
-@pytest.mark.parametrize("layout", ["stack", "concat"])
-def test_rows_stay_exact_while_read_and_batch_memory_is_lent_again(store, monkeypatch, layout, keep):
-    """The loader lends a window's read region again once the window is consumed, and a
-    batch's memory once the loop lets go of it (dmi/_loader_memory.py), while later windows
-    are read ahead. Whether the loop keeps every batch until the epoch ends or drops each one
-    once checked, each row must be its own token's — a region lent while the window being
-    consumed, or a batch the loop holds, still used it would be overwritten under the loop.
-    Both features land in place in the batch."""
+def _record_memory_pools(monkeypatch) -> list:
+    """Every ``LoaderMemory`` the loader makes from now on, in order."""
     import dmi._loader as loader_module
     from dmi._loader_memory import LoaderMemory
 
@@ -134,6 +127,19 @@ def test_rows_stay_exact_while_read_and_batch_memory_is_lent_again(store, monkey
             pools.append(self)
 
     monkeypatch.setattr(loader_module, "LoaderMemory", Recorded)
+    return pools
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["loop keeps batches", "loop drops batches"])
+@pytest.mark.parametrize("layout", ["stack", "concat"])
+def test_rows_stay_exact_while_read_and_batch_memory_is_lent_again(store, monkeypatch, layout, keep):
+    """The loader lends a window's read region again once the window is consumed, and a
+    batch's memory once the loop lets go of it (dmi/_loader_memory.py), while later windows
+    are read ahead. Whether the loop keeps every batch until the epoch ends or drops each one
+    once checked, each row must be its own token's — a region lent while the window being
+    consumed, or a batch the loop holds, still used it would be overwritten under the loop.
+    Both features land in place in the batch."""
+    pools = _record_memory_pools(monkeypatch)
     loader = store.loader("m", runs="r1", hooks="resid_post", layers=[0, 2], layout=layout, batch_size=4,
                           shuffle_buffer=12, with_tokens=True, seed=3, prefetch=2)
     seen = Counter()
@@ -163,17 +169,7 @@ def test_a_loader_reads_its_next_epoch_into_the_memory_of_the_last(store, monkey
     pools between epochs: its second epoch reads its windows into the regions of the first
     (a new one only for a window larger than each of them) and its batches into the first's
     batch memory, and each row is still its own token's."""
-    import dmi._loader as loader_module
-    from dmi._loader_memory import LoaderMemory
-
-    pools = []
-
-    class Recorded(LoaderMemory):
-        def __init__(self, prefetch):
-            super().__init__(prefetch)
-            pools.append(self)
-
-    monkeypatch.setattr(loader_module, "LoaderMemory", Recorded)
+    pools = _record_memory_pools(monkeypatch)
     loader = store.loader("m", runs="r1", hooks="resid_post", layers=[0], batch_size=4, shuffle_buffer=12,
                           with_tokens=True, seed=3, prefetch=2)
     counts = []
