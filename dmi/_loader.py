@@ -11,10 +11,12 @@ exactly-once, determinism and resume hold. See ``docs/loader.md``.
 
 from __future__ import annotations
 
+import atexit
 import math
 import multiprocessing
 import sys
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -108,8 +110,22 @@ class ActivationDataset(IterableDataset):
             raise InvalidArgumentError(f"this dataset was planned for {self.slots_per_rank} workers, "
                                        f"the DataLoader runs {info.num_workers}")
         local = (worker + self.rotation) % self.slots_per_rank
-        for item in _slot_batches(self, local):
+        batches = _slot_batches(self, local)
+        _UNFINISHED.add(batches)
+        for item in batches:
             yield item if self.bookkeeping else _public(item, self.config.with_tokens)
+
+
+_UNFINISHED: weakref.WeakSet = weakref.WeakSet()
+"""Epochs being read in this process. One still open when the interpreter exits (an iterator
+left in a global) is closed first, while its threads can still be shut down; left to the
+interpreter's last collection, its clean-up would fail on modules already torn down."""
+
+
+@atexit.register
+def _close_unfinished() -> None:
+    for batches in list(_UNFINISHED):
+        batches.close()
 
 
 def _public(item: _Item, with_tokens: bool) -> Any:

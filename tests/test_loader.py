@@ -13,6 +13,9 @@ plain forward pass of ``resid_post`` only.
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+import textwrap
 import zlib
 from collections import Counter
 
@@ -188,6 +191,31 @@ def test_a_loader_reads_its_next_epoch_into_the_memory_of_the_last(store, monkey
     assert mapped + reused == windows and mapped_2 + reused_2 == 2 * windows
     assert mapped_2 - mapped < mapped  # a window larger than every kept region still maps one
     assert batches_2 == batches > 0
+
+
+def test_an_epoch_left_open_at_exit_is_closed_before_the_interpreter_tears_down(tmp_path):
+    """A script that keeps an unfinished loader iterator in a global and exits: the epoch's
+    read threads are shut down at exit, not by the interpreter's last collection, where
+    ``concurrent.futures`` is already torn down and the clean-up printed a traceback."""
+    script = textwrap.dedent(f"""
+        import torch, dmi
+        from dmi.storage import PackWriter
+        from dmi.storage.records import RecordKey
+        store = dmi.open(home={str(tmp_path / "home")!r})
+        sealed = []
+        with PackWriter(store.packs, on_seal=sealed.append) as writer:
+            for r in range(4):
+                writer.append(RecordKey("m", "run", f"q{{r}}", "resid_post", 0, 0, 64, phase="forward"),
+                              torch.full((64, 8), float(r)))
+        with store.catalog.publisher("exit-test") as publisher:
+            publisher.publish(sealed)
+        unfinished = iter(store.loader("m", batch_size=16, shuffle_buffer=64))
+        print(next(unfinished).shape[0])
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["16"]
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 def test_ranks_are_disjoint_and_complete(store):
