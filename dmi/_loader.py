@@ -260,7 +260,8 @@ class TokenLoader:
         self.scales = None if config.fmt.scales is None else dict(zip(self.features, config.fmt.scales))
         self.damaged_records: list[str] = []
         self.skipped_rows = 0
-        self._memory = LoaderMemory(config.prefetch)  # kept between epochs read in this process
+        # read in this process: its memory is kept from one epoch to the next (workers are processes of an epoch)
+        self._memory = LoaderMemory(config.prefetch) if num_workers == 0 else None
         self.set_epoch(0)
 
     @property
@@ -300,7 +301,7 @@ class TokenLoader:
         dataset = ActivationDataset(self.plan, self.packs, self.config, epoch=self.epoch, rank=self.rank,
                                     world_size=self.world_size, num_workers=self.num_workers,
                                     cursors=tuple(self._cursors), rotation=self._next, bookkeeping=True,
-                                    memory=self._memory if self.num_workers == 0 else None)
+                                    memory=self._memory)
         if self.num_workers == 0:
             items = iter(dataset)
         else:
