@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
+from tests._ports import free_port
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "docker" / "clickhouse"
 
 MODE_VARIABLE = "DMI_LIVE_SERVER"
@@ -167,12 +169,6 @@ def server_from_url(url: str, timeout: float = 5.0) -> LiveServer:
     return server
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def render_config(directory: Path, *, tcp_port: int, http_port: int, listen_host: str) -> Path:
     """Write config.xml and users.xml for one server into ``directory``."""
     for sub in ("log", "data", "tmp", "user_files", "format_schemas"):
@@ -191,12 +187,24 @@ def render_config(directory: Path, *, tcp_port: int, http_port: int, listen_host
     return config
 
 
-def wait_for_ping(host: str, http_port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+def last_error(log_dir: Path) -> str:
+    """The last line of a server's error log in ``log_dir``, or a note that it wrote none."""
+    try:
+        lines = (log_dir / "clickhouse-server.err.log").read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    return lines[-1].strip() if lines else f"no error logged in {log_dir}"
+
+
+def wait_for_ping(host: str, http_port: int, timeout: float, proc: subprocess.Popen | None = None,
+                  log_dir: Path | None = None) -> None:
+    """Wait until the server answers ``/ping``; if it exits first, say so with its last logged error."""
     deadline = time.monotonic() + timeout
     url = f"http://{host}:{http_port}/ping"
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"clickhouse-server exited with code {proc.returncode} before answering {url}")
+            why = f": {last_error(log_dir)}" if log_dir is not None else ""
+            raise RuntimeError(f"clickhouse-server exited with code {proc.returncode} before answering {url}{why}")
         try:
             with urllib.request.urlopen(url, timeout=1) as response:
                 if response.status == 200:
@@ -230,7 +238,7 @@ class LocalServerProcess:
         )
         log.close()
         try:
-            wait_for_ping("127.0.0.1", self.http_port, timeout, self.proc)
+            wait_for_ping("127.0.0.1", self.http_port, timeout, self.proc, self.directory / "log")
         except BaseException:
             self.stop()
             raise

@@ -13,7 +13,7 @@
   ``zookeeper`` section and the distributed DDL queue. Each is ready once ``system.zookeeper``
   answers on it.
 
-Ports are free ports found by binding port 0. Stopping is TERM, then KILL after a deadline.
+Ports are free ports below the kernel's ephemeral range (:mod:`tests._ports`). Stopping is TERM, then KILL after a deadline.
 A replica can be stopped and started again (same ports, same data) to test a replica down.
 """
 
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from tests._clickhouse import find_server_binary, free_port, render_config, wait_for_ping
+from tests._clickhouse import find_server_binary, render_config, wait_for_ping
+from tests._ports import free_port
 
 CLUSTER_NAME = "dmi_test_cluster"
 #: The same two servers as two shards of one replica each (a layout the catalog refuses).
@@ -182,7 +183,7 @@ class ReplicaProcess:
                 cwd=self.directory, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
         try:
-            wait_for_ping(self.node.host, self.node.http_port, timeout, self.proc)
+            wait_for_ping(self.node.host, self.node.http_port, timeout, self.proc, self.directory / "log")
             self._wait_for_zookeeper(timeout)
         except BaseException:
             self.stop()

