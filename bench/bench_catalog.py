@@ -29,7 +29,6 @@ import platform
 import random
 import shutil
 import sqlite3
-import statistics
 import subprocess
 import sys
 import tempfile

@@ -24,7 +24,6 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dmi._home import DEFAULT_HOME as _DEFAULT_HOME  # noqa: F401 - its name before dmi._home existed
 from dmi._home import default_home
 from dmi._values import (
     DeleteReport,

@@ -34,7 +34,7 @@ from dmi.storage import (
     ServerError,
     ShardGeometry,
 )
-from dmi.catalog import _leases, _schema
+from dmi.catalog import _schema
 from dmi.catalog._catalog_backend import unavailable
 
 HUGE_CHECKSUM = 2**64 - 12345

@@ -104,7 +104,6 @@ def test_router_topk_equals_gate_topk():
     model = tiny("mixtral")
     ids, mask = left_padded_batch()
     pads = (mask == 0).sum(1).tolist()
-    ref = model(ids, attention_mask=mask, output_hidden_states=True)
     w = MemoryWriter()
     with attach(model, hooks="router", writer=w) as cap:
         rids, _ = cap.forward(ids, attention_mask=mask)

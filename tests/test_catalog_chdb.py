@@ -11,7 +11,6 @@ import time
 
 import pytest
 
-from dmi.catalog._schema import SCHEMA_VERSION
 from dmi.catalog import default_catalog_uri, open_catalog
 from dmi.storage import (
     BackendNotInstalledError,

@@ -69,12 +69,12 @@ def test_capture_says_one_request(tmp_path, capsys):
 
 
 def test_help_matches_the_defaults_and_the_docs(capsys):
-    from dmi._store import _DEFAULT_HOME
+    from dmi._home import DEFAULT_HOME
 
     with pytest.raises(SystemExit):
         main(["capture", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert f"else {_DEFAULT_HOME})" in text  # --home names the real default
+    assert f"else {DEFAULT_HOME})" in text  # --home names the real default
     assert SCORING_HELP in text
     assert SCORING_HELP in " ".join((REPO / "docs" / "cli.md").read_text().split())
 

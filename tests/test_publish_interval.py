@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
 import torch
 
 from dmi.capture import ModelGeometry

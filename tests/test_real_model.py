@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import json
-from pathlib import Path
 
 import pytest
 import torch
