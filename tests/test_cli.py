@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch
 
 from dmi._demo import DEMO_HOOKS, DEMO_NEW_TOKENS, DEMO_PROMPTS, NORMS_QUERY
 from dmi._models import byte_tokenizer
+from tests._ports import free_port
 from tests.test_cli_output import png_size
 
 pytestmark = pytest.mark.slow
@@ -437,8 +437,6 @@ def test_locked_catalog_is_a_one_line_error(tmp_path):
 
 
 def test_unreachable_clickhouse_server_is_a_one_line_error(tmp_path):
-    with socket.socket() as probe:  # a loopback port nobody listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # a loopback port nobody listens on
     result = dmi("models", "--catalog", f"clickhouse://default@127.0.0.1:{port}/dmi", "--packs", str(tmp_path))
     assert_one_line_error(result, 1, f"cannot reach ClickHouse at 127.0.0.1:{port}")
