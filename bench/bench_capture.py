@@ -3,7 +3,9 @@
 Workload (issue 4): a Llama-style model with random weights — 8 layers, hidden 1024,
 intermediate 2816, 16 heads, vocab 32000, bf16 — greedy generation, batch 8, prompt 128,
 32 new tokens, on CPU. Configurations, interleaved round by round so that drift on a
-shared machine hits all of them alike:
+shared machine hits all of them alike; round ``r`` starts ``r`` configurations later in the
+list (round 0 in its order), so that no configuration always runs first or right after the
+same other one:
 
 * ``baseline``            ``model.generate``, nothing attached
 * ``dmi resid_post``      ``attach(hooks="resid_post")``, every layer, packs sealed and
@@ -534,7 +536,7 @@ def main(argv=None):
                 results: dict[str, list] = {n: [] for n in names}
                 refs: dict[str, torch.Tensor] = {}  # compiled kernels may round differently from eager
                 for r in range(args.rounds):
-                    for n in names:
+                    for n in rotated(names, r):
                         secs, info = CONFIGS[n](model, ids, mask, args, ctx)
                         seq = info.pop("sequences").cpu()
                         ref = refs.setdefault(RATIO_TO.get(n, "baseline"), seq)
@@ -553,12 +555,18 @@ def main(argv=None):
     return 0
 
 
+def rotated(names: list[str], r: int) -> list[str]:
+    """Round ``r``'s order: ``names`` started ``r`` places later, wrapping round."""
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
 def report(args, names, results):
     new_tokens = args.batch * args.new
     print("\nper-round wall seconds: " + "; ".join(
         f"{n}: " + ", ".join(f"{s:.1f}" for s, _ in results[n]) for n in names))
     print(f"\n{describe_model(args)}, batch {args.batch}, prompt {args.prompt}, "
-          f"{args.new} new tokens, greedy; {args.rounds} round(s), interleaved; "
+          f"{args.new} new tokens, greedy; {args.rounds} round(s), interleaved, each round started one configuration later; "
           f"load average at the end {os.getloadavg()[0]:.1f}")
     if args.no_catalog:
         print("catalog: none (--no-catalog): DMI's packs are sealed, nothing is published")
