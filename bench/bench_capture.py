@@ -46,6 +46,12 @@ same other one:
 * ``dmi resid_post SCHED_IDLE``, ``dmi all_but_patterns SCHED_IDLE`` the same with the drain's
                           threads also under Linux's ``SCHED_IDLE`` scheduling policy (they run
                           only on cycles nothing else wants; nice 19 still claims a small share)
+* ``dmi resid_post lease first``, ``dmi all_but_patterns lease first`` the same with a drain
+                          that waits for its publisher lease before it takes its first slot (the
+                          order before commit efd2025)
+* ``dmi resid_post lease at attach``, ``dmi all_but_patterns lease at attach`` the same with
+                          the lease acquired on the attaching thread before ``attach`` returns:
+                          the model waits for it instead of running beside it
 * ``dmi resid_post one session``, ``dmi all_but_patterns one session`` the same captures by
                           one session attached (to a copy of the model, same weights) before
                           the first round and kept for the run, as a server capturing request
@@ -259,6 +265,29 @@ def lease_first(run):
     return _drain_patched(run, "_begin_start", waiting)
 
 
+def lease_at_attach(run):
+    """``run`` with the publisher lease acquired on the attaching thread, at its priority, before
+    ``attach`` returns (the drain's start thread then has nothing to do): what the lease costs
+    when the model waits for it instead of running beside it."""
+    def wrapped(model, ids, mask, args, ctx):
+        from dmi.capture import _drain
+
+        original = _drain.Drain.__init__
+
+        def init(self, *a, start=None, **kw):
+            t0 = time.perf_counter()
+            if start is not None:
+                start()
+            original(self, *a, start=None, **kw)
+            self.stats.start_seconds = time.perf_counter() - t0 if start is not None else None
+        _drain.Drain.__init__ = init
+        try:
+            return run(model, ids, mask, args, ctx)
+        finally:
+            _drain.Drain.__init__ = original
+    return wrapped
+
+
 def sched_idle(run):
     """``run`` with the drain's threads also under Linux's ``SCHED_IDLE`` policy (inherited by
     the threads the drain thread starts): they run only on cycles no other thread of the
@@ -451,6 +480,8 @@ CONFIGS = {
     "dmi resid_post unpublished": run_dmi("resid_post", publish=False),
     "dmi resid_post lease first": lease_first(run_dmi("resid_post")),
     "dmi all_but_patterns lease first": lease_first(run_dmi("all_but_patterns")),
+    "dmi resid_post lease at attach": lease_at_attach(run_dmi("resid_post")),
+    "dmi all_but_patterns lease at attach": lease_at_attach(run_dmi("all_but_patterns")),
     "dmi all_but_patterns 2 encode threads": run_dmi("all_but_patterns", encode_threads=2),
     "dmi all_but_patterns 8 encode threads": run_dmi("all_but_patterns", encode_threads=8),
     "dmi all_but_patterns switch 0.5 ms": with_switch_interval(run_dmi("all_but_patterns"), 0.0005),
