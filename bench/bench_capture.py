@@ -269,23 +269,16 @@ def lease_at_attach(run):
     """``run`` with the publisher lease acquired on the attaching thread, at its priority, before
     ``attach`` returns (the drain's start thread then has nothing to do): what the lease costs
     when the model waits for it instead of running beside it."""
-    def wrapped(model, ids, mask, args, ctx):
-        from dmi.capture import _drain
-
-        original = _drain.Drain.__init__
-
-        def init(self, *a, start=None, **kw):
+    def acquiring_first(init):
+        def init_after_start(drain, *args, start=None, **kwargs):
             t0 = time.perf_counter()
             if start is not None:
                 start()
-            original(self, *a, start=None, **kw)
-            self.stats.start_seconds = time.perf_counter() - t0 if start is not None else None
-        _drain.Drain.__init__ = init
-        try:
-            return run(model, ids, mask, args, ctx)
-        finally:
-            _drain.Drain.__init__ = original
-    return wrapped
+            init(drain, *args, start=None, **kwargs)
+            if start is not None:
+                drain.stats.start_seconds = time.perf_counter() - t0
+        return init_after_start
+    return _drain_patched(run, "__init__", acquiring_first)
 
 
 def sched_idle(run):

@@ -152,7 +152,7 @@ def bench_catalog(uri: str, descriptors, points, publishes: int) -> dict:
 
 def capture_sessions(catalog, records, n: int) -> tuple[list[float], int]:
     """``n`` capture sessions' catalog work (acquire a new scope, publish one pack of 10
-    records, release): each one's seconds, and how many statements one sends."""
+    records, release): each one's seconds, and how many statements the last one sent."""
     backend = catalog._backend
     sent = []
 
@@ -162,24 +162,24 @@ def capture_sessions(catalog, records, n: int) -> tuple[list[float], int]:
             return method(*args, **kwargs)
         return call
 
+    names = ("query", "command", "insert")
+    for name in names:
+        setattr(backend, name, counted(getattr(backend, name)))
     lat = []
-    for i in range(n):
-        recs = records[(n + i) * 10 : (n + i) * 10 + 10]  # after those the publish latency used
-        pid = f"c{i:05d}"
-        desc = PackDescriptor(pid, f"/packs/{pid}", 1, "bench", 1, time.time(),
-                              tuple(RecordEntry(e.meta, pid, e.payload) for e in recs))
-        sent.clear()
-        originals = {name: getattr(backend, name) for name in ("query", "command", "insert")}
-        for name, method in originals.items():
-            setattr(backend, name, counted(method))
-        try:
+    try:
+        for i in range(n):
+            recs = records[(n + i) * 10 : (n + i) * 10 + 10]  # after those the publish latency used
+            pid = f"c{i:05d}"
+            desc = PackDescriptor(pid, f"/packs/{pid}", 1, "bench", 1, time.time(),
+                                  tuple(RecordEntry(e.meta, pid, e.payload) for e in recs))
+            sent.clear()
             t0 = time.perf_counter()
             with catalog.publisher(f"capture/bench/run-{i:05d}", holder="bench", lease_seconds=30) as publisher:
                 publisher.publish([desc])
             lat.append(time.perf_counter() - t0)
-        finally:
-            for name in originals:
-                delattr(backend, name)
+    finally:
+        for name in names:
+            delattr(backend, name)
     return lat, len(sent)
 
 

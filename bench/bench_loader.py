@@ -319,15 +319,22 @@ def shuffled_read_limit(packs_root: str, piece: int, threads: int) -> tuple[int,
     return total, seconds
 
 
-def limit_now(packs_root: str, limits: dict, piece: int, threads: int) -> float:
-    """The disk's rate now, bytes/s: the faster of a cached and an ``O_DIRECT`` sequential read
-    of the packs. Each read, and a shuffled read of record-sized pieces, also joins ``limits``
-    (the best seconds of each kind in the run)."""
+def sequential_now(packs_root: str, limits: dict) -> float:
+    """The disk's sequential rate now, bytes/s: the faster of a cold cached and a cold
+    ``O_DIRECT`` read of the packs; each read's seconds also join ``limits`` (the best of each
+    kind in the run)."""
     best = 0.0
     for direct in (False, True):
         nbytes, seconds = cold_read_limit(packs_root, direct)
         limits[direct] = min(limits.get(direct, seconds), seconds)
         best = max(best, nbytes / seconds)
+    return best
+
+
+def limit_now(packs_root: str, limits: dict, piece: int, threads: int) -> float:
+    """:func:`sequential_now`, and a shuffled read of record-sized pieces whose seconds also
+    join ``limits``."""
+    best = sequential_now(packs_root, limits)
     seconds = shuffled_read_limit(packs_root, piece, threads)[1]
     limits["shuffled"] = min(limits.get("shuffled", seconds), seconds)
     return best

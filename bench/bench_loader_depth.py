@@ -27,25 +27,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_loader import (  # noqa: E402
     DTYPES,
-    cold_read_limit,
     consume,
     dmi_batches,
     drop_cache,
     files_under,
+    sequential_now,
     shuffled_read_limit,
     write_dmi,
 )
-
-
-def sequential_now(packs_root: str, limits: dict) -> float:
-    """The disk's sequential rate now, bytes/s: the better of a cold cached and a cold ``O_DIRECT``
-    read of the packs; each read's seconds also join ``limits`` (the best of each kind)."""
-    best = 0.0
-    for direct in (False, True):
-        nbytes, seconds = cold_read_limit(packs_root, direct)
-        limits[direct] = min(limits.get(direct, seconds), seconds)
-        best = max(best, nbytes / seconds)
-    return best
 
 
 def measure(args, store, packs_root: str, piece: int, dtype: torch.dtype, threads: int, limits: dict) -> dict:

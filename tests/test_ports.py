@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
 import socket
 
 import pytest
 
-from tests._clickhouse import LocalServerProcess, default_search_path
+from tests._clickhouse import LocalServerProcess, find_server_binary
 from tests._ports import LOWEST_PORT, ephemeral_low, free_port
 
 
@@ -22,7 +21,7 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_never_handed_out_twice
 
 @pytest.mark.live
 def test_a_server_whose_port_is_taken_says_so(tmp_path):
-    binary = shutil.which("clickhouse-server", path=default_search_path())
+    binary = find_server_binary()
     if binary is None:
         pytest.skip("no clickhouse-server binary installed (Debian: apt-get install clickhouse-server)")
     process = LocalServerProcess(binary)
