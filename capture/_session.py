@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dmi.storage import PackStore
 from dmi.storage.errors import (
     AttachError,
     AttentionImplementationError,
@@ -894,6 +895,21 @@ def check_pipeline_arguments(who: str, *, store, writer, decode_chunk_steps, ada
     _check_fill("adaptive_codec", adaptive_codec)
     if writer is None and store is None:
         raise InvalidArgumentError(f"{who} needs a pack store (store=PackStore.local(path))")
+    _check_pack_store(who, store)
+
+
+def _check_pack_store(who: str, store) -> None:
+    """``store`` is None or a ``PackStore``: anything else would fail only later, on the drain thread."""
+    if store is None or isinstance(store, PackStore):
+        return
+    if hasattr(store, "packs") and hasattr(store, "catalog"):  # the facade's dmi.Store
+        raise InvalidArgumentError(
+            f"{who} takes a PackStore as store=, and this is a dmi.Store: pass store=store.packs, "
+            "catalog=store.catalog, or capture with dmi.capture(model, store=store)"
+        )
+    raise InvalidArgumentError(
+        f"{who}: store must be a PackStore (e.g. PackStore.local(path)), not {type(store).__name__}"
+    )
 
 
 def _check_fill(name: str, value) -> None:

@@ -8,6 +8,8 @@ import time
 import pytest
 import torch
 
+import dmi
+
 from ._models import MemoryWriter, left_padded_batch, tiny
 from dmi.capture import HOOKS, GROUPS, Schedule, attach, resolve_hooks, resolve_layers
 from dmi.storage.errors import (
@@ -74,6 +76,22 @@ def test_attach_refuses_bad_selection_before_touching_the_model():
     assert n_hooks(model) == before
     with attach(model, hooks="resid", writer=MemoryWriter()) as cap:  # groups skip what is absent
         assert "router_logits" not in cap.hooks
+
+
+def test_attach_refuses_a_store_that_is_not_a_pack_store_before_touching_the_model(tmp_path):
+    """Without the check, a dmi.Store or a path given as ``store=`` failed only on the drain
+    thread (``'Store' object has no attribute 'create'``), after the model had run."""
+    model = tiny("llama")
+    before = n_hooks(model)
+    with dmi.open(home=tmp_path) as facade:
+        with pytest.raises(InvalidArgumentError, match=r"this is a dmi\.Store: pass store=store\.packs, "
+                                                       r"catalog=store\.catalog"):
+            with attach(model, store=facade):
+                pass
+    with pytest.raises(InvalidArgumentError, match="store must be a PackStore .* not str"):
+        with attach(model, store=str(tmp_path)):
+            pass
+    assert n_hooks(model) == before
 
 
 # -- attach / detach ------------------------------------------------------------------------------
