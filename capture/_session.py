@@ -677,7 +677,8 @@ def attach(
     * ``store``: the ``PackStore`` packs are written to; ``catalog``: where they are published
       (under a publisher lease on ``publish_scope``, default ``"capture/<model_id>/<run_id>"``,
       plus ``"/tp<rank>"`` when ``tp_size > 1``, so the ranks of one run publish side by side);
-      without a catalog, packs are sealed but not published.
+      without a catalog, packs are sealed but not published. Anything else given as either (a
+      path, a URI, a ``dmi.Store``) is refused with ``InvalidArgumentError`` saying what to pass.
     * ``schedule``: a :class:`Schedule` (or a dict of its fields, or phases).
     * ``ring_slots`` × ``slot_bytes``: host memory between the model and the drain thread;
       ``ring_timeout``: how long the producer waits for a free slot before
@@ -738,8 +739,9 @@ def attach(
         check_compiled_selection(selection.hooks, tp_size)
     enabled = (tp_ranks is None or tp_rank in set(tp_ranks)) and (pp_ranks is None or pp_rank in set(pp_ranks))
     drain_nice = auto_drain_nice(model, drain_nice, drop_policy)
-    check_pipeline_arguments("attach", store=store, writer=writer, decode_chunk_steps=decode_chunk_steps,
-                             adaptive_codec=adaptive_codec, encode_threads=encode_threads, drain_nice=drain_nice)
+    check_pipeline_arguments("attach", store=store, catalog=catalog, writer=writer,
+                             decode_chunk_steps=decode_chunk_steps, adaptive_codec=adaptive_codec,
+                             encode_threads=encode_threads, drain_nice=drain_nice)
     geometry = ModelGeometry.from_config(model.config, _model_dtype(model))
     texts = None if tokenizer is None else TokenStrings(tokenizer)
     if texts is not None:
@@ -881,8 +883,8 @@ def auto_drain_nice(model, drain_nice, drop_policy: str):
     return AUTO_DRAIN_NICE if devices == {"cpu"} else 0
 
 
-def check_pipeline_arguments(who: str, *, store, writer, decode_chunk_steps, adaptive_codec, encode_threads,
-                             drain_nice) -> None:
+def check_pipeline_arguments(who: str, *, store, catalog, writer, decode_chunk_steps, adaptive_codec,
+                             encode_threads, drain_nice) -> None:
     """The arguments every attach shares about the drain and the writer, checked before the
     model is touched (:class:`InvalidArgumentError`)."""
     for name, value in (("decode_chunk_steps", decode_chunk_steps), ("encode_threads", encode_threads)):
@@ -896,6 +898,7 @@ def check_pipeline_arguments(who: str, *, store, writer, decode_chunk_steps, ada
     if writer is None and store is None:
         raise InvalidArgumentError(f"{who} needs a pack store (store=PackStore.local(path))")
     _check_pack_store(who, store)
+    _check_catalog(who, catalog)
 
 
 def _check_pack_store(who: str, store) -> None:
@@ -909,6 +912,20 @@ def _check_pack_store(who: str, store) -> None:
         )
     raise InvalidArgumentError(
         f"{who}: store must be a PackStore (e.g. PackStore.local(path)), not {type(store).__name__}"
+    )
+
+
+def _check_catalog(who: str, catalog) -> None:
+    """``catalog`` is None or has what capture calls on one (its ``publisher``): a URI or a
+    ``dmi.Store`` would fail only later, on the drain thread."""
+    if catalog is None or callable(getattr(catalog, "publisher", None)):
+        return
+    if hasattr(catalog, "packs") and hasattr(catalog, "catalog"):  # the facade's dmi.Store
+        raise InvalidArgumentError(f"{who} takes a Catalog as catalog=, and this is a dmi.Store: pass "
+                                   "catalog=store.catalog, or capture with dmi.capture(model, store=store)")
+    hint = f": open it first, catalog=open_catalog({catalog!r})" if isinstance(catalog, str) else ""
+    raise InvalidArgumentError(
+        f"{who}: catalog must be a Catalog (dmi.catalog.open_catalog(...)), not {type(catalog).__name__}{hint}"
     )
 
 

@@ -341,10 +341,11 @@ def attach_vllm(
     model_id = _validate_id("model id", model_id if model_id is not None else _vllm_model_id(config.model))
     run_given = run_id is not None
     run_id = _validate_id("run id", run_id if run_given else new_run_id())
+    check_pipeline_arguments("attach_vllm", store=store, catalog=catalog, writer=writer,
+                             decode_chunk_steps=decode_chunk_steps, adaptive_codec=adaptive_codec,
+                             encode_threads=encode_threads, drain_nice=drain_nice)
     if run_given and catalog is not None:
         _refuse_a_run_holding_records(catalog, model_id, run_id, tp_rank)
-    check_pipeline_arguments("attach_vllm", store=store, writer=writer, decode_chunk_steps=decode_chunk_steps,
-                             adaptive_codec=adaptive_codec, encode_threads=encode_threads, drain_nice=drain_nice)
     _check_publish_interval(publish_interval)
     geometry = ModelGeometry.from_config(model.config, config.dtype)
     layout = TPLayout(geometry, tp_rank, tp_size, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -12,6 +13,7 @@ import dmi
 
 from ._models import MemoryWriter, left_padded_batch, tiny
 from dmi.capture import HOOKS, GROUPS, Schedule, attach, resolve_hooks, resolve_layers
+from dmi.storage import PackStore
 from dmi.storage.errors import (
     AttachError,
     AttentionImplementationError,
@@ -90,6 +92,23 @@ def test_attach_refuses_a_store_that_is_not_a_pack_store_before_touching_the_mod
                 pass
     with pytest.raises(InvalidArgumentError, match="store must be a PackStore .* not str"):
         with attach(model, store=str(tmp_path)):
+            pass
+    assert n_hooks(model) == before
+
+
+def test_attach_refuses_a_catalog_that_is_not_one_before_touching_the_model(tmp_path):
+    """Without the check, a URI or a dmi.Store given as ``catalog=`` failed only on the drain
+    thread (``'str' object has no attribute 'publisher'``), after the model had run."""
+    model = tiny("llama")
+    before = n_hooks(model)
+    packs = PackStore.local(tmp_path / "packs")
+    with dmi.open(home=tmp_path / "home") as facade:
+        with pytest.raises(InvalidArgumentError, match=r"this is a dmi\.Store: pass catalog=store\.catalog"):
+            with attach(model, store=packs, catalog=facade):
+                pass
+    uri = f"chdb://{tmp_path}/catalog"
+    with pytest.raises(InvalidArgumentError, match=re.escape(f"not str: open it first, catalog=open_catalog('{uri}')")):
+        with attach(model, store=packs, catalog=uri):
             pass
     assert n_hooks(model) == before
 
