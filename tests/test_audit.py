@@ -70,6 +70,11 @@ class Tamper:
 @pytest.mark.parametrize("kind", ARCHS)
 @pytest.mark.parametrize("generate", [True, False], ids=["generate", "forward"])
 def test_an_honest_batched_left_padded_capture_passes_on_every_architecture(store, kind, generate):
+    """Every check exact or within the batched bound. Whether batching moves any value at all
+    depends on the CPU's kernels (on one machine the batched forwards of qwen3 and gpt2 came out
+    bit-identical to the requests run alone), so all-exact passes too; the ``noise`` verdict
+    itself is pinned by the injected perturbation of
+    ``test_a_value_perturbed_just_beyond_the_tolerance_fails_and_just_within_passes``."""
     model = tiny(kind)
     ids, mask = left_padded_batch()
     model_id, rids = _capture(store, model, ids, mask, generate=generate)
@@ -79,7 +84,6 @@ def test_an_honest_batched_left_padded_capture_passes_on_every_architecture(stor
     hooks = {c.hook for c in report.checks}
     assert {"token_ids", "resid_pre", "attn_q", "mlp_out", "resid_post", "logits"} <= hooks
     assert all(c.verdict in ("exact", "noise") for c in report.checks)
-    assert any(c.verdict == "noise" for c in report.checks)  # batching moved some values, within bounds
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
