@@ -11,6 +11,7 @@ tests use it.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -111,8 +112,13 @@ def store(tmp_path):
 
 
 def build_llm(model_dir: str, **over):
+    """An engine in this process. Engines no test holds any more are finalized first: one
+    finalized later, by a collection during the new engine's life, tears down vLLM's
+    process-global parallel state under it ("pipeline model parallel group is not
+    initialized" at its next step; test_vllm_audit.py then test_vllm_guards.py did that)."""
     from vllm import LLM
 
+    gc.collect()
     return LLM(model=model_dir, **{**ENGINE, "max_model_len": 256, **over})
 
 
