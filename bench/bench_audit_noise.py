@@ -97,16 +97,16 @@ def shift_separation(dtype: torch.dtype, prompts: str) -> tuple[float, str]:
     model, ids, mask = real_batch(dtype, prompts)
     with torch.inference_mode():
         states = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
-    worst, where = float("inf"), ""
+    smallest, where = float("inf"), ""
     for layer, h in enumerate(states):
         for row in range(ids.shape[0]):
             real = h[row, mask[row].bool()].double()[1:]
             if len(real) < 2:
                 continue
             error = ((real[1:] - real[:-1]).abs().amax(-1) / real[:-1].abs().amax(-1)).min().item()
-            if error < worst:
-                worst, where = error, f"hidden state {layer}"
-    return worst, where
+            if error < smallest:
+                smallest, where = error, f"hidden state {layer}"
+    return smallest, where
 
 
 def cpu_line() -> str:
