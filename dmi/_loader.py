@@ -154,7 +154,7 @@ def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
                            permutation if cfg.shuffle else None)
 
     pending = deque(ahead.submit(read, w) for w in range(first, min(last, first + cfg.prefetch)))
-    gathers = ThreadPoolExecutor(GATHER_THREADS, thread_name_prefix="dmi-loader-batch")
+    gathers = ThreadPoolExecutor(1, thread_name_prefix="dmi-loader-batch")
     built: deque = deque()  # batches being gathered, oldest first
     batch = _BatchBuilder(ds.plan, cfg, local, memory.batches)
     try:
@@ -187,14 +187,8 @@ def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
 
 
 BATCHES_AHEAD = 1
-"""Batches gathered on the loader's own threads beyond the one the training loop holds: the
+"""Batches gathered on the loader's own thread beyond the one the training loop holds: the
 next batch is copied out of its window while the loop works on the current one."""
-
-GATHER_THREADS = 2
-"""Threads that copy batches out of their windows (the copy releases the GIL). A batch's
-random rows are copied at about the speed of one core's memory accesses, below what the disk
-delivers, so while the loader waits for one batch the next is gathered beside it (docs/loader.md,
-"Benchmark")."""
 
 
 def _cursor(w: int, pos: int, size: int) -> tuple[int, int]:
