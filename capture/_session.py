@@ -905,7 +905,7 @@ def _check_pack_store(who: str, store) -> None:
     """``store`` is None or a ``PackStore``: anything else would fail only later, on the drain thread."""
     if store is None or isinstance(store, PackStore):
         return
-    if hasattr(store, "packs") and hasattr(store, "catalog"):  # the facade's dmi.Store
+    if _is_facade_store(store):
         raise InvalidArgumentError(
             f"{who} takes a PackStore as store=, and this is a dmi.Store: pass store=store.packs, "
             "catalog=store.catalog, or capture with dmi.capture(model, store=store)"
@@ -920,13 +920,19 @@ def _check_catalog(who: str, catalog) -> None:
     ``dmi.Store`` would fail only later, on the drain thread."""
     if catalog is None or callable(getattr(catalog, "publisher", None)):
         return
-    if hasattr(catalog, "packs") and hasattr(catalog, "catalog"):  # the facade's dmi.Store
+    if _is_facade_store(catalog):
         raise InvalidArgumentError(f"{who} takes a Catalog as catalog=, and this is a dmi.Store: pass "
                                    "catalog=store.catalog, or capture with dmi.capture(model, store=store)")
     hint = f": open it first, catalog=open_catalog({catalog!r})" if isinstance(catalog, str) else ""
     raise InvalidArgumentError(
         f"{who}: catalog must be a Catalog (dmi.catalog.open_catalog(...)), not {type(catalog).__name__}{hint}"
     )
+
+
+def _is_facade_store(value) -> bool:
+    """Whether ``value`` is the facade's ``dmi.Store`` (a pack store and a catalog together),
+    known by shape: capture sits below the facade and does not import it."""
+    return hasattr(value, "packs") and hasattr(value, "catalog")
 
 
 def _check_fill(name: str, value) -> None:
