@@ -31,8 +31,13 @@ the run, to a loop that touches each batch (a sum, so nothing is lazily skipped)
   limit`` column is to the best of all these reads
 * ``shuffled-read limit``: the packs read ``O_DIRECT`` in record-sized pieces, the pieces in a
   seeded random order over ``--read-threads`` threads (no decoding, no copying), with every
-  cold-read limit measurement: what the disk gives the shuffled loader's access pattern. The
+  cold-read limit measurement: what the disk gives a shuffled access pattern. The
   ratio columns stay to the sequential reads
+* ``dmi shuffled's reads replayed``: the range reads of ``dmi shuffled``'s epoch exactly as its
+  loader plans them (window by window, one task per pack of a window, coalesced ranges widened
+  to whole blocks), read ``O_DIRECT`` over ``--read-threads`` threads into memory mapped
+  beforehand, nothing verified, decoded or gathered, with every cold-read limit measurement:
+  a loader near this rate is held by the disk, not by its own work
 * ``x limit beside it``: each cold run's rate over the disk's rate at that moment — the faster
   of the cached and ``O_DIRECT`` reads just before it and just after it — median (and range)
   over the rounds. This VM's disk gave the same sequential read at 0.6 to 3.1 GB/s within
@@ -77,6 +82,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -85,7 +91,9 @@ import numpy as np
 import torch
 
 import dmi
-from dmi.storage import PackWriter, RecordKey
+from dmi._loader_plan import EpochOrder, n_windows, window_slices
+from dmi.reader import plan_reads
+from dmi.storage import DIRECT_ALIGNMENT, PackWriter, RecordKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _at_revision import module_at  # noqa: E402
@@ -319,6 +327,65 @@ def shuffled_read_limit(packs_root: str, piece: int, threads: int) -> tuple[int,
     return total, seconds
 
 
+def loader_reads(store: dmi.Store, args, dtype: torch.dtype) -> list[list[tuple[str, int, int]]]:
+    """The range reads of ``dmi shuffled``'s first epoch, as its loader issues them: window by
+    window, one task per pack of the window (that pack's coalesced ranges, in offset order),
+    each range widened to whole blocks; each task a list of (pack id, offset, length)."""
+    loader = dmi_batches(store, args, dtype, True)[0]
+    cfg, plan = loader.config, loader.plan
+    order = EpochOrder(plan, seed=cfg.seed, epoch=0, shuffle=True)
+    whole = cfg.batch_size if cfg.drop_last else None
+    tasks = []
+    for w in range(n_windows(order.total, 0, 1, cfg.shuffle_buffer, whole_batches=whole)):
+        by_pack = defaultdict(list)
+        for s in window_slices(order, 0, 1, cfg.shuffle_buffer, w, whole_batches=whole):
+            for e in (e for group in plan.units[s.unit].records for e in group):
+                by_pack[e.pack_id].append(e)
+        for entries in by_pack.values():
+            task = []
+            for planned in plan_reads(entries, max_gap=cfg.max_gap):
+                start = planned.range.offset - planned.range.offset % DIRECT_ALIGNMENT
+                end = planned.range.end + -planned.range.end % DIRECT_ALIGNMENT
+                task.append((planned.pack_id, start, end - start))
+            tasks.append(task)
+    return tasks
+
+
+def replayed_read_limit(packs_root: str, tasks: list[list[tuple[str, int, int]]], threads: int) -> tuple[int, float]:
+    """Bytes of ``tasks`` (:func:`loader_reads`) read ``O_DIRECT`` over ``threads`` threads in
+    their order, cache dropped, with nothing verified, decoded or copied: what the disk gives
+    the shuffled loader's own access pattern. A loader near this rate is held by the disk."""
+    os.sync()
+    drop_cache(packs_root)
+    fds = {os.path.basename(path).split(".")[0]: os.open(path, os.O_RDONLY | os.O_DIRECT)
+           for path in files_under(packs_root)}
+    largest = max(length for task in tasks for _, _, length in task)
+    buffers = [mmap.mmap(-1, largest) for _ in range(threads)]
+    for buffer in buffers:
+        buffer.write(bytes(largest))  # mapped before the clock starts, as the loader's reused regions are
+    free = list(range(threads))
+
+    def read_task(task) -> int:
+        b = free.pop()
+        try:
+            return sum(os.preadv(fds[pack_id], [memoryview(buffers[b])[:length]], offset)
+                       for pack_id, offset, length in task)
+        finally:
+            free.append(b)
+
+    try:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            total = sum(pool.map(read_task, tasks))
+        seconds = time.perf_counter() - start
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        for buffer in buffers:
+            buffer.close()
+    return total, seconds
+
+
 def sequential_now(packs_root: str, limits: dict) -> float:
     """The disk's sequential rate now, bytes/s: the faster of a cold cached and a cold
     ``O_DIRECT`` read of the packs; each read's seconds also join ``limits`` (the best of each
@@ -331,12 +398,15 @@ def sequential_now(packs_root: str, limits: dict) -> float:
     return best
 
 
-def limit_now(packs_root: str, limits: dict, piece: int, threads: int) -> float:
-    """:func:`sequential_now`, and a shuffled read of record-sized pieces whose seconds also
-    join ``limits``."""
+def limit_now(packs_root: str, limits: dict, piece: int, threads: int, tasks=None) -> float:
+    """:func:`sequential_now`, then a shuffled read of record-sized pieces and (given the loader's
+    ``tasks``) its own reads replayed, whose seconds also join ``limits``."""
     best = sequential_now(packs_root, limits)
     seconds = shuffled_read_limit(packs_root, piece, threads)[1]
     limits["shuffled"] = min(limits.get("shuffled", seconds), seconds)
+    if tasks is not None:
+        seconds = replayed_read_limit(packs_root, tasks, threads)[1]
+        limits["replayed"] = min(limits.get("replayed", seconds), seconds)
     return best
 
 
@@ -395,8 +465,9 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
     packs_root = os.path.join(dmi_home, "packs")
     limits: dict = {}  # best seconds of each kind of read; each twice: the disk's speed drifts on a VM
     piece = args.tokens * args.hidden * itemsize  # one record's bytes
+    tasks = loader_reads(store, args, dtype)
     for _ in range(2):
-        limit_now(packs_root, limits, piece, args.read_threads)
+        limit_now(packs_root, limits, piece, args.read_threads, tasks)
     limit_bytes = sum(os.path.getsize(path) for path in files_under(packs_root))
 
     sizes = [args.tokens] * args.requests
@@ -427,7 +498,7 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
         for method, (files, make) in methods.items():
             for cache in ("cold", "warm"):
                 if cache == "cold":
-                    before = limit_now(packs_root, limits, piece, args.read_threads)
+                    before = limit_now(packs_root, limits, piece, args.read_threads, tasks)
                     drop_cache(files)
                 else:
                     consume(make())
@@ -437,7 +508,8 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
                 runs.setdefault((method, cache), []).append((seconds, cpu, first_s))
                 if cache == "cold":
                     rate = total_rows * args.hidden * itemsize / seconds
-                    beside.setdefault(method, []).append(rate / max(before, limit_now(packs_root, limits, piece, args.read_threads)))
+                    after = limit_now(packs_root, limits, piece, args.read_threads, tasks)
+                    beside.setdefault(method, []).append(rate / max(before, after))
     limit_s = min(limits[False], limits[True])
     limit = limit_bytes / limit_s
     rounds = f"; median of {args.rounds} rounds, methods interleaved" if args.rounds > 1 else ""
@@ -454,7 +526,8 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
         print(f"| {method} | {cache} | {total_rows / seconds:,.0f} | {rate / 1e9:.2f} | {rate / limit:.2f} | "
               f"{paired} | {first_s:.2f} | {cpu:.2f} | {quality[method.split(' @')[0]]:.1f} |")
     for kind, name in ((False, "cold-read limit"), (True, "cold-read limit, O_DIRECT"),
-                       ("shuffled", f"shuffled-read limit, O_DIRECT, {args.read_threads} threads")):
+                       ("shuffled", f"shuffled-read limit, O_DIRECT, {args.read_threads} threads"),
+                       ("replayed", f"dmi shuffled's reads replayed, O_DIRECT, {args.read_threads} threads")):
         rate = limit_bytes / limits[kind]
         print(f"| {name} | cold | {total_rows / limits[kind]:,.0f} | {rate / 1e9:.2f} | {rate / limit:.2f} "
               "| - | - | - | - |")
