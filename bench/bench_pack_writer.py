@@ -148,8 +148,8 @@ def measure(write, root, data) -> tuple[float, int, float]:
 
 _PIECES = (  # (label, owner in _writer, attribute): today's writer, timed piece by piece
     ("statistics", "module", "_stats"),
-    ("checksum", "module", "checksum_parts"),
-    ("codec", "module", "encode_parts"),
+    ("checksum", "module", "checksum"),
+    ("codec", "module", "encode"),
     ("copy into the gathered batch", "pack", "_gather"),
     ("record batch: columns built", "module", "_record_batch"),
     ("record batch: written (incl. columns built)", "pack", "_write"),

@@ -48,8 +48,7 @@ import zstandard
 
 from dmi.storage._native import join_planes, quantise, split_planes
 
-__all__ = ["CODECS", "LOSSY_CODECS", "DEFAULT_CODEC", "CodecError", "checksum", "checksum_parts", "encode",
-           "encode_parts", "encode_lossy", "decode"]
+__all__ = ["CODECS", "LOSSY_CODECS", "DEFAULT_CODEC", "CodecError", "checksum", "encode", "encode_lossy", "decode"]
 
 CODECS = ("raw", "zstd", "split-zstd")
 """The lossless codecs: decoding gives back the exact bytes."""
@@ -102,19 +101,8 @@ class CodecError(ValueError):
 
 
 def checksum(data) -> int:
-    """XXH3-64 of the stored bytes, as an unsigned int (fast enough that every read verifies it;
-    ``bench/bench_storage.py`` prints its rate beside the codecs')."""
+    """XXH3-64 of the stored bytes, as an unsigned int (≈ 40 GB/s, so reads can afford it)."""
     return xxhash.xxh3_64_intdigest(data)
-
-
-def checksum_parts(parts) -> int:
-    """:func:`checksum` of the concatenation of the buffers ``parts``, without concatenating them."""
-    if len(parts) == 1:
-        return checksum(parts[0])
-    digest = xxhash.xxh3_64()
-    for part in parts:
-        digest.update(part)
-    return digest.intdigest()
 
 
 def encode(codec: str, raw: np.ndarray, itemsize: int):
@@ -122,17 +110,10 @@ def encode(codec: str, raw: np.ndarray, itemsize: int):
 
     Returns a buffer-like object (bytes or a numpy array) holding the stored payload.
     """
-    parts = encode_parts(codec, raw, itemsize)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-def encode_parts(codec: str, raw: np.ndarray, itemsize: int) -> tuple:
-    """:func:`encode`'s payload as the buffers that make it up, in order, not joined: the writer
-    copies them once, straight into its batch, instead of into a joined payload first."""
     if codec == "raw":
-        return (raw,)
+        return raw
     if codec == "zstd":
-        return (_compressor("plain").compress(raw),)
+        return _compressor("plain").compress(raw)
     if codec == "split-zstd":
         return _encode_split(raw, itemsize)
     if codec in LOSSY_CODECS:
@@ -164,8 +145,7 @@ def _plane_count(itemsize: int) -> int:
     return min(itemsize, 8)
 
 
-def _encode_split(raw: np.ndarray, itemsize: int) -> tuple:
-    """The header (tag, plane table) and each plane's stored bytes."""
+def _encode_split(raw: np.ndarray, itemsize: int) -> bytes:
     width = _plane_count(itemsize)
     compressor = _compressor("plane")
     header = [_HEADER.pack(_SPLIT_TAG, width)]
@@ -178,7 +158,7 @@ def _encode_split(raw: np.ndarray, itemsize: int) -> tuple:
                 stored, kind = packed, _PLANE_ZSTD
         header.append(_PLANE_ENTRY.pack(kind, len(stored) if kind else plane.nbytes))
         bodies.append(stored)
-    return (b"".join(header), *bodies)
+    return b"".join([*header, *bodies])
 
 
 def _worth_compressing(compressor, plane: np.ndarray) -> bool:

@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from dmi.storage._codecs import CODECS, DEFAULT_CODEC, LOSSY_CODECS, checksum_parts, encode_lossy, encode_parts
+from dmi.storage._codecs import CODECS, DEFAULT_CODEC, LOSSY_CODECS, checksum, encode, encode_lossy
 from dmi.storage._native import moments
 from dmi.storage.record_schema import field_columns, unstorable
 from dmi.storage._pack_format import PACK_ROW_SCHEMA, FORMAT_VERSION, dtype_name, encode_index, schema_with_metadata, torch_dtype
@@ -46,11 +46,10 @@ _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression=None)
 
 @dataclass(frozen=True, slots=True)
 class _Encoded:
-    """A record ready for the pack: its description and its stored bytes, as the buffers whose
-    concatenation they are (a codec's pieces are copied once, into the pack's batch)."""
+    """A record ready for the pack: its description and its stored bytes."""
 
     meta: RecordMeta
-    parts: tuple  # buffer-likes; may alias the caller's tensor until written
+    stored: object  # buffer-like; may alias the caller's tensor until written
     length: int
 
 
@@ -190,23 +189,23 @@ class PackWriter:
         errors = (0.0, 0.0)
         if codec in LOSSY_CODECS:
             stored, errors = _encode_lossy(codec, key, tensor, dtype_str, stats)
-            parts = (stored,)
         else:
-            parts = encode_parts(codec, flat, torch_dtype(dtype_str).itemsize)
-        parts = tuple(_as_uint8(part) for part in parts)
+            stored = encode(codec, flat, torch_dtype(dtype_str).itemsize)
+        view = memoryview(stored).cast("B") if not isinstance(stored, np.ndarray) else stored
+        length = view.nbytes
         meta = RecordMeta(
             key=key,
             dtype=dtype_str,
             shape=shape_t,
             codec=codec,
             raw_size=flat.nbytes,
-            checksum=checksum_parts(parts),
+            checksum=checksum(view),
             shard=shard,
             stats=stats,
             codec_max_abs_error=errors[0],
             codec_rel_l2_error=errors[1],
         )
-        return _Encoded(meta, parts, sum(part.nbytes for part in parts))
+        return _Encoded(meta, view, length)
 
 
 def _encode_lossy(codec: str, key: RecordKey, tensor: torch.Tensor | None, dtype_str: str,
@@ -365,7 +364,7 @@ class _OpenPack:
         try:
             if encoded.length >= self.batch_bytes:
                 self._flush()
-                self._write([encoded.meta], [encoded.length], _joined(encoded.parts))  # a raw record: the caller's memory
+                self._write([encoded.meta], [encoded.length], encoded.stored)  # straight from the caller's memory
             else:
                 if self.gathered_bytes + encoded.length > self.batch_bytes:
                     self._flush()
@@ -410,9 +409,7 @@ class _OpenPack:
         end = start + encoded.length
         if self.gathered is None or end > self.gathered.nbytes:
             self._grow(end)
-        for part in encoded.parts:
-            self.gathered[start : start + part.nbytes] = part
-            start += part.nbytes
+        self.gathered[start:end] = _as_uint8(encoded.stored)
         self.gathered_bytes = end
         self.gathered_metas.append(encoded.meta)
         self.gathered_lengths.append(encoded.length)
@@ -460,7 +457,7 @@ def _with_layout(encoded: _Encoded, token_axis: int, key_axis: int | None) -> _E
             f"token_axis={token_axis!r}, key_axis={key_axis!r} are not distinct axes of shape {encoded.meta.shape}"
         )
     meta = dataclasses.replace(encoded.meta, token_axis=token_axis, key_axis=key_axis)
-    return _Encoded(meta, encoded.parts, encoded.length)
+    return _Encoded(meta, encoded.stored, encoded.length)
 
 
 @functools.cache
@@ -479,12 +476,6 @@ def _pad(n: int) -> int:
 
 def _as_uint8(stored) -> np.ndarray:
     return stored if isinstance(stored, np.ndarray) else np.frombuffer(stored, dtype=np.uint8)
-
-
-def _joined(parts: tuple) -> np.ndarray:
-    """One buffer of ``parts``: the part itself when there is one (raw records, written from the
-    caller's memory), else a copy (a large record stored in pieces, written as its own batch)."""
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def _record_batch(metas: list[RecordMeta], lengths: list[int], data) -> pa.RecordBatch:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dmi.storage import _codecs
-from dmi.storage._codecs import CODECS, DEFAULT_CODEC, CodecError, checksum, checksum_parts, decode, encode, encode_parts
+from dmi.storage._codecs import CODECS, DEFAULT_CODEC, CodecError, checksum, decode, encode
 
 
 def activation_like(tokens=512, hidden=2048, seed=0) -> torch.Tensor:
@@ -117,20 +117,6 @@ def test_unknown_codec():
         encode("lz5", np.zeros(4, np.uint8), 1)
     with pytest.raises(CodecError):
         decode("lz5", b"", np.zeros(0, np.uint8), 1)
-
-
-@pytest.mark.parametrize("codec", CODECS)
-@pytest.mark.parametrize("n_items", [0, 1, 70_000])
-def test_parts_join_to_the_payload_and_checksum_as_it(codec, n_items):
-    """The writer copies a codec's parts straight into its batch and checksums them one by one:
-    both must give exactly what the joined payload gives (the reader checks the joined bytes)."""
-    raw = raw_of(activation_like(tokens=n_items // 64 + 1, hidden=64))[: n_items * 2]
-    parts = encode_parts(codec, raw, 2)
-    joined = b"".join(bytes(memoryview(p)) for p in parts)
-    assert joined == bytes(memoryview(encode(codec, raw, 2)))
-    assert checksum_parts(parts) == checksum(joined)
-    if codec == "split-zstd":
-        assert len(parts) == 3  # header, then each of bf16's two planes
 
 
 def test_checksum_is_xxh3_64():
