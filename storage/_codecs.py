@@ -101,7 +101,8 @@ class CodecError(ValueError):
 
 
 def checksum(data) -> int:
-    """XXH3-64 of the stored bytes, as an unsigned int (≈ 40 GB/s, so reads can afford it)."""
+    """XXH3-64 of the stored bytes, as an unsigned int: fast enough that every read verifies it
+    (its measured rate: docs/pack-format.md, "Checksum")."""
     return xxhash.xxh3_64_intdigest(data)
 
 
