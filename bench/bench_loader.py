@@ -37,7 +37,10 @@ the run, to a loop that touches each batch (a sum, so nothing is lazily skipped)
   loader plans them (window by window, one task per pack of a window, coalesced ranges widened
   to whole blocks), read ``O_DIRECT`` over ``--read-threads`` threads into memory mapped
   beforehand, nothing verified, decoded or gathered, with every cold-read limit measurement:
-  a loader near this rate is held by the disk, not by its own work
+  a loader near this rate is held by the disk, not by its own work. Row ``the same into N
+  window regions``: each window's reads land one after another in a region of its own, as
+  the loader's do (``N = --prefetch + 2`` regions taken in turn), instead of each thread
+  reading into one buffer again and again
 * ``x limit beside it``: each cold run's rate over the disk's rate at that moment — the faster
   of the cached and ``O_DIRECT`` reads just before it and just after it — median (and range)
   over the rounds. This VM's disk gave the same sequential read at 0.6 to 3.1 GB/s within
@@ -330,10 +333,10 @@ def shuffled_read_limit(packs_root: str, piece: int, threads: int) -> tuple[int,
     return total, seconds
 
 
-def loader_reads(store: dmi.Store, args, dtype: torch.dtype) -> list[list[tuple[str, int, int]]]:
+def loader_reads(store: dmi.Store, args, dtype: torch.dtype) -> list[tuple[int, list[tuple[str, int, int]]]]:
     """The range reads of ``dmi shuffled``'s first epoch, as its loader issues them: window by
     window, one task per pack of the window (that pack's coalesced ranges, in offset order),
-    each range widened to whole blocks; each task a list of (pack id, offset, length)."""
+    each range widened to whole blocks; each task (its window, [(pack id, offset, length)])."""
     loader = dmi_batches(store, args, dtype, True)[0]
     cfg, plan = loader.config, loader.plan
     order = EpochOrder(plan, seed=cfg.seed, epoch=0, shuffle=True)
@@ -345,47 +348,62 @@ def loader_reads(store: dmi.Store, args, dtype: torch.dtype) -> list[list[tuple[
             for e in (e for group in plan.units[s.unit].records for e in group):
                 by_pack[e.pack_id].append(e)
         for entries in by_pack.values():
-            task = []
+            reads = []
             for planned in plan_reads(entries, max_gap=cfg.max_gap):
                 start = planned.range.offset - planned.range.offset % DIRECT_ALIGNMENT
                 end = planned.range.end + -planned.range.end % DIRECT_ALIGNMENT
-                task.append((planned.pack_id, start, end - start))
-            tasks.append(task)
+                reads.append((planned.pack_id, start, end - start))
+            tasks.append((w, reads))
     return tasks
 
 
-def replayed_read_limit(packs_root: str, tasks: list[list[tuple[str, int, int]]], threads: int) -> tuple[int, float]:
+def replayed_read_limit(packs_root: str, tasks: list[tuple[int, list[tuple[str, int, int]]]], threads: int,
+                        regions: int = 0) -> tuple[int, float]:
     """Bytes of ``tasks`` (:func:`loader_reads`) read ``O_DIRECT`` over ``threads`` threads in
     their order, cache dropped, with nothing verified, decoded or copied: what the disk gives
-    the shuffled loader's own access pattern. A loader near this rate is held by the disk."""
+    the shuffled loader's own access pattern. A loader near this rate is held by the disk.
+
+    Where the bytes land: ``regions=0``, one buffer per thread, each read into it again;
+    ``regions=N``, as the loader puts them, each window's reads one after another in a region
+    of its own, the windows taking ``N`` regions in turn (the loader keeps ``prefetch + 2``).
+    All of it is mapped before the clock starts, as the memory of a loader's later epochs is."""
     os.sync()
     drop_cache(packs_root)
     fds = {os.path.basename(path).split(".")[0]: os.open(path, os.O_RDONLY | os.O_DIRECT)
            for path in files_under(packs_root)}
-    largest = max(length for task in tasks for _, _, length in task)
-    buffers = [mmap.mmap(-1, largest) for _ in range(threads)]
-    for buffer in buffers:
-        buffer.write(bytes(largest))  # mapped before the clock starts, as the loader's reused regions are
+    places, sizes = [], defaultdict(int)  # each task's (memory, offset in it)
+    for w, reads in tasks:
+        places.append((w % regions, sizes[w]) if regions else (None, 0))
+        sizes[w] += sum(length for _, _, length in reads)
+    largest = max(length for _, reads in tasks for _, _, length in reads)
+    memory = [mmap.mmap(-1, max(sizes.values()) if regions else largest) for _ in range(regions or threads)]
+    for m in memory:
+        m.write(bytes(len(m)))
     free = list(range(threads))
 
-    def read_task(task) -> int:
-        b = free.pop()
+    def read_task(i: int) -> int:
+        region, at = places[i]
+        b = free.pop() if region is None else region
         try:
-            return sum(os.preadv(fds[pack_id], [memoryview(buffers[b])[:length]], offset)
-                       for pack_id, offset, length in task)
+            total = 0
+            for pack_id, offset, length in tasks[i][1]:
+                total += os.preadv(fds[pack_id], [memoryview(memory[b])[at : at + length]], offset)
+                at += 0 if region is None else length
+            return total
         finally:
-            free.append(b)
+            if region is None:
+                free.append(b)
 
     try:
         start = time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:
-            total = sum(pool.map(read_task, tasks))
+            total = sum(pool.map(read_task, range(len(tasks))))
         seconds = time.perf_counter() - start
     finally:
         for fd in fds.values():
             os.close(fd)
-        for buffer in buffers:
-            buffer.close()
+        for m in memory:
+            m.close()
     return total, seconds
 
 
@@ -401,15 +419,17 @@ def sequential_now(packs_root: str, limits: dict) -> float:
     return best
 
 
-def limit_now(packs_root: str, limits: dict, piece: int, threads: int, tasks=None) -> float:
+def limit_now(packs_root: str, limits: dict, piece: int, threads: int, tasks=None, regions: int = 0) -> float:
     """:func:`sequential_now`, then a shuffled read of record-sized pieces and (given the loader's
-    ``tasks``) its own reads replayed, whose seconds also join ``limits``."""
+    ``tasks``) its own reads replayed into per-thread buffers and into ``regions`` window
+    regions, whose seconds also join ``limits``."""
     best = sequential_now(packs_root, limits)
     seconds = shuffled_read_limit(packs_root, piece, threads)[1]
     limits["shuffled"] = min(limits.get("shuffled", seconds), seconds)
     if tasks is not None:
-        seconds = replayed_read_limit(packs_root, tasks, threads)[1]
-        limits["replayed"] = min(limits.get("replayed", seconds), seconds)
+        for kind, n in (("replayed", 0), ("replayed into windows", regions)):
+            seconds = replayed_read_limit(packs_root, tasks, threads, regions=n)[1]
+            limits[kind] = min(limits.get(kind, seconds), seconds)
     return best
 
 
@@ -470,7 +490,7 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
     piece = args.tokens * args.hidden * itemsize  # one record's bytes
     tasks = loader_reads(store, args, dtype)
     for _ in range(2):
-        limit_now(packs_root, limits, piece, args.read_threads, tasks)
+        limit_now(packs_root, limits, piece, args.read_threads, tasks, args.prefetch + 2)
     limit_bytes = sum(os.path.getsize(path) for path in files_under(packs_root))
 
     sizes = [args.tokens] * args.requests
@@ -501,7 +521,7 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
         for method, (files, make) in methods.items():
             for cache in ("cold", "warm"):
                 if cache == "cold":
-                    before = limit_now(packs_root, limits, piece, args.read_threads, tasks)
+                    before = limit_now(packs_root, limits, piece, args.read_threads, tasks, args.prefetch + 2)
                     drop_cache(files)
                 else:
                     consume(make())
@@ -511,7 +531,7 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
                 runs.setdefault((method, cache), []).append((seconds, cpu, first_s))
                 if cache == "cold":
                     rate = total_rows * args.hidden * itemsize / seconds
-                    after = limit_now(packs_root, limits, piece, args.read_threads, tasks)
+                    after = limit_now(packs_root, limits, piece, args.read_threads, tasks, args.prefetch + 2)
                     beside.setdefault(method, []).append(rate / max(before, after))
     limit_s = min(limits[False], limits[True])
     limit = limit_bytes / limit_s
@@ -532,7 +552,8 @@ def run_dtype(name: str, dtype: torch.dtype, args, work: str) -> None:
               f"{paired} | {first_s:.2f} | {cpu:.2f} | {quality[method.split(' @')[0]]:.1f} |")
     for kind, name in ((False, "cold-read limit"), (True, "cold-read limit, O_DIRECT"),
                        ("shuffled", f"shuffled-read limit, O_DIRECT, {args.read_threads} threads"),
-                       ("replayed", f"dmi shuffled's reads replayed, O_DIRECT, {args.read_threads} threads")):
+                       ("replayed", f"dmi shuffled's reads replayed, O_DIRECT, {args.read_threads} threads"),
+                       ("replayed into windows", f"the same into {args.prefetch + 2} window regions")):
         rate = limit_bytes / limits[kind]
         print(f"| {name} | cold | {total_rows / limits[kind]:,.0f} | {rate / 1e9:.2f} | {rate / limit:.2f} "
               "| - | - | - | - |")

@@ -15,7 +15,8 @@ the loader is not changed) is logged with its start and end, and each epoch is s
 Beside each epoch, the packs are read twice with no verifying, decoding or copying, once
 before and once after it: ``O_DIRECT`` in record-sized pieces in a seeded random order over
 ``--read-threads`` threads (``bench_loader.shuffled_read_limit``), and the loader's own range
-reads of an epoch replayed as it issues them (``bench_loader.replayed_read_limit``). The
+reads of an epoch replayed as it issues them (``bench_loader.replayed_read_limit``), into one
+buffer per thread and, as the loader places them, into ``--prefetch`` + 2 window regions. The
 epoch's read rate is set against the faster of each pair: a ratio near 1 to the replayed
 reads says the disk, not the loader's own work, held the epoch.
 
@@ -137,31 +138,36 @@ def main() -> None:
               f"{'successive epochs of one loader' if args.one_loader else 'each the first epoch of a new loader'}\n")
         print("| round | epoch s | GB/s | start-up s | reads s | read GB/s | tail s | windows | CPU s | minor faults "
               "(thousands) | shuffled-read limit GB/s (before, after) | read rate / limit | replayed reads GB/s "
-              "(before, after) | read rate / replayed |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "(before, after) | read rate / replayed | replayed into windows GB/s (before, after) | read rate / "
+              "replayed into windows |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         tasks = bench_loader.loader_reads(store, args, torch.bfloat16)
         loader = None
         if args.one_loader:
             loader, _ = bench_loader.dmi_batches(store, args, torch.bfloat16, True, direct_io=not args.cached)
-        fractions, replayed = [], []
+        ratios: list[list[float]] = [[], [], []]
 
-        def disk_rates() -> tuple[float, float]:
+        def disk_rates() -> tuple[float, float, float]:
             shuffled = bench_loader.shuffled_read_limit(packs, piece, args.read_threads)[1]
-            return nbytes / shuffled, nbytes / bench_loader.replayed_read_limit(packs, tasks, args.read_threads)[1]
+            replays = [bench_loader.replayed_read_limit(packs, tasks, args.read_threads, regions=n)[1]
+                       for n in (0, args.prefetch + 2)]
+            return tuple(nbytes / seconds for seconds in (shuffled, *replays))
 
         for r in range(args.rounds):
             before = disk_rates()
             e = epoch(store, args, direct=not args.cached, loader=loader)
             after = disk_rates()
             read_rate = nbytes / e["reads"]
-            fractions.append(read_rate / max(before[0], after[0]))
-            replayed.append(read_rate / max(before[1], after[1]))
+            beside = ""
+            for k, ratio in enumerate(ratios):
+                ratio.append(read_rate / max(before[k], after[k]))
+                beside += f" {before[k] / 1e9:.2f}, {after[k] / 1e9:.2f} | {ratio[-1]:.2f} |"
             print(f"| {r} | {e['total']:.2f} | {nbytes / e['total'] / 1e9:.2f} | {e['startup']:.2f} | {e['reads']:.2f} | "
-                  f"{read_rate / 1e9:.2f} | {e['tail']:.2f} | {e['windows']} | {e['cpu']:.2f} | {e['faults'] / 1e3:.0f} | "
-                  f"{before[0] / 1e9:.2f}, {after[0] / 1e9:.2f} | {fractions[-1]:.2f} | "
-                  f"{before[1] / 1e9:.2f}, {after[1] / 1e9:.2f} | {replayed[-1]:.2f} |")
-        print(f"\nmedian read rate / shuffled-read limit: {statistics.median(fractions):.2f}; / replayed reads: "
-              f"{statistics.median(replayed):.2f}; load average {os.getloadavg()[0]:.2f} at the end")
+                  f"{read_rate / 1e9:.2f} | {e['tail']:.2f} | {e['windows']} | {e['cpu']:.2f} | {e['faults'] / 1e3:.0f} |"
+                  + beside)
+        medians = [statistics.median(ratio) for ratio in ratios]
+        print(f"\nmedian read rate / shuffled-read limit: {medians[0]:.2f}; / replayed reads: {medians[1]:.2f}; "
+              f"/ replayed into windows: {medians[2]:.2f}; load average {os.getloadavg()[0]:.2f} at the end")
         store.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
