@@ -95,6 +95,7 @@ import numpy as np
 import torch
 
 import dmi
+from dmi._loader_memory import lent, map_region
 from dmi._loader_plan import EpochOrder, n_windows, window_slices
 from dmi.reader import plan_reads
 from dmi.storage import DIRECT_ALIGNMENT, PackWriter, RecordKey
@@ -366,7 +367,8 @@ def replayed_read_limit(packs_root: str, tasks: list[tuple[int, list[tuple[str, 
     Where the bytes land: ``regions=0``, one buffer per thread, each read into it again;
     ``regions=N``, as the loader puts them, each window's reads one after another in a region
     of its own, the windows taking ``N`` regions in turn (the loader keeps ``prefetch + 2``).
-    All of it is mapped before the clock starts, as the memory of a loader's later epochs is."""
+    The memory is mapped as the loader maps its own (:func:`dmi._loader_memory.map_region`) and
+    touched before the clock starts, as a loader's is in its later epochs."""
     os.sync()
     drop_cache(packs_root)
     fds = {os.path.basename(path).split(".")[0]: os.open(path, os.O_RDONLY | os.O_DIRECT)
@@ -376,9 +378,8 @@ def replayed_read_limit(packs_root: str, tasks: list[tuple[int, list[tuple[str, 
         places.append((w % regions, sizes[w]) if regions else (None, 0))
         sizes[w] += sum(length for _, _, length in reads)
     largest = max(length for _, reads in tasks for _, _, length in reads)
-    memory = [mmap.mmap(-1, max(sizes.values()) if regions else largest) for _ in range(regions or threads)]
-    for m in memory:
-        m.write(bytes(len(m)))
+    memory = [memoryview(lent(map_region(max(sizes.values()) if regions else largest)).zero_().numpy())
+              for _ in range(regions or threads)]  # the loader's memory, touched before the clock starts
     free = list(range(threads))
 
     def read_task(i: int) -> int:
@@ -402,8 +403,6 @@ def replayed_read_limit(packs_root: str, tasks: list[tuple[int, list[tuple[str, 
     finally:
         for fd in fds.values():
             os.close(fd)
-        for m in memory:
-            m.close()
     return total, seconds
 
 

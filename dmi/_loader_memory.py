@@ -13,11 +13,12 @@ a read region.
 
 from __future__ import annotations
 
+import mmap
 import threading
 
 import torch
 
-__all__ = ["Arena", "LoaderMemory", "WindowMemory"]
+__all__ = ["Arena", "LoaderMemory", "WindowMemory", "lent", "map_region"]
 
 
 class WindowMemory:
@@ -42,14 +43,14 @@ class WindowMemory:
         for region in self._regions:
             if region.nbytes() >= nbytes and _unused(region):
                 self.reused += 1
-                return _lend(region, nbytes)
-        region = torch.UntypedStorage(nbytes)
+                return lent(region, nbytes)
+        region = map_region(nbytes)
         self.mapped += 1
         if len(self._regions) < self.keep:
             self._regions.append(region)
         else:
             self._replace_a_free_smaller_region(region)
-        return _lend(region, nbytes)
+        return lent(region, nbytes)
 
     def _replace_a_free_smaller_region(self, region: torch.UntypedStorage) -> None:
         for i, old in enumerate(self._regions):
@@ -80,7 +81,31 @@ BATCHES_KEPT = 4
 filled, and two more for a loop that holds on to a batch or two (a pipeline stage)."""
 
 
-def _lend(region: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
+def map_region(nbytes: int) -> torch.UntypedStorage:
+    """``nbytes`` of fresh anonymous memory, asked to be backed by 2 MiB pages where the
+    kernel offers them on request (Linux's transparent huge pages in ``madvise`` mode, a
+    common default): a direct read then pins, and a batch's gather of scattered rows walks,
+    512 times fewer pages (``bench/bench_loader_timeline.py``; numbers in docs/benchmarks.md)."""
+    region = mmap.mmap(-1, max(nbytes, 1), **PRIVATE)
+    if HUGE_PAGES is not None:
+        try:
+            region.madvise(HUGE_PAGES)
+        except OSError:  # huge pages off or absent: the region keeps 4 KiB pages, as malloc's would
+            pass
+    return torch.frombuffer(region, dtype=torch.uint8).untyped_storage()
+
+
+HUGE_PAGES = getattr(mmap, "MADV_HUGEPAGE", None)
+"""The advice that asks for transparent huge pages (Linux only; ``None`` elsewhere)."""
+
+PRIVATE = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
+"""Process-private anonymous memory, as malloc's (an anonymous ``mmap`` is shared by default,
+and shared memory takes its huge pages from a different, usually disabled, setting)."""
+
+
+def lent(region: torch.UntypedStorage, nbytes: int | None = None) -> torch.Tensor:
+    """The first ``nbytes`` of ``region`` (all of it by default) as a uint8 tensor using it."""
+    nbytes = region.nbytes() if nbytes is None else nbytes
     return torch.empty(0, dtype=torch.uint8).set_(region, 0, (nbytes,), (1,))
 
 
