@@ -1,9 +1,14 @@
 """The loader's reused memory (dmi/_loader_memory.py): a region is lent again only when
 nothing uses it, never after it went to another process, and a window's reads get
-disjoint, aligned pieces of one region."""
+disjoint, aligned pieces of one region; regions are private memory asked for huge pages."""
 
 from __future__ import annotations
 
+import mmap
+import os
+import re
+
+import pytest
 import torch
 
 from dmi._loader_memory import Arena, WindowMemory
@@ -62,6 +67,28 @@ def test_without_torch_s_use_count_nothing_is_lent_again(monkeypatch):
     address = first.data_ptr()
     del first
     assert memory.take(4096).data_ptr() != address and memory.reused == 0
+
+
+@pytest.mark.skipif(not (os.path.exists("/proc/self/smaps") and hasattr(mmap, "MADV_HUGEPAGE")
+                         and os.path.isdir("/sys/kernel/mm/transparent_hugepage")),
+                    reason="transparent huge pages are a Linux feature, and this kernel has none")
+def test_a_region_is_private_memory_advised_to_use_huge_pages():
+    memory = WindowMemory(keep=1)
+    region = memory.take(8 << 20)
+    flags = _vm_flags(region.data_ptr())
+    assert "hg" in flags  # MADV_HUGEPAGE taken: the kernel backs it with 2 MiB pages where it can
+    assert "sh" not in flags  # private: shared memory would take its huge pages from another setting
+    assert region.data_ptr() % mmap.PAGESIZE == 0  # page-aligned, as direct reads need
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The kernel's flags for the mapping holding ``address`` (``VmFlags`` in /proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        smaps = f.read()
+    for mapping in re.finditer(r"^([0-9a-f]+)-([0-9a-f]+) .*?^VmFlags:(.*?)$", smaps, re.S | re.M):
+        if int(mapping.group(1), 16) <= address < int(mapping.group(2), 16):
+            return set(mapping.group(3).split())
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def _start(memory: WindowMemory, i: int) -> int:
