@@ -5,11 +5,10 @@ default) are read into one region per window (:class:`Arena`), and batches are g
 from them. Fresh memory is mapped one page fault at a time as it is first written, and
 with 4 KiB pages those faults cost more than the gather (``bench/bench_loader_window.py``;
 numbers in docs/benchmarks.md). So a region asks for 2 MiB pages (:func:`map_region`), and
-is lent again once the window it held is consumed: torch
-counts the users of a storage, and a region is reused when the pool holds its only
-reference. Batches are copies of their own, lent the same way once the training loop lets
-go of them; a loop that keeps its batches gets new memory for the next ones and never pins
-a read region.
+is lent again once the window it held is consumed: torch counts the users of a storage, and
+a region is reused when the pool holds its only reference. Batches are copies of their own,
+lent the same way once the training loop lets go of them; a loop that keeps its batches gets
+new memory for the next ones and never pins a read region.
 """
 
 from __future__ import annotations
