@@ -23,6 +23,7 @@ reads says the disk, not the loader's own work, held the epoch.
     python bench/bench_loader_timeline.py                 # 2 GB, direct I/O, 3 rounds
     python bench/bench_loader_timeline.py --cached        # through the page cache
     python bench/bench_loader_timeline.py --one-loader    # successive epochs of one loader
+    python bench/bench_loader_timeline.py --rev REV       # and REV's loader, epoch for epoch beside it
     python bench/bench_loader_timeline.py --quick
 
 Each epoch also reports the process's CPU seconds and minor page faults (memory mapped
@@ -42,6 +43,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -53,12 +56,13 @@ from dmi import _loader_read  # noqa: E402
 
 
 class WindowLog:
-    """Records (start, end) of every ``WindowReader.read`` while installed."""
+    """Records (start, end) of every ``reader.read`` (a ``WindowReader`` class) while installed."""
 
-    def __init__(self) -> None:
+    def __init__(self, reader: type) -> None:
         self.spans: list[tuple[float, float]] = []
         self._lock = threading.Lock()
-        self._original = _loader_read.WindowReader.read
+        self._reader = reader
+        self._original = reader.read
 
     def __enter__(self) -> WindowLog:
         original, log = self._original, self
@@ -71,22 +75,43 @@ class WindowLog:
                 with log._lock:
                     log.spans.append((start, time.perf_counter()))
 
-        _loader_read.WindowReader.read = read
+        self._reader.read = read
         return self
 
     def __exit__(self, *exc) -> None:
-        _loader_read.WindowReader.read = self._original
+        self._reader.read = self._original
 
 
-def epoch(store, args, direct: bool, loader=None) -> dict:
-    """One cold shuffled epoch (of ``loader``'s next epoch, else of a new loader): its total,
-    start-up, read span and tail, seconds; the process's CPU seconds and minor page faults."""
+@dataclass(frozen=True, slots=True)
+class Contender:
+    """A loader under test: its rows' mark, its ``open_loader`` (``None``: today's) and the
+    ``WindowReader`` class its windows are read by."""
+
+    mark: str
+    opener: Callable | None
+    reader: type
+
+
+def contenders(rev: str | None) -> list[Contender]:
+    """Today's loader, and ``rev``'s beside it when given (``bench_loader.loader_at``)."""
+    today = [Contender("", None, _loader_read.WindowReader)]
+    if rev is None:
+        return today
+    opener = bench_loader.loader_at(rev)
+    return today + [Contender(f" @{rev}", opener, sys.modules[f"dmi._loader_read_at_{rev}"].WindowReader)]
+
+
+def epoch(store, args, direct: bool, contender: Contender, loader=None) -> dict:
+    """One cold shuffled epoch (of ``loader``'s next epoch, else of a new loader of
+    ``contender``): its total, start-up, read span and tail, seconds; the process's CPU seconds
+    and minor page faults."""
     bench_loader.drop_cache(args.home)
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    with WindowLog() as log:
+    with WindowLog(contender.reader) as log:
         start = time.perf_counter()
         if loader is None:
-            _, batches = bench_loader.dmi_batches(store, args, torch.bfloat16, True, direct_io=direct)
+            _, batches = bench_loader.dmi_batches(store, args, torch.bfloat16, True, direct_io=direct,
+                                                  opener=contender.opener)
         else:
             batches = iter(loader)
         rows = 0
@@ -119,6 +144,8 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
     parser.add_argument("--one-loader", action="store_true",
                         help="the rounds are successive epochs of one loader, not each a new loader's first")
+    parser.add_argument("--rev", default=None, help="also run the loader of this git revision, an epoch of it "
+                        "after each of today's (its rows marked @REV)")
     args = parser.parse_args()
     if args.quick:
         args.requests, args.tokens, args.hidden, args.batch, args.shuffle_buffer, args.rounds = 64, 128, 256, 512, 2048, 1
@@ -142,10 +169,10 @@ def main() -> None:
               "replayed into windows |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         tasks = bench_loader.loader_reads(store, args, torch.bfloat16)
-        loader = None
-        if args.one_loader:
-            loader, _ = bench_loader.dmi_batches(store, args, torch.bfloat16, True, direct_io=not args.cached)
-        ratios: list[list[float]] = [[], [], []]
+        runners = contenders(args.rev)
+        loaders = [bench_loader.dmi_batches(store, args, torch.bfloat16, True, direct_io=not args.cached,
+                                            opener=c.opener)[0] if args.one_loader else None for c in runners]
+        ratios = {c.mark: [[], [], []] for c in runners}
 
         def disk_rates() -> tuple[float, float, float]:
             shuffled = bench_loader.shuffled_read_limit(packs, piece, args.read_threads)[1]
@@ -153,21 +180,26 @@ def main() -> None:
                        for n in (0, args.prefetch + 2)]
             return tuple(nbytes / seconds for seconds in (shuffled, *replays))
 
+        after = disk_rates()
         for r in range(args.rounds):
-            before = disk_rates()
-            e = epoch(store, args, direct=not args.cached, loader=loader)
-            after = disk_rates()
-            read_rate = nbytes / e["reads"]
-            beside = ""
-            for k, ratio in enumerate(ratios):
-                ratio.append(read_rate / max(before[k], after[k]))
-                beside += f" {before[k] / 1e9:.2f}, {after[k] / 1e9:.2f} | {ratio[-1]:.2f} |"
-            print(f"| {r} | {e['total']:.2f} | {nbytes / e['total'] / 1e9:.2f} | {e['startup']:.2f} | {e['reads']:.2f} | "
-                  f"{read_rate / 1e9:.2f} | {e['tail']:.2f} | {e['windows']} | {e['cpu']:.2f} | {e['faults'] / 1e3:.0f} |"
-                  + beside)
-        medians = [statistics.median(ratio) for ratio in ratios]
-        print(f"\nmedian read rate / shuffled-read limit: {medians[0]:.2f}; / replayed reads: {medians[1]:.2f}; "
-              f"/ replayed into windows: {medians[2]:.2f}; load average {os.getloadavg()[0]:.2f} at the end")
+            for contender, loader in zip(runners, loaders):
+                before = after
+                e = epoch(store, args, direct=not args.cached, contender=contender, loader=loader)
+                after = disk_rates()
+                read_rate = nbytes / e["reads"]
+                beside = ""
+                for k, ratio in enumerate(ratios[contender.mark]):
+                    ratio.append(read_rate / max(before[k], after[k]))
+                    beside += f" {before[k] / 1e9:.2f}, {after[k] / 1e9:.2f} | {ratio[-1]:.2f} |"
+                print(f"| {r}{contender.mark} | {e['total']:.2f} | {nbytes / e['total'] / 1e9:.2f} | {e['startup']:.2f} | "
+                      f"{e['reads']:.2f} | {read_rate / 1e9:.2f} | {e['tail']:.2f} | {e['windows']} | {e['cpu']:.2f} | "
+                      f"{e['faults'] / 1e3:.0f} |" + beside)
+        print()
+        for mark, loader_ratios in ratios.items():
+            medians = [statistics.median(ratio) for ratio in loader_ratios]
+            print(f"median{mark} read rate / shuffled-read limit: {medians[0]:.2f}; / replayed reads: {medians[1]:.2f}; "
+                  f"/ replayed into windows: {medians[2]:.2f}")
+        print(f"load average {os.getloadavg()[0]:.2f} at the end")
         store.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
