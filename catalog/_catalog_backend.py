@@ -10,9 +10,9 @@ quoted by the caller.
 
 Errors a backend raises are DMI's own:
 
-* :class:`~dmi.catalog.ServerError` — ClickHouse answered with an error (``code``, ``name``
+* :class:`~dmi.ServerError` — ClickHouse answered with an error (``code``, ``name``
   are ClickHouse's). The statement did not take effect.
-* :class:`~dmi.catalog.CatalogUnavailableError` — the connection failed. Its attribute
+* :class:`~dmi.CatalogUnavailableError` — the connection failed. Its attribute
   ``outcome_unknown`` is ``True`` when the statement may have reached the server (the
   connection broke mid-call), ``False`` when it certainly did not (could not connect).
 """

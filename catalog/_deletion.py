@@ -15,7 +15,7 @@ records are read (point queries, the published view, summaries), so:
   its file still on disk) cannot bring its records back, and :func:`deleted_pack_ids` tells
   recovery which packs were deleted on purpose;
 * **crash-safe**: files are removed only after the tombstone landed; a crash in between
-  leaves files nobody can see, which :func:`purge` (run by every later delete and recover)
+  leaves files nobody can see, which :func:`purge` (run by every later delete)
   removes.
 
 A deletion is a snapshot: packs of the run published after it was decided (a capture still

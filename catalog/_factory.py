@@ -20,7 +20,7 @@ catalog (``table_prefix="dmi_"``) or to the backend (chDB: ``database="dmi"``,
 ``$DMI_CATALOG_LOCK_TIMEOUT``; server:
 ``connect_timeout``, ``send_receive_timeout``, ``create_database``, and any ClickHouse
 setting; cluster: also ``quorum_timeout`` and ``ddl_timeout`` in seconds). Backends are
-imported only when used; a missing one raises :class:`~dmi.catalog.BackendNotInstalledError`
+imported only when used; a missing one raises :class:`~dmi.BackendNotInstalledError`
 saying what to install.
 """
 

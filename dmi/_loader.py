@@ -325,7 +325,8 @@ class TokenLoader:
         """Continue from ``state``: the next batches are those the saving run would have yielded.
 
         Raises ``InvalidArgumentError`` when the state comes from a loader with another
-        selection, seed, batch size, shuffle buffer, worker count or rank layout.
+        selection, seed, shuffle setting, batch size, shuffle buffer, ``drop_last``, worker
+        count or rank layout.
         """
         if not isinstance(state, dict) or state.get("version") not in (1, STATE_VERSION):
             raise InvalidArgumentError(f"not a DMI loader state (version {STATE_VERSION}): {state!r:.200}")

@@ -398,7 +398,8 @@ def dump_plan(plan: CapturePlan) -> str:
 
 
 def dump_document(doc: dict[str, Any]) -> str:
-    """YAML as DMI writes it: mappings as blocks, lists on one line, keys in the given order."""
+    """YAML as DMI writes it: mappings as blocks, lists of plain values on one line, keys in the
+    given order."""
     import yaml
 
     return yaml.dump(doc, Dumper=_plan_dumper(), sort_keys=False, default_flow_style=False)
@@ -406,12 +407,14 @@ def dump_document(doc: dict[str, Any]) -> str:
 
 @functools.cache
 def _plan_dumper():
-    """A ``yaml.SafeDumper`` writing mappings as blocks and lists on one line (``[a, b]``)."""
+    """A ``yaml.SafeDumper`` writing mappings as blocks, lists of plain values on one line
+    (``[a, b]``) and lists of mappings as blocks (one ``- name: ...`` entry after another)."""
     import yaml
 
     class PlanDumper(yaml.SafeDumper):
         def represent_list(self, data):
-            return self.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True)
+            flow = not any(isinstance(item, (dict, list)) for item in data)
+            return self.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
 
     PlanDumper.add_representer(list, PlanDumper.represent_list)
     return PlanDumper

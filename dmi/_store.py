@@ -526,7 +526,7 @@ class Store:
             raise RecordNotFoundError(f"no model {model_id!r} in the catalog at {self.catalog_uri} (models: {known})")
         if run_id is not None and run_id not in self.catalog.runs(model_id):
             raise RecordNotFoundError(
-                f"model {model_id!r} has no run {run_id!r} (list runs with `dmi requests {shlex.quote(model_id)}`)"
+                f"model {model_id!r} has no run {run_id!r} (list runs with `dmi runs {shlex.quote(model_id)}`)"
             )
         if request_id is None:
             raise RecordNotFoundError(f"model {model_id!r} has no published requests")

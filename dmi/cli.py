@@ -601,7 +601,8 @@ def _cmd_ui(args: argparse.Namespace) -> int:
     config = UIConfig(plan_path=args.plan, models=models,
                       open_store=lambda: dmi.open(catalog=args.catalog, packs=args.packs, home=args.home),
                       token=None if is_loopback(args.host) else secrets.token_urlsafe(16))
-    server = start_server(config, args.host, args.port or 8765, scan=0 if args.port else 50)
+    default_port = args.port is None
+    server = start_server(config, args.host, 8765 if default_port else args.port, scan=50 if default_port else 0)
     print(f"dmi ui: {server.url}  (Ctrl-C stops)", flush=True)
     if not args.no_browser:
         webbrowser.open(server.url)
@@ -808,7 +809,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="a model the page may describe (repeatable; the plan's and the built-in ones are offered too)")
     ui.add_argument("--host", default="127.0.0.1",
                     help="address to bind (default: 127.0.0.1; any non-loopback one requires the printed token)")
-    ui.add_argument("--port", type=int, metavar="N", help="port (default: 8765, or the next free one)")
+    ui.add_argument("--port", type=int, metavar="N", help="port (default: 8765, or the next free one; 0: any free port)")
     ui.add_argument("--no-browser", action="store_true", help="do not open a browser")
     return parser
 

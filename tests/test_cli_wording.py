@@ -55,6 +55,12 @@ def test_suggested_commands_are_shell_quoted(home, capsys):
     assert "(1 request;" in err
 
 
+def test_an_unknown_run_points_at_the_command_that_lists_runs(home, capsys):
+    assert main(["requests", "it's", "--run", "no-such-run", "--home", str(home)]) == 1
+    err = capsys.readouterr().err
+    assert "has no run 'no-such-run' (list runs with `dmi runs 'it'\"'\"'s'`)" in err, err
+
+
 def test_counts_agree_with_their_nouns(home, capsys):
     assert (plural(1, "pack"), plural(0, "pack"), plural(2, "layer")) == ("1 pack", "0 packs", "2 layers")
     assert plural(1500, "record", lambda n: f"{n / 1000:.1f}k") == "1.5k records"

@@ -177,3 +177,12 @@ def test_cli_builtin_model_and_refusal(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "is_encoder_decoder": True}))
     rc, out, err = _cli("describe-model", str(tmp_path))
     assert rc == 2 and out == "" and "encoder-decoder" in err and err.count("\n") == 1
+
+
+def test_cli_yaml_writes_hooks_as_blocks_and_shapes_on_one_line():
+    """Each hook is a block entry (``- name: ...`` then one field a line), as docs/plans.md shows;
+    a list of plain values (a shape) stays on one line."""
+    rc, out, err = _cli("describe-model", "tiny-llama")
+    assert (rc, err) == (0, "")
+    assert "\nhooks:\n- name: token_ids\n  scope: global\n  shape_per_token: []\n" in out
+    assert "\n- name: embed\n  scope: global\n  shape_per_token: [64]\n  record_shape: tokens x 64\n" in out

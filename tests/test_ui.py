@@ -203,9 +203,8 @@ def test_port_scan_moves_to_the_next_free_port():
         first.close()
 
 
-def test_dmi_ui_prints_its_url_and_stops_on_interrupt(tmp_path):
-    """The command: binds loopback (next free port from 8765), prints the URL, offers the
-    plan's model and the built-in ones, exits 0 on Ctrl-C."""
+def _start_ui(tmp_path, *options):
+    """``dmi ui`` on a plan in a child process, and the URL it printed."""
     import signal
     import subprocess
     import sys
@@ -216,19 +215,44 @@ def test_dmi_ui_prints_its_url_and_stops_on_interrupt(tmp_path):
     # was started in the background (a non-interactive shell starts `cmd &` with SIGINT ignored, and
     # Python installs its KeyboardInterrupt handler only where SIGINT is not ignored)
     proc = subprocess.Popen([sys.executable, "-m", "dmi.cli", "ui", "--plan", str(plan), "--no-browser",
-                             "--home", str(tmp_path / "home")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                             "--home", str(tmp_path / "home"), *options], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    line = proc.stdout.readline()
+    assert line.startswith("dmi ui: http://127.0.0.1:") and line.rstrip().endswith("(Ctrl-C stops)"), line
+    return proc, line.split()[2]
+
+
+def _interrupt(proc) -> None:
+    import signal
+
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and err == ""
+
+
+def test_dmi_ui_prints_its_url_and_stops_on_interrupt(tmp_path):
+    """The command: binds loopback (next free port from 8765), prints the URL, offers the
+    plan's model and the built-in ones, exits 0 on Ctrl-C."""
+    proc, url = _start_ui(tmp_path)
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("dmi ui: http://127.0.0.1:") and line.rstrip().endswith("(Ctrl-C stops)")
-        url = line.split()[2]
         assert 8765 <= urlsplit(url).port <= 8815
         status, _, session = _call(url, path="/api/session")
         assert status == 200 and session["models"] == ["tiny-llama", *[m for m in BUILTIN_MODELS if m != "tiny-llama"]]
     finally:
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0 and err == ""
+        _interrupt(proc)
+
+
+def test_dmi_ui_port_0_binds_a_port_the_system_picks(tmp_path):
+    """``--port 0`` means any free port, as for any server: not the default 8765 and its scan."""
+    proc, url = _start_ui(tmp_path, "--port", "0")
+    try:
+        port = urlsplit(url).port
+        assert port and not 8765 <= port <= 8815
+        status, _, _ = _call(url, path="/api/session")
+        assert status == 200
+    finally:
+        _interrupt(proc)
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (apt-get install chromium)")
