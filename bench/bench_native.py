@@ -18,16 +18,28 @@ Limits on the same bytes, same run: memcpy into an existing buffer and zstd-1 co
 one thread; and, for scale, the capture hook's gather of a step's rows into a ring slot
 (``torch.index_select(out=)``, every row: the one copy the hot path makes, left to torch). Prints conditions and a markdown table.
 
+With ``--rev REV`` a third column times the C loops as git revision ``REV`` had them:
+``native/dmi_native.c`` at ``REV``, compiled here as setuptools compiles the extension (Python's
+``CFLAGS`` and ``REV``'s ``setup.py`` flags), swapped in for today's extension in the same rounds (a change to
+the C measured against what it replaced, on the same CPU minute).
+
     python bench/bench_native.py
     python bench/bench_native.py --dtypes bf16 --layers 4      # seconds
+    python bench/bench_native.py --rev HEAD~1                  # today's C beside HEAD~1's
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
 import os
 import platform
+import re
+import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +53,34 @@ from bench_storage import activations  # noqa: E402
 from dmi.storage import _codecs, _native, _writer  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _extra_compile_args(rev: str) -> list[str]:
+    """The ``extra_compile_args`` of ``rev``'s ``setup.py``."""
+    setup = subprocess.run(["git", "-C", str(_ROOT), "show", f"{rev}:setup.py"], check=True, capture_output=True,
+                           text=True).stdout
+    found = re.search(r"extra_compile_args=(\[[^\]]*\])", setup)
+    return ast.literal_eval(found.group(1)) if found else []
+
+
+def native_at(rev: str):
+    """The extension built from ``native/dmi_native.c`` as it was at git revision ``rev``, with the
+    flags setuptools gives an extension here (Python's ``CFLAGS``) and ``rev``'s ``setup.py`` adds."""
+    source = subprocess.run(["git", "-C", str(_ROOT), "show", f"{rev}:native/dmi_native.c"], check=True,
+                            capture_output=True, text=True).stdout
+    build = Path(tempfile.mkdtemp(prefix="dmi-native-at-"))
+    (build / "dmi_native.c").write_text(source)
+    library = build / f"_native_ext{sysconfig.get_config_var('EXT_SUFFIX')}"
+    compile_flags = [sysconfig.get_config_var(name) or "" for name in ("CC", "CFLAGS", "CCSHARED")]
+    subprocess.run([*" ".join(compile_flags).split(), *_extra_compile_args(rev), f"-I{sysconfig.get_paths()['include']}",
+                    "-c", str(build / "dmi_native.c"), "-o", str(build / "dmi_native.o")], check=True)
+    subprocess.run([*(sysconfig.get_config_var("LDSHARED") or "cc -shared").split(), str(build / "dmi_native.o"),
+                    "-o", str(library)], check=True)
+    spec = importlib.util.spec_from_file_location(f"dmi_native_at_{rev}._native_ext", library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def pieces(records: list[torch.Tensor]) -> dict:
@@ -119,32 +159,42 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def measure(records: list[torch.Tensor], rounds: int) -> tuple[dict, dict]:
-    """({piece: {"native": s, "numpy": s}}, {limit: s}), best round of each."""
+def measure(records: list[torch.Tensor], rounds: int, at_rev=None) -> tuple[dict, dict]:
+    """({piece: {"native": s, "numpy": s[, "rev": s]}}, {limit: s}), best round of each; "rev":
+    the C loops of ``at_rev`` (an extension module from :func:`native_at`)."""
     work, lim = pieces(records), limits(records)
-    best: dict = {name: {"native": float("inf"), "numpy": float("inf")} for name in work}
+    today = _native._native_ext
+    modes = [("native", True, today), ("numpy", False, today)] + ([("rev", True, at_rev)] if at_rev else [])
+    best: dict = {name: {mode: float("inf") for mode, _, _ in modes} for name in work}
     best_lim = {name: float("inf") for name in lim}
-    for _ in range(rounds):
-        for name, fn in lim.items():
-            best_lim[name] = min(best_lim[name], timed(fn))
-        for name, fn in work.items():
-            for mode, active in (("native", True), ("numpy", False)):
-                _native.ACTIVE = active
-                best[name][mode] = min(best[name][mode], timed(fn))
-    _native.ACTIVE = _native.BUILT
+    try:
+        for round_ in range(rounds):
+            for name, fn in lim.items():
+                best_lim[name] = min(best_lim[name], timed(fn))
+            for name, fn in work.items():
+                turn = round_ % len(modes)  # each mode first in turn: no mode always after the same one
+                for mode, active, extension in modes[turn:] + modes[:turn]:
+                    _native.ACTIVE, _native._native_ext = active, extension
+                    best[name][mode] = min(best[name][mode], timed(fn))
+    finally:
+        _native.ACTIVE, _native._native_ext = _native.BUILT, today
     return best, best_lim
 
 
-def report(dtype_name: str, raw_bytes: int, best: dict, best_lim: dict) -> str:
+def report(dtype_name: str, raw_bytes: int, best: dict, best_lim: dict, rev: str | None = None) -> str:
     gbs = lambda seconds: raw_bytes / seconds / 1e9  # noqa: E731
+    extra = f" native at {rev} GB/s | native / at {rev} |" if rev else ""
     lines = [
         f"### {dtype_name}: {raw_bytes / 2**20:.0f} MiB of records",
         "",
-        "| piece | numpy GB/s | native GB/s | native / numpy |",
-        "|---|---:|---:|---:|",
+        "| piece | numpy GB/s | native GB/s | native / numpy |" + extra,
+        "|---|---:|---:|---:|" + ("---:|---:|" if rev else ""),
     ]
     for name, t in best.items():
-        lines.append(f"| {name} | {gbs(t['numpy']):.2f} | {gbs(t['native']):.2f} | {t['numpy'] / t['native']:.2f}x |")
+        row = f"| {name} | {gbs(t['numpy']):.2f} | {gbs(t['native']):.2f} | {t['numpy'] / t['native']:.2f}x |"
+        if rev:
+            row += f" {gbs(t['rev']):.2f} | {t['rev'] / t['native']:.2f}x |"
+        lines.append(row)
     lines.append("")
     lines.append("Limits, same bytes, one thread: " + "; ".join(f"{n} {gbs(s):.2f} GB/s" for n, s in best_lim.items()))
     return "\n".join(lines)
@@ -158,6 +208,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rev", default=None, help="also time the C loops as this git revision had them")
     args = ap.parse_args(argv)
     if not _native.BUILT:
         print("the native extension is not built here (pip install -e . with a C compiler)", file=sys.stderr)
@@ -167,15 +218,22 @@ def main(argv=None) -> int:
         f"Python {platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}, "
         f"zstandard {zstandard.__version__}; {args.requests} x {args.layers} records of {args.tokens} x {args.hidden}; "
         f"best of {args.rounds} interleaved rounds; one thread"
+        + (f"; native at {args.rev}: {_revision(args.rev)}" if args.rev else "")
     )
+    at_rev = native_at(args.rev) if args.rev else None
     for name in args.dtypes.split(","):
         data = activations(args.requests, args.layers, args.tokens, args.hidden, DTYPES[name])
         records = list(data.values())
-        best, best_lim = measure(records, args.rounds)
+        best, best_lim = measure(records, args.rounds, at_rev)
         print()
-        print(report(name, sum(t.nbytes for t in records), best, best_lim))
+        print(report(name, sum(t.nbytes for t in records), best, best_lim, args.rev))
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
     return 0
+
+
+def _revision(rev: str) -> str:
+    return subprocess.run(["git", "-C", str(_ROOT), "rev-parse", "--short", rev], check=True, capture_output=True,
+                          text=True).stdout.strip()
 
 
 if __name__ == "__main__":
