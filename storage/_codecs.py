@@ -1,7 +1,7 @@
 """Payload codecs and the record checksum.
 
 Every record's payload is encoded on its own, so one record is one byte range of the
-pack file. Three codecs exist (see ``docs/pack-format.md`` for the measurements that
+pack file. Three lossless codecs exist (see ``docs/pack-format.md`` for the measurements that
 chose the default):
 
 ``raw``

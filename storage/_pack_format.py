@@ -1,4 +1,4 @@
-"""Pack format (v2, and reading v1): the Arrow schema, its metadata, the record index and dtype names.
+"""Pack format (v4, and reading v1–v3): the Arrow schema, its metadata, the record index and dtype names.
 
 A pack is one Arrow IPC *file*. Data record batches hold one row per record (key
 columns, tensor description, codec, sizes, checksum, statistics, and the stored
@@ -49,7 +49,8 @@ __all__ = [
 FORMAT_NAME = "dmi-pack"
 FORMAT_VERSION = RECORD_SCHEMA_VERSION
 """The pack format follows the record schema: v1 = record schema v1, v2 = v1 plus token layout,
-v3 = v2 plus the writer's data- and pipeline-parallel ranks."""
+v3 = v2 plus the writer's data- and pipeline-parallel ranks, v4 = v3 plus what a lossy codec lost
+(``codec_max_abs_error``, ``codec_rel_l2_error``)."""
 READABLE_VERSIONS = tuple(range(1, FORMAT_VERSION + 1))
 
 META_FORMAT = b"dmi.format"

@@ -1,7 +1,7 @@
 """Reading format v1 packs: their row schema, and their index in today's field columns.
 
-Format v1 (the first release) named three fields differently in its rows
-(``shard_full_shape``, ``stat_*``), stored a missing shard axis as null, and nested shard
+Format v1 (the first release) ordered its columns differently and named four of them
+differently in its rows (``shard_full_shape`` and the three ``stat_*``), stored a missing shard axis as null, and nested shard
 and statistics in its index. Its records hold record schema version 1: the fields added
 since (the token layout) come from their legacy rules in ``RECORD_FIELDS``, applied by the
 index decoder for every older version alike. Nothing here is used to write.
