@@ -48,35 +48,29 @@ import torch
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _at_revision import ROOT, source_at  # noqa: E402
 from bench_storage import activations  # noqa: E402
 
 from dmi.storage import _codecs, _native, _writer  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _extra_compile_args(rev: str) -> list[str]:
     """The ``extra_compile_args`` of ``rev``'s ``setup.py``."""
-    setup = subprocess.run(["git", "-C", str(_ROOT), "show", f"{rev}:setup.py"], check=True, capture_output=True,
-                           text=True).stdout
-    found = re.search(r"extra_compile_args=(\[[^\]]*\])", setup)
+    found = re.search(r"extra_compile_args=(\[[^\]]*\])", source_at(rev, "setup.py"))
     return ast.literal_eval(found.group(1)) if found else []
 
 
 def native_at(rev: str):
     """The extension built from ``native/dmi_native.c`` as it was at git revision ``rev``, with the
     flags setuptools gives an extension here (Python's ``CFLAGS``) and ``rev``'s ``setup.py`` adds."""
-    source = subprocess.run(["git", "-C", str(_ROOT), "show", f"{rev}:native/dmi_native.c"], check=True,
-                            capture_output=True, text=True).stdout
     build = Path(tempfile.mkdtemp(prefix="dmi-native-at-"))
-    (build / "dmi_native.c").write_text(source)
+    (build / "dmi_native.c").write_text(source_at(rev, "native/dmi_native.c"))
     library = build / f"_native_ext{sysconfig.get_config_var('EXT_SUFFIX')}"
-    compile_flags = [sysconfig.get_config_var(name) or "" for name in ("CC", "CFLAGS", "CCSHARED")]
-    subprocess.run([*" ".join(compile_flags).split(), *_extra_compile_args(rev), f"-I{sysconfig.get_paths()['include']}",
-                    "-c", str(build / "dmi_native.c"), "-o", str(build / "dmi_native.o")], check=True)
-    subprocess.run([*(sysconfig.get_config_var("LDSHARED") or "cc -shared").split(), str(build / "dmi_native.o"),
-                    "-o", str(library)], check=True)
+    flags = " ".join(sysconfig.get_config_var(name) or "" for name in ("LDSHARED", "CFLAGS", "CCSHARED")).split()
+    subprocess.run([*flags, *_extra_compile_args(rev), f"-I{sysconfig.get_paths()['include']}",
+                    str(build / "dmi_native.c"), "-o", str(library)], check=True)
     spec = importlib.util.spec_from_file_location(f"dmi_native_at_{rev}._native_ext", library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -232,7 +226,7 @@ def main(argv=None) -> int:
 
 
 def _revision(rev: str) -> str:
-    return subprocess.run(["git", "-C", str(_ROOT), "rev-parse", "--short", rev], check=True, capture_output=True,
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True, capture_output=True,
                           text=True).stdout.strip()
 
 
