@@ -78,7 +78,22 @@ def assemble(
     shapes = {tuple(t.shape) for t in per_layer}
     if len(shapes) > 1:
         raise ReaderError(f"request {request} hook {hook}: layers have different shapes {sorted(shapes)}; cannot stack")
+    _require_one_span_and_dtype(request, hook, layers, [min(chunks[layer]) for layer in layers], per_layer)
     return torch.stack(per_layer)
+
+
+def _require_one_span_and_dtype(request: str, hook: str, layers: list[int], starts: list[int], per_layer: list) -> None:
+    """Layers stack only where row ``t`` of each is the same token and the values one dtype:
+    layers of equal shapes can still start at other tokens, and ``torch.stack`` would promote
+    mixed dtypes without a word."""
+    if len(set(starts)) > 1:
+        spans = {layer: start for layer, start in zip(layers, starts)}
+        raise ReaderError(f"request {request} hook {hook}: layers start at different tokens {spans}; "
+                          "cannot stack them row for row, read them one layer at a time")
+    dtypes = sorted({str(t.dtype) for t in per_layer})
+    if len(dtypes) > 1:
+        raise ReaderError(f"request {request} hook {hook}: layers hold different dtypes {dtypes}; "
+                          "read them one layer at a time")
 
 
 def _single_scope(entries: Sequence[RecordEntry]) -> tuple[str, str]:
@@ -174,8 +189,12 @@ def _merge(where: str, group: list) -> torch.Tensor:
     pieces = sorted(group, key=lambda p: p[0].meta.shard.offset)
     pos = 0
     for e, t in pieces:
-        if e.meta.shard.offset != pos or t.dim() <= axis:
+        if e.meta.shard.offset != pos or t.dim() != len(full):
             raise ShardMergeError(f"{where}: shards do not tile axis {axis} of {full} (gap or overlap at {pos})")
+        other_axes = tuple(t.shape[:axis] + t.shape[axis + 1 :])
+        if other_axes != full[:axis] + full[axis + 1 :]:
+            raise ShardMergeError(f"{where}: TP rank {e.meta.key.shard_rank}'s shard {tuple(t.shape)} does not "
+                                  f"fit the full shape {full} off axis {axis}; read each rank with shard_rank=")
         pos += t.shape[axis]
     merged = torch.cat([t for _, t in pieces], dim=axis)
     if tuple(merged.shape) != full:
@@ -208,6 +227,9 @@ def _concat_tokens(request: str, hook: str, layer: int, ordered: list) -> torch.
     tails = {tuple(t.shape[:axis] + t.shape[axis + 1 :]) for t in tensors}
     if len(tails) > 1:
         raise ReaderError(f"{where}: chunks have different trailing shapes {sorted(tails)}; read them one by one")
+    dtypes = sorted({str(t.dtype) for t in tensors})
+    if len(dtypes) > 1:
+        raise ReaderError(f"{where}: chunks hold different dtypes {dtypes}; read them one by one")
     return torch.cat(tensors, dim=axis)
 
 

@@ -13,6 +13,7 @@ by key when no catalog row is at hand.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -108,6 +109,7 @@ def read_records(
     entries = list(entries)
     out: list[torch.Tensor | None] = [None] * len(entries)
     for i, e in enumerate(entries):
+        _require_range(e)
         if e.payload.length == 0:
             out[i] = _decode(e, torch.empty(0, dtype=torch.uint8), memory)
     by_pack: dict[str, list[PlannedRead]] = {}
@@ -126,9 +128,19 @@ def read_records(
 
 
 def _read_single(source: PackInput, entry: RecordEntry) -> torch.Tensor:
+    _require_range(entry)
     if entry.payload.length == 0:
         return _decode(entry, torch.empty(0, dtype=torch.uint8), _new_bytes)
     return _decode(entry, _read_range(source, entry.payload, [entry], _new_bytes), _new_bytes)
+
+
+def _require_range(entry: RecordEntry) -> None:
+    """A pack's index and the catalog hold unsigned offsets and lengths; a negative one can
+    only come from a damaged or hand-built entry, and would read nothing or the wrong bytes."""
+    if entry.payload.offset < 0 or entry.payload.length < 0:
+        raise PackCorruptError(
+            f"pack {entry.pack_id}: record {entry.meta.key.describe()} has the impossible byte range {entry.payload}"
+        )
 
 
 def _new_bytes(nbytes: int) -> torch.Tensor:
@@ -185,8 +197,28 @@ def _decode(entry: RecordEntry, stored: torch.Tensor, memory: Callable[[int], to
 def _check_against_footer(store: PackStore, entries: list[RecordEntry], cache: FooterCache, source: PackInput) -> None:
     footer = load_footer(store, source.pack_id, cache=cache, source=source)
     for e in entries:
-        if e not in footer.by_key.get(e.meta.key, ()):
+        if not _listed(e, footer.by_key.get(e.meta.key, ())):
             raise PackCorruptError(
                 f"pack {e.pack_id}: record {e.meta.key.describe()} at {e.payload} does not match the pack's "
                 f"own index; the catalog row is stale or wrong"
             )
+
+
+def _listed(entry: RecordEntry, listed: tuple[RecordEntry, ...]) -> bool:
+    """Whether ``listed`` holds ``entry``, a NaN statistic or codec error equal to a NaN: a
+    record whose values hold NaN has NaN statistics, and NaN != NaN would refuse it."""
+    return entry in listed or any(_nan_free(entry) == _nan_free(other) for other in listed)
+
+
+def _nan_free(value):
+    """``value``'s fields as nested tuples, every float NaN replaced by one marker."""
+    if isinstance(value, float):
+        return _NAN if math.isnan(value) else value
+    if dataclasses.is_dataclass(value):
+        return tuple(_nan_free(getattr(value, f.name)) for f in dataclasses.fields(value))
+    if isinstance(value, tuple):
+        return tuple(_nan_free(v) for v in value)
+    return value
+
+
+_NAN = object()

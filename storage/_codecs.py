@@ -39,6 +39,7 @@ All heavy work (the byte-plane loops of ``native/`` or numpy's, zstd, xxh3) runs
 from __future__ import annotations
 
 import functools
+import math
 import struct
 import threading
 
@@ -252,7 +253,7 @@ def encode_lossy(codec: str, tensor):
     name = str(tensor.dtype).removeprefix("torch.")
     if name not in _LOSSY_DTYPES:
         raise ValueError(f"{codec} stores {', '.join(_LOSSY_DTYPES)} only, not {name}")
-    rows2d = tensor.reshape(-1, tensor.shape[-1] if tensor.dim() else 1)
+    rows2d = tensor.reshape(math.prod(tensor.shape[:-1]), tensor.shape[-1]) if tensor.dim() else tensor.reshape(1, 1)
     quantised = quantise(rows2d, fp8=codec == "fp8")
     header = _LOSSY_HEADER.pack(_LOSSY_TAGS[codec], _LOSSY_DTYPES.index(name) + 1, *rows2d.shape)
     payload = header + quantised.scales.tobytes() + _plane_bytes(quantised.codes)

@@ -180,8 +180,10 @@ class _LocalPackInput(PackInput):
         return filled
 
     def arrow_file(self) -> pa.NativeFile:
+        """The file this input opened, not its path again: a pack deleted or replaced since
+        the open still reads as the one opened."""
         if self._file is None:
-            self._file = pa.OSFile(self._path, "rb")
+            self._file = pa.PythonFile(os.fdopen(os.dup(self._fd), "rb"), mode="r")
         return self._file
 
     def close(self) -> None:

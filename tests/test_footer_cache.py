@@ -1,5 +1,7 @@
 """FooterCache: LRU by count and bytes, recency on hit, oversize refused, thread-safe."""
 
+import dataclasses
+import math
 import sys
 import threading
 import time
@@ -9,7 +11,8 @@ import pytest
 import torch
 
 from dmi.storage import InvalidArgumentError, PackStore, PackWriter, RecordKey
-from dmi.reader import FooterCache, load_footer, read_record
+from dmi.reader import FooterCache, load_footer, read_record, read_records
+from dmi.storage.errors import PackCorruptError
 
 
 def test_count_bound_evicts_least_recent():
@@ -127,3 +130,33 @@ def test_footers_cached_per_store_and_pack(tmp_path):
     assert c.keys() == [(store.uri, desc.pack_id)]
     read_record(store, desc.records[0], cache=c)
     assert c.stats().hits == 2
+
+
+@pytest.mark.parametrize(
+    "values",
+    [[[1.0, float("nan")], [2.0, 3.0]], [[float("inf"), 1.0], [float("-inf"), 2.0]]],
+    ids=["nan", "both-infinities"],
+)
+def test_records_with_nan_statistics_read_through_the_cache(tmp_path, values):
+    """NaN in the values makes the statistics NaN (both infinities make the mean NaN); the
+    check of an entry against its pack's own index must still find it (NaN != NaN)."""
+    store = PackStore.local(tmp_path)
+    original = torch.tensor(values)
+    with PackWriter(store) as w:
+        w.append(RecordKey("m", "r", "q", "h", 0, 0, 2), original)
+        entry = w.seal().records[0]
+    assert math.isnan(entry.meta.stats.mean)
+    cache = FooterCache()
+    assert read_record(store, entry, cache=cache).view(torch.int32).equal(original.view(torch.int32))
+    (back,) = read_records(store, [entry], cache=cache)
+    assert back.view(torch.int32).equal(original.view(torch.int32))
+
+
+def test_an_entry_the_pack_does_not_list_is_refused_through_the_cache(tmp_path):
+    store = PackStore.local(tmp_path)
+    with PackWriter(store) as w:
+        w.append(RecordKey("m", "r", "q", "h", 0, 0, 2), torch.tensor([[1.0, float("nan")], [2.0, 3.0]]))
+        entry = w.seal().records[0]
+    moved = dataclasses.replace(entry, payload=dataclasses.replace(entry.payload, offset=entry.payload.offset + 8))
+    with pytest.raises(PackCorruptError, match="does not match the pack's own index"):
+        read_records(store, [moved], cache=FooterCache())

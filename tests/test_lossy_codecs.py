@@ -244,3 +244,13 @@ def test_decode_refuses_a_damaged_lossy_payload(kind, match):
     codec, stored, raw = _damaged(kind)
     with pytest.raises(CodecError, match=match):
         decode(codec, stored, np.empty(raw, np.uint8), 2)
+
+
+@pytest.mark.parametrize("shape", [(4, 0), (0, 4), (2, 0, 3), ()])
+@pytest.mark.parametrize("codec", LOSSY_CODECS)
+def test_empty_and_scalar_records_round_trip(tmp_path, codec, shape):
+    """Rows of no values (and a record of no rows, or one value) are stored as such."""
+    x = torch.full(shape, 3.0)
+    (entry,), (got,) = write_and_read(tmp_path, [x], codec)
+    assert got.shape == x.shape and torch.equal(got, x)
+    assert entry.meta.codec_max_abs_error == 0.0

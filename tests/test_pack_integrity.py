@@ -19,6 +19,7 @@ from dmi.storage import (
     PackWriter,
     RecordKey,
     read_pack_descriptor,
+    read_pack_index,
     verify_pack,
 )
 from dmi.storage._pack_format import FORMAT_VERSION, PACK_ROW_SCHEMA, schema_with_metadata
@@ -263,3 +264,28 @@ def test_verify_pack_detects_row_and_payload_damage(sealed, tmp_path):
     read_pack_descriptor(store, e.pack_id)  # the index itself is intact
     with pytest.raises(PackCorruptError, match="checksum"):
         verify_pack(store, e.pack_id)
+
+
+@pytest.mark.parametrize("field,value", [("length", -4), ("offset", -8)])
+def test_a_negative_byte_range_is_refused(sealed, field, value):
+    """The index holds unsigned offsets and lengths: a negative one (a damaged or hand-built
+    entry) must not read nothing or other bytes."""
+    root, entries, _ = sealed
+    store = PackStore.local(root)
+    bad = dataclasses.replace(entries[0], payload=dataclasses.replace(entries[0].payload, **{field: value}))
+    with pytest.raises(PackCorruptError, match="impossible byte range"):
+        read_records(store, [bad])
+    with pytest.raises(PackCorruptError, match="impossible byte range"):
+        read_record(store, bad)
+
+
+def test_a_pack_deleted_after_it_was_opened_still_reads(sealed, tmp_path):
+    """The index comes from the file that was opened, not from its path again: a concurrent
+    delete is not reported as corruption, and the index and payloads are the same file's."""
+    shutil.copytree(sealed[0], tmp_path / "copy")
+    store = PackStore.local(tmp_path / "copy")
+    entry = sealed[1][0]
+    with store.open_input(entry.pack_id) as source:
+        os.unlink(store.location(entry.pack_id))
+        descriptor = read_pack_index(source, store.location(entry.pack_id))
+    assert [e.meta.key for e in descriptor.records] == [e.meta.key for e in sealed[1] if e.pack_id == entry.pack_id]

@@ -198,3 +198,26 @@ def test_attention_pattern_chunks_must_carry_tokens_on_axis_1():
     entries = [pattern(0, 0, 2, (2, 2, 2)), pattern(0, 2, 1, (2, 3, 3))]
     with pytest.raises(ReaderError, match="tokens not on axis 1"):
         assemble(entries, [torch.zeros(2, 2, 2), torch.zeros(2, 3, 3)])
+
+
+def test_layers_starting_at_other_tokens_are_not_stacked():
+    """Equal shapes are not enough: row t of every stacked layer must be the same token."""
+    entries = [rec(0, 0, 4), rec(1, 4, 4)]
+    with pytest.raises(ReaderError, match=r"layers start at different tokens \{0: 0, 1: 4\}"):
+        assemble(entries, [FULL[0, :4], FULL[1, 4:8]])
+
+
+def test_chunks_or_layers_of_different_dtypes_are_not_promoted():
+    entries = [rec(0, 0, 5), rec(0, 5, 7)]
+    with pytest.raises(ReaderError, match="chunks hold different dtypes"):
+        assemble(entries, [FULL[0, :5].to(torch.int64), FULL[0, 5:]])
+    entries = [rec(0, 0, 12), rec(1, 0, 12)]
+    with pytest.raises(ReaderError, match="layers hold different dtypes"):
+        assemble(entries, [FULL[0].to(torch.bfloat16), FULL[1]])
+
+
+def test_merge_refuses_a_shard_that_disagrees_off_its_axis():
+    entries, tensors = sharded()
+    tensors[1] = tensors[1][:11]
+    with pytest.raises(ShardMergeError, match=r"TP rank 1's shard \(11, 4\) does not fit the full shape \(12, 8\)"):
+        assemble(entries, tensors, merge_shards=True)
