@@ -455,10 +455,10 @@ static inline float fp8_to_f32(uint8_t code) { /* float8_e4m3fn: exact, branch-f
         const float qmax = fp8 ? 448.0f : 127.0f;                                                  \
         for (Py_ssize_t r = 0; r < rows; r++) {                                                    \
             const Py_ssize_t at = r * row_len;                                                     \
-            uint32_t top = 0; /* |x| as bits: ordered like the values, NaN above inf */            \
+            uint32_t top = 0; /* the largest finite |x|, as bits (ordered like the values) */      \
             for (Py_ssize_t i = 0; i < row_len; i++) {                                             \
                 const uint32_t b = f32_bits(WIDEN(src, at + i)) & 0x7FFFFFFFu;                     \
-                top = b > top ? b : top;                                                           \
+                top = b > top && b < 0x7F800000u ? b : top;                                        \
             }                                                                                      \
             const float absmax = f32_of(top);                                                      \
             const float scale = absmax > 0.0f ? absmax / qmax : 1.0f;                              \

@@ -181,7 +181,9 @@ class Quantised:
 def quantise(rows, *, fp8: bool) -> Quantised:
     """Quantise the 2-D floating tensor ``rows`` a row at a time: ``scale = absmax / 448`` and
     float8_e4m3fn codes of ``x / scale`` (``fp8=True``), or ``scale = absmax / 127`` and int8 codes
-    of ``round(x / scale)``; a row with no non-zero value gets scale 1, a NaN int8 code 0.
+    of ``round(x / scale)``. ``absmax`` is the row's largest finite magnitude, so an infinity
+    saturates to the largest code instead of making every value of its row NaN; a row with no
+    finite non-zero value gets scale 1; a NaN int8 code is 0.
 
     One pass a row in C for float16, bfloat16 and float32 (scale, codes and the error while the
     row sits in cache); torch's operations otherwise, rounding the same way at every step."""
@@ -204,7 +206,8 @@ def _quantise_torch(rows, fp8: bool) -> Quantised:
     work_dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
     work = rows.to(work_dtype)
     qmax = _FP8_MAX if fp8 else _INT8_MAX
-    absmax = work.abs().amax(dim=1, keepdim=True) if work.numel() else work.new_zeros((work.shape[0], 1))
+    finite = torch.where(work.isfinite(), work.abs(), 0.0)  # inf and NaN do not set the scale
+    absmax = finite.amax(dim=1, keepdim=True) if work.numel() else work.new_zeros((work.shape[0], 1))
     scale = torch.where(absmax > 0, absmax / qmax, torch.ones_like(absmax)).to(torch.float32)
     scaled = work / scale.to(work_dtype)
     if fp8:
