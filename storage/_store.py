@@ -215,8 +215,9 @@ class PackSink(ABC):
         """
 
     @abstractmethod
-    def abort(self) -> None:
-        """Give up: nothing under this pack id becomes (or stays) visible."""
+    def abort(self) -> str | None:
+        """Give up: nothing under this pack id becomes (or stays) visible. Never raises; returns
+        what could not be cleaned up (e.g. a temporary file it could not remove), or ``None``."""
 
     def written(self) -> None:
         """Bytes were just added to :attr:`stream`: a sink may start making them durable now,
@@ -236,14 +237,22 @@ class _FileSystemPackSink(PackSink):
             size = self.stream.tell()
             self.stream.close()
         except OSError as exc:
-            raise PackSealError(f"pack {self.pack_id}: could not complete the upload: {exc}") from exc
+            left = self.abort()  # a failed upload may have left part of the file under the pack's name
+            raise PackSealError(
+                f"pack {self.pack_id}: could not complete the upload: {exc}" + (f"; {left}" if left else "")
+            ) from exc
         return size
 
-    def abort(self) -> None:
+    def abort(self) -> str | None:
         with suppress(OSError):
             self.stream.close()
-        with suppress(OSError):
-            self.store.filesystem.delete_file(self.store._path(self.pack_id))
+        path = self.store._path(self.pack_id)
+        try:
+            self.store.filesystem.delete_file(path)
+        except OSError as exc:
+            if not _is_missing(exc):
+                return f"{path} may hold part of the pack and could not be deleted ({exc}); delete it by hand"
+        return None
 
 
 class _LocalPackSink(PackSink):
@@ -280,8 +289,10 @@ class _LocalPackSink(PackSink):
             self._fsync_file()
             self._rename()
         except OSError as exc:
-            self.abort()
-            raise PackSealError(f"pack {self.pack_id}: sealing failed, nothing published: {exc}") from exc
+            left = self.abort()
+            raise PackSealError(
+                f"pack {self.pack_id}: sealing failed, nothing published: {exc}" + (f"; {left}" if left else "")
+            ) from exc
         try:
             self._fsync_dir()
         except OSError as exc:
@@ -291,11 +302,16 @@ class _LocalPackSink(PackSink):
             ) from exc
         return size
 
-    def abort(self) -> None:
+    def abort(self) -> str | None:
         with suppress(OSError):
             self.stream.close()
-        with suppress(FileNotFoundError):
+        try:
             os.unlink(self.temp_path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            return f"the temporary file {self.temp_path} could not be removed ({exc}); delete it by hand"
+        return None
 
     def _close_stream(self) -> None:
         self.stream.close()

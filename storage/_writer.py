@@ -19,6 +19,7 @@ import math
 import secrets
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ import torch
 
 from dmi.storage._codecs import CODECS, DEFAULT_CODEC, LOSSY_CODECS, checksum, encode, encode_lossy
 from dmi.storage._native import moments
-from dmi.storage.record_schema import field_columns, unstorable
+from dmi.storage.record_schema import _text_problem, field_columns, unstorable
 from dmi.storage._pack_format import PACK_ROW_SCHEMA, FORMAT_VERSION, dtype_name, encode_index, schema_with_metadata, torch_dtype
 from dmi.storage._store import PackSink, PackStore
 from dmi.storage.errors import InvalidArgumentError, LossyCodecError, PackError, PackSealError, UnsupportedDtypeError
@@ -80,6 +81,9 @@ class PackWriter:
         for name, value in (("max_records", max_records), ("max_bytes", max_bytes), ("batch_bytes", batch_bytes)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+        problem = _text_problem(writer_id) if writer_id is not None else None
+        if problem is not None:
+            raise InvalidArgumentError(f"writer_id {problem}")
         self.store = store
         self.writer_id = writer_id or f"w-{secrets.token_hex(6)}"
         self.codec = codec
@@ -156,10 +160,10 @@ class PackWriter:
     def abort(self) -> None:
         """Discard the open pack (nothing becomes visible) and close the writer."""
         with self._lock:
-            if self._pack is not None:
-                self._pack.abort()
-                self._pack = None
+            pack, self._pack = self._pack, None
             self._closed = True
+            if pack is not None:
+                pack.abort()
 
     def __enter__(self) -> PackWriter:
         return self
@@ -273,13 +277,35 @@ def _as_bytes(data, dtype, shape):
         raise InvalidArgumentError(f"data must be a tensor or a contiguous buffer, got {type(data).__name__}") from exc
     torch_type = torch_dtype(dtype) if isinstance(dtype, str) else (dtype or torch.uint8)
     name = dtype_name(torch_type)
-    shape_t = tuple(int(s) for s in shape) if shape is not None else (flat.nbytes // torch_type.itemsize,)
+    if torch_type in _QUANTIZED_DTYPES:
+        raise UnsupportedDtypeError(f"quantized dtype {name}: a pack stores no scale/zero-point; dequantize first")
+    shape_t = _checked_shape(shape) if shape is not None else (flat.nbytes // torch_type.itemsize,)
     if math.prod(shape_t) * torch_type.itemsize != flat.nbytes:
         raise InvalidArgumentError(f"{flat.nbytes} bytes do not hold a {name} tensor of shape {shape_t}")
     tensor = None
-    if flat.flags.writeable and flat.nbytes:
-        tensor = torch.from_numpy(flat).view(torch_type).reshape(shape_t)
+    if flat.nbytes:
+        with warnings.catch_warnings():  # a read-only buffer: the tensor is only read (statistics, lossy codecs)
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.from_numpy(flat).view(torch_type).reshape(shape_t)
     return flat, tensor, name, shape_t
+
+
+_QUANTIZED_DTYPES = frozenset(
+    getattr(torch, name) for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, name)
+)
+_MAX_DIM = 2**63 - 1  # a dimension is an Int64 in the pack's columns and the catalog
+
+
+def _checked_shape(shape) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints each in ``0..2**63-1``, or :class:`InvalidArgumentError`:
+    a shape that only fails when its pack is sealed would take the pack's other records along."""
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise InvalidArgumentError(f"shape must be a sequence of ints, got {shape!r}") from None
+    if any(not isinstance(d, int) or isinstance(d, bool) or not 0 <= d <= _MAX_DIM for d in dims):
+        raise InvalidArgumentError(f"shape {shape!r} must hold ints from 0 to 2**63-1")
+    return dims
 
 
 def _stats(tensor: torch.Tensor) -> RecordStats | None:
@@ -352,9 +378,9 @@ class _OpenPack:
         self.stored_bytes = 0
         try:
             self.ipc = pa.ipc.new_file(self.sink.stream, schema_with_metadata(self.pack_id, writer_id), options=_IPC_OPTIONS)
-        except OSError as exc:
-            self.sink.abort()
-            raise PackSealError(f"pack {self.pack_id}: cannot start the Arrow file: {exc}") from exc
+        except Exception as exc:
+            left = self.abort()
+            raise PackSealError(f"pack {self.pack_id}: cannot start the Arrow file: {exc}{left}") from exc
 
     @property
     def count(self) -> int:
@@ -369,12 +395,14 @@ class _OpenPack:
                 if self.gathered_bytes + encoded.length > self.batch_bytes:
                     self._flush()
                 self._gather(encoded)
-        except OSError as exc:
+        except Exception as exc:
             lost = len(self.records) + len(self.gathered_metas) + 1
-            self.abort()
-            on_failure()
+            try:
+                left = self.abort()
+            finally:
+                on_failure()
             raise PackSealError(
-                f"pack {self.pack_id}: write failed ({exc}); the pack was discarded with its {lost} records"
+                f"pack {self.pack_id}: write failed ({exc}); the pack was discarded with its {lost} records{left}"
             ) from exc
         self.stored_bytes += encoded.length
 
@@ -385,9 +413,12 @@ class _OpenPack:
             index = pa.RecordBatch.from_pylist([], schema=PACK_ROW_SCHEMA)
             self.ipc.write_batch(index, custom_metadata=encode_index(self.records, sealed_at, self.writer_id))
             self.ipc.close()
-        except OSError as exc:
-            self.abort()
-            raise PackSealError(f"pack {self.pack_id}: could not finish the file ({exc}); nothing published") from exc
+        except Exception as exc:
+            left = self.abort()
+            raise PackSealError(
+                f"pack {self.pack_id}: could not finish the file ({exc}); nothing published, "
+                f"its {self.count} records lost{left}"
+            ) from exc
         size = self.sink.seal()
         return PackDescriptor(
             pack_id=self.pack_id,
@@ -399,8 +430,10 @@ class _OpenPack:
             records=tuple(self.records),
         )
 
-    def abort(self) -> None:
-        self.sink.abort()
+    def abort(self) -> str:
+        """Discard the pack; what it left behind, as the end of an error message ("" if nothing)."""
+        left = self.sink.abort()
+        return f"; {left}" if left else ""
 
     def _gather(self, encoded: _Encoded) -> None:
         """Copy a small record's bytes after those gathered so far (its one copy: the caller's

@@ -192,3 +192,83 @@ def test_existing_pack_never_overwritten(tmp_path, monkeypatch, kind):
         write_one(store)
     monkeypatch.undo()
     assert verify_pack(store, first.pack_id) == first
+
+
+class _UploadFailingAtClose:
+    """An output file whose upload completes at close, and fails there half-way (EIO): what an
+    object-store or network filesystem client can do. A fake, because no real filesystem here
+    fails at a chosen close."""
+
+    def __init__(self, path):
+        self.file, self.pending, self.closed = open(path, "wb"), b"", False
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        self.pending += bytes(data)
+        return len(data)
+
+    def tell(self):
+        return len(self.pending)
+
+    def flush(self):
+        pass
+
+    def close(self):
+        if not self.closed:
+            self.closed = True
+            self.file.write(self.pending[: len(self.pending) // 2])
+            self.file.close()
+            raise OSError(errno.EIO, "Input/output error")
+
+
+class _FailingUploads(pafs.FileSystemHandler):
+    """The local filesystem, but every output stream is an :class:`_UploadFailingAtClose`."""
+
+    def __init__(self):
+        self.local = pafs.LocalFileSystem()
+
+    def __eq__(self, other):
+        return self is other
+
+    def __ne__(self, other):
+        return self is not other
+
+    def get_type_name(self):
+        return "failing-uploads"
+
+    def normalize_path(self, path):
+        return path
+
+    def get_file_info(self, paths):
+        return self.local.get_file_info(paths)
+
+    def get_file_info_selector(self, selector):
+        return self.local.get_file_info(selector)
+
+    def create_dir(self, path, recursive):
+        self.local.create_dir(path, recursive=recursive)
+
+    def delete_file(self, path):
+        self.local.delete_file(path)
+
+    def open_input_file(self, path):
+        return self.local.open_input_file(path)
+
+    def open_output_stream(self, path, metadata):
+        return pa.PythonFile(_UploadFailingAtClose(path), mode="w")
+
+    # not used by a pack store
+    delete_dir = delete_dir_contents = delete_root_dir_contents = move = copy_file = None
+    open_input_stream = open_append_stream = None
+
+
+def test_an_upload_failing_at_close_leaves_no_pack_behind(tmp_path):
+    """The sink writes the final key directly: when the upload fails at its close, the part
+    written must be deleted, or a truncated file would be listed (and recovered) as a pack."""
+    store = FileSystemPackStore(pafs.PyFileSystem(_FailingUploads()), str(tmp_path))
+    with pytest.raises(PackSealError, match="could not complete the upload"):
+        with PackWriter(store, codec="raw") as writer:
+            writer.append(RecordKey("m", "r", "q", "h", 0, 0, 1), torch.ones(1000))
+    assert store.list_packs() == [] and os.listdir(tmp_path) == []

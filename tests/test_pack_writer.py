@@ -14,7 +14,9 @@ import torch
 from dmi.storage import (
     CODECS,
     InvalidArgumentError,
+    LocalPackStore,
     PackError,
+    PackSealError,
     PackStore,
     PackWriter,
     RecordKey,
@@ -403,3 +405,75 @@ print(sorted(set(sys.modules) - before))
 """
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "packs")], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout[:400]
+
+
+@pytest.mark.parametrize("shape", [(2**63, 0), (-1, -4), (2.0, 2), (True, 4), "ab"])
+def test_a_bad_bytes_shape_is_refused_alone(store, shape):
+    """Refused at append, before it joins a pack: left to the seal it took the pack's other
+    records with it (an Arrow overflow), or stored a shape no reader can build."""
+    with PackWriter(store) as w:
+        w.append(key(), torch.ones(4))
+        with pytest.raises(InvalidArgumentError, match="shape"):
+            w.append(key(layer=1), b"\0" * 16 if shape != (2**63, 0) else b"", dtype="float32", shape=shape)
+        desc = w.seal()
+    assert [e.meta.key.layer for e in desc.records] == [0]
+    assert sorted(os.listdir(store.root)) == [f"{desc.pack_id}.arrow"]
+
+
+@pytest.mark.parametrize("name", ["qint8", "quint8", "qint32"])
+def test_quantized_dtype_refused_for_bytes_too(store, name):
+    with PackWriter(store) as w, pytest.raises(UnsupportedDtypeError, match="dequantize"):
+        w.append(key(), bytearray(4), dtype=name, shape=(4,))
+
+
+def test_read_only_bytes_get_statistics_and_lossy_codecs(store):
+    """A ``bytes`` payload is described as a ``bytearray`` of the same bytes is."""
+    values = torch.linspace(-2, 2, 16)
+    payload = values.numpy().tobytes()
+    with PackWriter(store) as w:
+        w.append(key(), payload, dtype="float32", shape=(4, 4))
+        w.append(key(layer=1), bytearray(payload), dtype="float32", shape=(4, 4))
+        w.append(key(layer=2), payload, dtype="float32", shape=(4, 4), codec="int8")
+        desc = w.seal()
+    readonly, writable, lossy = desc.records
+    assert readonly.meta.stats is not None and readonly.meta.stats == writable.meta.stats
+    assert lossy.meta.codec == "int8" and lossy.meta.stats == writable.meta.stats
+
+
+@pytest.mark.parametrize("writer_id", ["\ud800", 123])
+def test_a_bad_writer_id_is_refused_before_any_file(store, writer_id):
+    with pytest.raises(InvalidArgumentError, match="writer_id"):
+        PackWriter(store, writer_id=writer_id)
+    assert not os.path.exists(store.root) or os.listdir(store.root) == []
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_a_temporary_file_that_cannot_be_removed_is_named_and_the_writer_goes_on(tmp_path, monkeypatch, direct):
+    """A failed write on a filesystem gone read-only: the error says the pack and its records
+    were lost and which temporary file is left; the writer drops that pack and starts a new one.
+    (The failures are injected: a real remount read-only cannot be made here.)"""
+    import errno
+
+    store = LocalPackStore(tmp_path / "packs", direct_writes=direct)
+    w = PackWriter(store)
+    w.append(key(), torch.ones(4))
+
+    def fail(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    def cannot_unlink(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", path)
+
+    real_unlink = os.unlink
+    monkeypatch.setattr(os, "fsync", fail)
+    monkeypatch.setattr(os, "unlink", cannot_unlink)
+    with pytest.raises(PackSealError, match=r"records lost|nothing published") as info:
+        w.seal()
+    left = [n for n in os.listdir(store.root) if n.endswith(".tmp")]
+    assert len(left) == 1 and left[0] in str(info.value) and "delete it by hand" in str(info.value)
+    monkeypatch.undo()
+    real_unlink(os.path.join(store.root, left[0]))
+    w.append(key(layer=1), torch.full((4,), 2.0))
+    desc = w.close()
+    assert [e.meta.key.layer for e in desc.records] == [1]
+    assert read_records(store, desc.records)[0].tolist() == [2.0] * 4
