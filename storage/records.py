@@ -51,11 +51,14 @@ class RecordKey:
     pp_rank: int = 0
 
     def describe(self) -> str:
-        """The key in one line, for error messages: ``model/run/request/hook/layer/tokens/rank``."""
-        return (
+        """The key in one line, for error messages: ``model/run/request/hook/layer/tokens/rank``
+        (a lone surrogate in a field, which the writer refuses, shown escaped: a message that
+        cannot be printed would hide the refusal)."""
+        text = (
             f"{self.model_id}/{self.run_id}/{self.request_id}/{self.hook}/layer {self.layer}"
             f"/tokens {self.start_token}+{self.n_tokens}/rank {self.shard_rank}"
         )
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass(frozen=True, slots=True)

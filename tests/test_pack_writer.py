@@ -477,3 +477,11 @@ def test_a_temporary_file_that_cannot_be_removed_is_named_and_the_writer_goes_on
     desc = w.close()
     assert [e.meta.key.layer for e in desc.records] == [1]
     assert read_records(store, desc.records)[0].tolist() == [2.0] * 4
+
+
+def test_a_refused_key_with_a_lone_surrogate_can_be_printed(store):
+    bad = RecordKey("model", "run", "req-\ud800", "resid_post", 0, 0, 4)
+    with PackWriter(store) as w, pytest.raises(InvalidArgumentError) as info:
+        w.append(bad, torch.ones(4))
+    assert "req-\\ud800" in str(info.value)
+    str(info.value).encode("utf-8")  # would raise UnicodeEncodeError with the surrogate itself
