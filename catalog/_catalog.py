@@ -20,7 +20,16 @@ from dmi.catalog._audits import audit_rows_table
 from dmi.catalog._catalog_backend import CatalogBackend
 from dmi.catalog._deletion import Deletion
 from dmi.catalog._leases import LeaseState, LeaseTables, Publisher, Watermark, read_state, validate_record_ids
-from dmi.catalog._sql import bind, quote_identifier, single_statement, validate_identifier, validate_value_id
+from dmi.catalog._sql import (
+    bind,
+    no_output_clause,
+    quote_identifier,
+    single_statement,
+    utf8_text,
+    validate_identifier,
+    validate_optional_value_id,
+    validate_value_id,
+)
 from dmi.storage.errors import InvalidArgumentError, InvalidIdentifierError, SchemaVersionError, ServerError
 from dmi.storage.records import PackDescriptor, RecordEntry
 
@@ -256,10 +265,11 @@ class Catalog:
         validate_value_id(request_id, "request id")
         validate_value_id(hook, "hook")
         validate_value_id(reason, "reason")
-        if not isinstance(layer, int) or isinstance(layer, bool):
-            raise InvalidArgumentError(f"layer must be an int, not {layer!r}")
-        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-            raise InvalidArgumentError(f"count must be a positive int, not {count!r}")
+        validate_optional_value_id(recorded_by, "recorded_by")
+        if not isinstance(layer, int) or isinstance(layer, bool) or not -(2**31) <= layer < 2**31:
+            raise InvalidArgumentError(f"layer must be an int that fits a 32-bit column, not {layer!r}")
+        if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count < 2**64:
+            raise InvalidArgumentError(f"count must be a positive int below 2**64, not {count!r}")
         self._backend.insert(
             self._tables["losses"],
             pa.Table.from_pylist(
@@ -338,10 +348,7 @@ class Catalog:
         ``model_id``, ``run_id``, ``request_id``, ``audited_at``, ``model``, ``tolerance``,
         ``checks``, ``exact``, ``noise``, ``failed``, ``first_failure`` (the first failing
         ``hook@layer``, or empty). The per-hook rows are in the ``audits`` table (:attr:`tables`)."""
-        where, params = self._filters(model_id=model_id, run_id=run_id, request_id=request_id)
-        if audit_id is not None:
-            params["audit_id"] = validate_value_id(audit_id, "audit id")
-            where += " AND audit_id = %(audit_id)s"
+        where, params = self._filters(model_id=model_id, run_id=run_id, request_id=request_id, audit_id=audit_id)
         return self._backend.query(
             "SELECT audit_id, model_id, run_id, request_id, any(audited_at) AS audited_at, any(model) AS model, "
             "any(tolerance) AS tolerance, count() AS checks, countIf(verdict = 'exact') AS exact, "
@@ -404,6 +411,13 @@ class Catalog:
         if not ids:
             return []
         published = self.published_pack_ids()
+        complete = self._fully_indexed(ids)
+        return [p for p in ids if p not in published or p not in complete]
+
+    def _fully_indexed(self, ids: tuple[str, ...]) -> set[str]:
+        """Of ``ids``, the packs whose index is complete: a ``packs`` row exists and there are as
+        many distinct index rows as it says the pack holds records. Recovery re-indexes the
+        others; purging must keep their files (a lost row may be another run's record)."""
         expected = {
             r["pack_id"]: int(r["n"])
             for r in self._backend.query(
@@ -420,10 +434,7 @@ class Catalog:
                 {"ids": ids},
             ).to_pylist()
         }
-        return [
-            p for p in ids
-            if p not in published or p not in expected or indexed.get(p, 0) < expected[p]
-        ]
+        return {p for p, n in expected.items() if indexed.get(p, 0) >= n}
 
     def _restore_index_rows(self, descriptors: Sequence[PackDescriptor], *, scope: str, term: int) -> None:
         """Write the index rows (records and packs) these packs are missing, and no others."""
@@ -461,6 +472,10 @@ class Catalog:
         if upto is not None:
             if not isinstance(upto, Watermark):
                 raise InvalidArgumentError(f"upto must be a Watermark, not {type(upto).__name__}")
+            if scope is not None and upto.scope != scope:
+                raise InvalidArgumentError(
+                    f"upto is a watermark of scope {upto.scope!r}, not of the scope {scope!r} asked for"
+                )
             params["v_scope"] = upto.scope
             params["v_term"] = upto.term
             params["v_seq"] = upto.seq
@@ -544,7 +559,7 @@ class Catalog:
         return table.column("model_id").to_pylist()
 
     def runs(self, model_id: str) -> list[str]:
-        where, params = self._filters(model_id=model_id)
+        where, params = self._filters(model_id=validate_value_id(model_id, "model id"))
         table = self._published_records(where, params, "DISTINCT run_id", "ORDER BY run_id")
         return table.column("run_id").to_pylist()
 
@@ -573,7 +588,7 @@ class Catalog:
         )
 
     def requests(self, model_id: str, run_id: str | None = None) -> list[str]:
-        where, params = self._filters(model_id=model_id, run_id=run_id)
+        where, params = self._filters(model_id=validate_value_id(model_id, "model id"), run_id=run_id)
         table = self._published_records(where, params, "DISTINCT request_id", "ORDER BY request_id")
         return table.column("request_id").to_pylist()
 
@@ -582,7 +597,8 @@ class Catalog:
         """Request ids holding published records of ``model_id``/``run_id`` written by this rank
         (tensor-, data- and pipeline-parallel): what a capture continuing the run must not write
         again. Other ranks' requests of the same run are theirs to write."""
-        where, params = self._filters(model_id=model_id, run_id=run_id)
+        where, params = self._filters(model_id=validate_value_id(model_id, "model id"),
+                                      run_id=validate_value_id(run_id, "run id"))
         for column, value in (("shard_rank", shard_rank), ("dp_rank", dp_rank), ("pp_rank", pp_rank)):
             if type(value) is not int or value < 0:
                 raise InvalidArgumentError(f"{column} must be a non-negative int, not {value!r}")
@@ -593,7 +609,8 @@ class Catalog:
 
     def request_contents(self, model_id: str, request_id: str, run_id: str | None = None) -> dict[str, HookContents]:
         """Hooks of one request (by name), each with its layers, shard ranks, tokens, dtype and bytes."""
-        where, params = self._filters(model_id=model_id, request_id=request_id, run_id=run_id)
+        where, params = self._filters(model_id=validate_value_id(model_id, "model id"),
+                                      request_id=validate_value_id(request_id, "request id"), run_id=run_id)
         rows = self._backend.query(
             "SELECT hook, groupUniqArray(layer) AS layers, groupUniqArray(shard_rank) AS ranks, "
             "groupUniqArrayArray(tps) AS tps, sum(n) AS n, max(tokens) AS tokens, any(dtype) AS dtype, "
@@ -639,7 +656,7 @@ class Catalog:
         ``n_tokens`` is the request's stored token count: the most any (hook, layer, shard
         rank) holds for it.
         """
-        where, params = self._filters(model_id=model_id, run_id=run_id)
+        where, params = self._filters(model_id=validate_value_id(model_id, "model id"), run_id=run_id)
         rows = self._backend.query(
             "SELECT request_id, run_id, max(tokens) AS n_tokens, groupUniqArray(hook) AS hooks, sum(n) AS records, "
             "sum(stored) AS stored, sum(raw) AS raw FROM ("
@@ -657,14 +674,17 @@ class Catalog:
 
     def request_runs(self, model_id: str, request_id: str) -> list[str]:
         """The runs (sorted) that published records of ``request_id`` for ``model_id``."""
-        where, params = self._filters(model_id=model_id, request_id=request_id)
+        where, params = self._filters(model_id=validate_value_id(model_id, "model id"),
+                                      request_id=validate_value_id(request_id, "request id"))
         table = self._published_records(where, params, "DISTINCT run_id", "ORDER BY run_id")
         return table.column("run_id").to_pylist()
 
     def request_phases(self, model_id: str, request_id: str, run_id: str) -> list[tuple[str, int, int]]:
         """Each phase of one request's published records as ``(phase, start, stop)`` over its
         token positions, in token order."""
-        where, params = self._filters(model_id=model_id, request_id=request_id, run_id=run_id)
+        where, params = self._filters(model_id=validate_value_id(model_id, "model id"),
+                                      request_id=validate_value_id(request_id, "request id"),
+                                      run_id=validate_value_id(run_id, "run id"))
         rows = self._published_records(
             where, params, "phase, min(start_token) AS start, max(start_token + n_tokens) AS stop",
             "GROUP BY phase ORDER BY start, stop",
@@ -699,9 +719,11 @@ class Catalog:
 
         Ordered by request, hook, layer, shard rank, start token. ``layers`` is one layer or
         an iterable (a ``range`` works); ``upto`` restricts to the consistent prefix up to
-        that watermark of its scope; ``scope`` to packs published in that scope.
+        that watermark of its scope; ``scope`` to packs published in that scope (a ``scope``
+        other than ``upto``'s raises InvalidArgumentError).
         """
-        where, params = self._filters(model_id=model_id, request_id=request_id, run_id=run_id)
+        where, params = self._filters(model_id=validate_value_id(model_id, "model id"), request_id=request_id,
+                                      run_id=run_id)
         hooks = _as_tuple(hook, "hook", str)
         if hooks is not None:
             if not hooks:
@@ -840,7 +862,9 @@ class Catalog:
 
         Read-only and one statement per call: the statement runs under ClickHouse's own
         ``readonly=1`` setting (a write, DDL or ``SET`` fails with ServerError code 164,
-        ``READONLY``), and a second statement after a ``;`` raises InvalidArgumentError.
+        ``READONLY``); a second statement after a ``;``, ``INTO OUTFILE`` (chDB writes the
+        file even under ``readonly=1``), a ``FORMAT`` clause (the result is always Arrow)
+        and text that is not valid Unicode raise InvalidArgumentError.
 
         ``records_published`` holds one row per published, unfenced record, with its
         statistics, e.g. the mean L2 norm of ``resid_post`` per layer::
@@ -852,7 +876,9 @@ class Catalog:
             raise InvalidArgumentError("sql() takes a str")
         if params is not None and not isinstance(params, dict):
             raise InvalidArgumentError(f"sql() params must be a dict, not {type(params).__name__}")
+        utf8_text(query, "the SQL text")
         single_statement(query)
+        no_output_clause(query)
         bind(query, params)  # every binding problem surfaces here, the same on both backends
         try:
             return self._backend.query(query, params, readonly=True)
@@ -874,6 +900,7 @@ def _checked_filter(fragment: str) -> str:
     """
     if not isinstance(fragment, str) or not fragment.strip():
         raise InvalidArgumentError(f"where must be a non-empty SQL expression, not {fragment!r}")
+    utf8_text(fragment, "where")
     depth, i, quote = 0, 0, None
     while i < len(fragment):
         char = fragment[i]

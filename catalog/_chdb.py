@@ -381,6 +381,23 @@ def stream_insert(conn, sql: str, payload: bytes) -> None:
         raise
 
 
+def _usable_directory(directory: Path) -> Path:
+    """``directory`` if chDB will use that very directory, else InvalidArgumentError.
+
+    chDB reads its path as a connection string: from a ``?`` on it is settings
+    (``cat?readonly=0`` puts the data in ``cat`` and turns user SQL's ``readonly`` off), so
+    DMI would lock one directory while chDB writes another. ``#`` is refused with it (a
+    URI fragment); nothing is created for a refused name.
+    """
+    for char in "?#":
+        if char in str(directory):
+            raise InvalidArgumentError(
+                f"the embedded catalog directory {str(directory)!r} contains {char!r}, which chDB reads as "
+                "the start of connection settings; choose a directory name without '?' or '#'"
+            )
+    return directory
+
+
 class ChdbBackend(CatalogBackend):
     kind = "chdb"
 
@@ -390,7 +407,7 @@ class ChdbBackend(CatalogBackend):
         database: str = "dmi",
         lock_timeout: float = LOCK_TIMEOUT_SECONDS,
     ):
-        self.directory = Path(directory).expanduser().resolve()
+        self.directory = _usable_directory(Path(directory).expanduser().resolve())
         self.database = validate_identifier(database, "database name")
         if isinstance(lock_timeout, bool) or not isinstance(lock_timeout, (int, float)) or lock_timeout < 0:
             raise InvalidArgumentError(f"lock_timeout must be a number of seconds >= 0, not {lock_timeout!r}")

@@ -10,7 +10,8 @@ records are read (point queries, the published view, summaries), so:
   sees the whole run, after it none of it;
 * **nothing of other runs is touched**: a pack may hold records of several runs (the pack
   writer accepts any keys; capture writes one run per pack). Its other runs' records stay
-  visible, and its file is removed only once every record indexed in it is hidden;
+  visible, and its file is removed only once its index is complete (no row lost, which
+  could be another run's) and every record indexed in it is hidden;
 * **sticky**: a tombstone names pack ids, so re-publishing a deleted pack (recovery finding
   its file still on disk) cannot bring its records back, and :func:`deleted_pack_ids` tells
   recovery which packs were deleted on purpose;
@@ -31,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dmi.catalog import _schema
-from dmi.catalog._sql import validate_value_id
+from dmi.catalog._sql import validate_optional_value_id, validate_value_id
 from dmi.storage.errors import PackNotFoundError
 
 # Every function takes the ``Catalog`` it works on as ``catalog`` (not imported here: the
@@ -63,6 +64,7 @@ def delete_runs(catalog, model_id: str, run_id: str | None = None, *, deleted_by
     the selection is visible (unknown, or already deleted).
     """
     params = {"model_id": validate_value_id(model_id, "model id")}
+    validate_optional_value_id(deleted_by, "deleted_by")
     where = "model_id = %(model_id)s"
     if run_id is not None:
         params["run_id"] = validate_value_id(run_id, "run id")
@@ -123,11 +125,12 @@ def _deleted_triples(catalog) -> set[tuple[str, str, str]]:
 
 
 def deleted_pack_ids(catalog) -> set[str]:
-    """Packs deleted on purpose: named by a tombstone, and every record indexed in them hidden.
+    """Packs deleted on purpose: named by a tombstone, fully indexed, and every record hidden.
 
     A pack that still holds a record of a run nobody deleted is not here (its file must
-    stay), nor is a pack with no index rows at all (nothing proves it held only deleted
-    runs). Recovery must not re-publish these; :func:`purge` removes their files.
+    stay), nor is a pack whose index is incomplete, with no index rows at all or some lost
+    (nothing proves the missing rows were of deleted runs; :meth:`Catalog.recover` re-indexes
+    it). Recovery must not re-publish these; :func:`purge` removes their files.
     """
     triples = _deleted_triples(catalog)
     named = tuple(sorted({pack_id for pack_id, _, _ in triples}))
@@ -137,9 +140,8 @@ def deleted_pack_ids(catalog) -> set[str]:
         f"SELECT DISTINCT pack_id, model_id, run_id FROM {catalog._tables['records']} WHERE pack_id IN %(ids)s",
         {"ids": named},
     ).to_pylist()
-    indexed = {r["pack_id"] for r in rows}
     still_needed = {r["pack_id"] for r in rows if (r["pack_id"], r["model_id"], r["run_id"]) not in triples}
-    return indexed - still_needed
+    return catalog._fully_indexed(named) - still_needed
 
 
 def purge(catalog, store) -> list[str]:

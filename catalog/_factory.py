@@ -22,6 +22,11 @@ catalog (``table_prefix="dmi_"``) or to the backend (chDB: ``database="dmi"``,
 setting; cluster: also ``quorum_timeout`` and ``ddl_timeout`` in seconds). Backends are
 imported only when used; a missing one raises :class:`~dmi.BackendNotInstalledError`
 saying what to install.
+
+A malformed URI raises :class:`~dmi.InvalidArgumentError` and creates nothing: a bad port
+or host, a query or fragment on a ``chdb://`` URI, a directory holding ``?`` or ``#``, and
+a catalog scheme without ``//`` (``chdb:``, ``clickhouse:/host``): such text is a mistyped
+URI, not a directory (write ``./chdb:`` for a directory of that name).
 """
 
 from __future__ import annotations
@@ -52,24 +57,22 @@ def default_catalog_uri() -> str:
     return "chdb://" + str((base / "catalog").resolve())
 
 
+_CHDB_SCHEMES = ("chdb", "file")
+_SERVER_SCHEMES = ("clickhouse", "ch")
+
+
 def open_catalog(uri: str | os.PathLike[str] | None = None, **settings) -> Catalog:
     """Open (creating if needed) the catalog at ``uri``; see the module docstring."""
-    if uri is None:
-        uri = default_catalog_uri()
-    uri = os.fspath(uri)
-    if not isinstance(uri, str) or not uri:
-        raise InvalidArgumentError(f"catalog URI must be a non-empty str, not {uri!r}")
+    uri = _uri_text(default_catalog_uri() if uri is None else uri)
     catalog_settings = {k: settings.pop(k) for k in ("table_prefix",) if k in settings}
     if "://" not in uri:
+        _refuse_scheme_without_slashes(uri)
         return _open_chdb(Path(uri), settings, catalog_settings)
-    parts = urlsplit(uri)
+    parts = _split(uri)
     scheme = parts.scheme.lower()
-    if scheme in ("chdb", "file"):
-        path = unquote(parts.netloc + parts.path)
-        if not path:
-            raise InvalidArgumentError(f"{uri!r} names no directory; write chdb:///absolute/path")
-        return _open_chdb(Path(path), settings, catalog_settings)
-    if scheme in ("clickhouse", "ch"):
+    if scheme in _CHDB_SCHEMES:
+        return _open_chdb(_chdb_directory(uri, parts), settings, catalog_settings)
+    if scheme in _SERVER_SCHEMES:
         cluster = _cluster_name(uri, parts)
         if parts.fragment:
             raise InvalidArgumentError(f"{uri!r}: pass settings as keyword arguments, not in the URI")
@@ -85,7 +88,7 @@ def open_catalog(uri: str | os.PathLike[str] | None = None, **settings) -> Catal
             settings["cluster"] = cluster
         backend = backend_class(
             parts.hostname or "127.0.0.1",
-            parts.port or 9000,
+            _port(uri, parts),
             database,
             unquote(parts.username) if parts.username else "default",
             unquote(parts.password) if parts.password else "",
@@ -96,6 +99,61 @@ def open_catalog(uri: str | os.PathLike[str] | None = None, **settings) -> Catal
         f"unknown catalog URI scheme {parts.scheme!r} in {uri!r}; use chdb:///path or "
         "clickhouse://user:password@host:port/database"
     )
+
+
+def _uri_text(uri: object) -> str:
+    """``uri`` (a str or path-like) as a non-empty str, else InvalidArgumentError."""
+    try:
+        text = os.fspath(uri)
+    except TypeError as exc:
+        raise InvalidArgumentError(f"catalog URI must be a str or a path, not {type(uri).__name__}") from exc
+    if not isinstance(text, str) or not text:
+        raise InvalidArgumentError(f"catalog URI must be a non-empty str, not {uri!r}")
+    return text
+
+
+def _refuse_scheme_without_slashes(uri: str) -> None:
+    """Refuse ``chdb:``, ``clickhouse:/host`` and the like: a catalog scheme without ``//``.
+
+    Such text is a mistyped URI, not a directory (it would silently become a chDB catalog
+    in the working directory). Other paths, ``./a:b`` or ``mycat`` included, are paths.
+    """
+    scheme = uri.partition(":")[0].lower()
+    if ":" in uri and scheme in _CHDB_SCHEMES + _SERVER_SCHEMES:
+        raise InvalidArgumentError(
+            f"{uri!r} looks like a {scheme}: URI without '//'; write chdb:///absolute/path or "
+            f"clickhouse://user:password@host:port/database (or ./{uri} for a directory of that name)"
+        )
+
+
+def _split(uri: str):
+    """``urlsplit(uri)``, with its ValueError (an unclosed ``[`` IPv6 host) an InvalidArgumentError."""
+    try:
+        return urlsplit(uri)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"malformed catalog URI {uri!r}: {exc}") from exc
+
+
+def _port(uri: str, parts) -> int:
+    """The server URI's port (9000 when absent); one that is not a number in 0-65535 is refused."""
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise InvalidArgumentError(f"{uri!r}: the port must be a number from 1 to 65535 ({exc})") from exc
+    return port or 9000
+
+
+def _chdb_directory(uri: str, parts) -> Path:
+    """The directory a ``chdb://`` (or ``file://``) URI names; it takes no query or fragment."""
+    if "?" in uri or "#" in uri:
+        raise InvalidArgumentError(
+            f"{uri!r}: a chDB catalog URI takes no query or fragment ('?', '#'); pass settings as "
+            "keyword arguments (open_catalog(uri, database=..., lock_timeout=...))"
+        )
+    path = unquote(parts.netloc + parts.path)
+    if not path:
+        raise InvalidArgumentError(f"{uri!r} names no directory; write chdb:///absolute/path")
+    return Path(path)
 
 
 def _cluster_name(uri: str, parts) -> str | None:

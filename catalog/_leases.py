@@ -178,8 +178,8 @@ class Publisher:
         self._target = target
         self.scope = validate_value_id(scope, "scope")
         self.holder = validate_value_id(holder if holder is not None else default_holder(), "holder")
-        if not (lease_seconds > 0):
-            raise InvalidArgumentError(f"lease_seconds must be positive, not {lease_seconds!r}")
+        if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, (int, float)) or not lease_seconds > 0:
+            raise InvalidArgumentError(f"lease_seconds must be a positive number of seconds, not {lease_seconds!r}")
         self.lease_seconds = float(lease_seconds)
         self._clock = clock
         self._term: int | None = None

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import re
 import unicodedata
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from dmi.storage.errors import InvalidArgumentError, InvalidIdentifierError
 
@@ -37,9 +37,12 @@ __all__ = [
     "validate_identifier",
     "quote_identifier",
     "validate_value_id",
+    "validate_optional_value_id",
     "render_literal",
     "bind",
     "single_statement",
+    "no_output_clause",
+    "utf8_text",
 ]
 
 MAX_IDENTIFIER_LENGTH = 128
@@ -102,6 +105,16 @@ def validate_value_id(value: object, what: str = "id") -> str:
         if category == "Cs":
             raise InvalidIdentifierError(f"{what} {_describe(value)} is not valid Unicode (lone surrogate)")
     return value
+
+
+def validate_optional_value_id(value: object, what: str) -> str:
+    """Return ``value`` if it is ``""`` (not given) or a value :func:`validate_value_id` accepts.
+
+    For who-did-it fields (``deleted_by``, ``recorded_by``) that default to empty: what is
+    given must still be text that is stored and read back verbatim."""
+    if isinstance(value, str) and not value:
+        return value
+    return validate_value_id(value, what)
 
 
 _STRING_ESCAPES = {"\\": "\\\\", "'": "\\'"}
@@ -214,6 +227,32 @@ def _skip_comment(sql: str, start: int) -> int:
     return start
 
 
+_WORD = re.compile(r"\w+")
+
+
+def _tokens(sql: str) -> Iterator[tuple[int, str]]:
+    """Each token of ``sql`` outside comments, as ``(position, text)``: a quoted string or
+    identifier whole (quotes included), a word (letters, digits, ``_``), or one other
+    character. Whitespace and comments are skipped."""
+    i = 0
+    while i < len(sql):
+        skipped = _skip_comment(sql, i)
+        if skipped != i:
+            i = skipped
+            continue
+        char = sql[i]
+        if char.isspace():
+            i += 1
+            continue
+        if char in _QUOTES:
+            end = _skip_quoted(sql, i)
+        else:
+            word = _WORD.match(sql, i)
+            end = word.end() if word else i + 1
+        yield i, sql[i:end]
+        i = end
+
+
 def single_statement(sql: str) -> str:
     """Return ``sql`` if it holds one statement (a trailing ``;`` is fine), else raise.
 
@@ -221,28 +260,56 @@ def single_statement(sql: str) -> str:
     SQL (:meth:`dmi.catalog.Catalog.sql`): chDB would otherwise run every statement and
     return only the last result, the server would refuse with a syntax error.
     """
-    i, end_of_first = 0, None
-    while i < len(sql):
-        char = sql[i]
-        skipped = _skip_comment(sql, i)
-        if skipped != i:
-            i = skipped
-        elif char in _QUOTES:
-            if end_of_first is not None:
-                break
-            i = _skip_quoted(sql, i)
-        elif char == ";":
-            end_of_first = i if end_of_first is None else end_of_first
-            i += 1
-        elif char.isspace():
-            i += 1
+    end_of_first = None
+    for position, token in _tokens(sql):
+        if token == ";":
+            end_of_first = position if end_of_first is None else end_of_first
         elif end_of_first is not None:
-            break
-        else:
-            i += 1
-    else:
-        return sql
-    raise InvalidArgumentError(
-        "one statement per call: the text holds a second statement after the ';' at character "
-        f"{end_of_first}; run each statement in its own call"
-    )
+            raise InvalidArgumentError(
+                "one statement per call: the text holds a second statement after the ';' at character "
+                f"{end_of_first}; run each statement in its own call"
+            )
+    return sql
+
+
+def _is_name(token: str) -> bool:
+    """Whether ``token`` is a bare word starting with a letter or ``_``, or a quoted identifier."""
+    return token[0] in '"`' or token[0].isalpha() or token[0] == "_"
+
+
+def no_output_clause(sql: str) -> str:
+    """Return ``sql`` if it has neither ``INTO OUTFILE`` nor a ``FORMAT`` clause, else raise.
+
+    User SQL must only read and must answer in the Arrow format DMI reads back. chDB runs
+    ``INTO OUTFILE`` even under ``readonly=1``, so it would write (or ``TRUNCATE``) any file
+    the process may write, a sealed pack included; ``FORMAT`` replaces the Arrow result
+    with text DMI cannot read. Keywords count only outside strings, quoted identifiers and
+    comments; ``format(...)`` (the function) and a column or alias named ``format`` are fine.
+    """
+    tokens = [token for _, token in _tokens(sql)]
+    for i, token in enumerate(tokens):
+        following = tokens[i + 1] if i + 1 < len(tokens) else ""
+        previous = tokens[i - 1].upper() if i else ""
+        if token.upper() == "INTO" and following.upper() == "OUTFILE":
+            raise InvalidArgumentError(
+                "sql() is read-only: INTO OUTFILE is refused (chDB would write the file even under "
+                "readonly=1); take the returned Arrow table and write it yourself"
+            )
+        if token.upper() == "FORMAT" and following and _is_name(following) and previous not in ("AS", "."):
+            raise InvalidArgumentError(
+                f"sql() returns an Arrow table: a FORMAT clause (FORMAT {following}) is refused; "
+                "convert the returned table instead (table.to_pandas(), pyarrow.csv.write_csv, ...)"
+            )
+    return sql
+
+
+def utf8_text(text: str, what: str) -> str:
+    """Return ``text`` if it encodes as UTF-8 (no lone surrogates), else InvalidArgumentError:
+    SQL text reaches ClickHouse as UTF-8, and the drivers refuse such text with their own errors."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(
+            f"{what} is not valid Unicode (a lone surrogate at character {exc.start})"
+        ) from exc
+    return text

@@ -453,6 +453,38 @@ class CatalogConformance(RecoveryConformance, DeletionCrashConformance):
         assert catalog.deletions(model_id="kept") == []
         assert len(catalog.find_records("kept", run_id="r1")) == 3
 
+    def test_purge_keeps_a_pack_whose_index_lost_another_runs_rows(self, catalog, tmp_path):
+        """One pack holds runs ``doomed`` and ``kept``; the index rows of ``kept`` are missing
+        (lost, or never landed: its ``packs`` row says 4 records, 2 are indexed). Deleting
+        ``doomed`` hides all the catalog knows of the pack, yet the file holds ``kept``: purge
+        keeps it, and recovery brings ``kept`` back."""
+        import torch
+
+        from dmi.storage import LocalPackStore, PackWriter
+
+        store = LocalPackStore(tmp_path / "packs")
+        writer = PackWriter(store, writer_id="t")
+        for run, request in (("doomed", "d1"), ("kept", "k1")):
+            for layer in range(2):
+                writer.append(RecordKey("m", run, request, "resid_post", layer, 0, 3), torch.randn(3, 8))
+        full = writer.seal()
+        doomed_only = PackDescriptor(full.pack_id, full.location, full.size, full.writer_id, full.format_version,
+                                     full.sealed_at, tuple(e for e in full.records if e.meta.key.run_id == "doomed"))
+        with catalog.publisher("s", holder="w") as pub:
+            pub.publish([doomed_only])
+            catalog._backend.insert(  # stands in for the lost rows: the packs row of the whole pack
+                catalog.tables["packs"], _schema.packs_table([full], scope="s", term=pub.term, now=time.time())
+            )
+        assert catalog.packs_to_recover([full.pack_id]) == [full.pack_id]
+        assert [d.run_id for d in catalog.delete_runs("m", "doomed")] == ["doomed"]
+        assert catalog.deleted_pack_ids() == set()
+        assert catalog.purge_deleted(store) == []
+        assert store.list_packs() == [full.pack_id]
+        assert catalog.recover(store) == [full.pack_id]
+        assert catalog.runs("m") == ["kept"]
+        assert [(e.meta.key.request_id, e.meta.key.layer) for e in catalog.find_records("m")] == [("k1", 0), ("k1", 1)]
+        assert catalog.purge_deleted(store) == [] and store.list_packs() == [full.pack_id]
+
     def test_run_totals(self, catalog):
         with catalog.publisher("s", holder="A") as pub:
             pub.publish([pack(run="r1", request="a"), pack(run="r1", request="b"), pack(run="r2")])
@@ -651,6 +683,48 @@ class CatalogConformance(RecoveryConformance, DeletionCrashConformance):
         assert catalog.sql("SELECT 1 AS one").to_pylist() == [{"one": 1}]
 
     @pytest.mark.parametrize(
+        ("statement", "message"),
+        [
+            ("SELECT 'gone' AS a INTO OUTFILE {target} TRUNCATE FORMAT CSV", "INTO OUTFILE"),
+            ("SELECT 'gone' AS a INTO OUTFILE {target} TRUNCATE", "INTO OUTFILE"),
+            ("select 'new' as a into outfile {fresh}", "INTO OUTFILE"),
+            ("SELECT 'new' AS a INTO /* c */ OUTFILE {fresh}", "INTO OUTFILE"),
+            ("SELECT * FROM (SELECT 'new' AS a INTO OUTFILE {fresh})", "INTO OUTFILE"),
+            ("SELECT 1 AS a FORMAT JSON", "FORMAT clause"),
+            ("select 1 as a format CSV;", "FORMAT clause"),
+            ("SELECT 1 AS a -- x\nFORMAT TabSeparated", "FORMAT clause"),
+        ],
+    )
+    def test_sql_refuses_into_outfile_and_format(self, catalog, tmp_path, statement, message):
+        """chDB runs INTO OUTFILE even under readonly=1: it would truncate a sealed pack."""
+        target, fresh = tmp_path / "sealed.dmipack", tmp_path / "new.csv"
+        target.write_bytes(b"SEALED-PACK-BYTES")
+        with pytest.raises(InvalidArgumentError, match=message):
+            catalog.sql(statement.format(target=f"'{target}'", fresh=f"'{fresh}'"))
+        assert target.read_bytes() == b"SEALED-PACK-BYTES"
+        assert not fresh.exists()
+
+    @pytest.mark.parametrize(
+        ("text", "expected"),
+        [
+            ("SELECT 'INTO OUTFILE x FORMAT JSON' AS a", "INTO OUTFILE x FORMAT JSON"),
+            ("SELECT 'b' AS a -- INTO OUTFILE 'x' FORMAT JSON", "b"),
+            ("SELECT /* FORMAT CSV */ 'c' AS a", "c"),
+            ("SELECT a FROM (SELECT 'd' AS a, 1 AS format)", "d"),
+            ("SELECT `format` AS a FROM (SELECT 'e' AS `format`)", "e"),
+        ],
+    )
+    def test_sql_output_keywords_in_text_or_names_are_fine(self, catalog, text, expected):
+        assert catalog.sql(text).to_pylist() == [{"a": expected}]
+
+    def test_sql_text_that_is_not_unicode_is_an_argument_error(self, catalog):
+        with pytest.raises(InvalidArgumentError, match="not valid Unicode"):
+            catalog.sql("SELECT '\ud800' AS a")
+        with pytest.raises(InvalidArgumentError, match="not valid Unicode"):
+            catalog.select_records("gpt2", where="hook = '\ud800'")
+        assert catalog.sql("SELECT 'é' AS a").to_pylist() == [{"a": "é"}]
+
+    @pytest.mark.parametrize(
         "text",
         [
             "SELECT 1; SELECT 2",
@@ -684,6 +758,23 @@ class CatalogConformance(RecoveryConformance, DeletionCrashConformance):
             catalog.sql(f"SELECT nope FROM {catalog.tables['records']}")
         assert info.value.code == 47 and info.value.name == "UNKNOWN_IDENTIFIER"
 
+    def test_audits_by_audit_id_alone(self, catalog):
+        def row(audit_id, request, verdict):
+            return {"audit_id": audit_id, "model_id": "gpt2", "run_id": "run-1", "request_id": request,
+                    "hook": "resid_post", "layer": 0, "verdict": verdict, "tolerance": "exact", "bound": 0.0,
+                    "n_records": 1, "n_tokens": 3, "max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0,
+                    "first_diff": -1, "first_fail": -1, "detail": "", "model": "tiny", "seed": 0,
+                    "audited_at": time.time()}
+
+        catalog.record_audit([row("a1", "r1", "exact"), row("a1", "r2", "fail")])
+        catalog.record_audit([row("a2", "r1", "noise")])
+        rows = catalog.audits(audit_id="a1").to_pylist()
+        assert sorted((r["audit_id"], r["request_id"], r["exact"], r["failed"]) for r in rows) == [
+            ("a1", "r1", 1, 0), ("a1", "r2", 0, 1)
+        ]
+        assert [r["noise"] for r in catalog.audits(audit_id="a2").to_pylist()] == [1]
+        assert catalog.audits(audit_id="nope").num_rows == 0
+
     def test_losses_are_counted(self, catalog):
         catalog.record_losses("gpt2", "run-1", "r1", "resid_post", 3, 5, "ring full")
         catalog.record_losses("gpt2", "run-1", "r1", "resid_post", 3, 2, "ring full")
@@ -694,7 +785,38 @@ class CatalogConformance(RecoveryConformance, DeletionCrashConformance):
         with pytest.raises(InvalidArgumentError):
             catalog.record_losses("gpt2", "run-1", "r1", "resid_post", 3, 0, "ring full")
 
+    def test_who_fields_and_loss_numbers_are_checked_where_they_enter(self, catalog):
+        with catalog.publisher("s", holder="h") as pub:
+            pub.publish([pack()])
+        for bad in ("\ud800", None, "new\nline"):
+            with pytest.raises(InvalidIdentifierError, match="deleted_by"):
+                catalog.delete_runs("gpt2", "run-1", deleted_by=bad)
+            with pytest.raises(InvalidIdentifierError, match="recorded_by"):
+                catalog.record_losses("gpt2", "run-1", "r1", "resid_post", 0, 1, "ring full", recorded_by=bad)
+        for layer, count in ((2**40, 1), (-(2**31) - 1, 1), (0, 2**70), (0, 2**64)):
+            with pytest.raises(InvalidArgumentError, match="layer" if count == 1 else "count"):
+                catalog.record_losses("gpt2", "run-1", "r1", "resid_post", layer, count, "ring full")
+        for lease_seconds in ("30", True, 0, float("nan")):
+            with pytest.raises(InvalidArgumentError, match="lease_seconds"):
+                catalog.publisher("s2", lease_seconds=lease_seconds)
+        assert catalog.deletions() == [] and len(catalog.find_records("gpt2")) == 3
+        assert catalog.losses().num_rows == 0
+        catalog.record_losses("gpt2", "run-1", "r1", "resid_post", 2**31 - 1, 2**40, "ring full", recorded_by="me")
+        assert [(r["layer"], r["count"]) for r in catalog.losses().to_pylist()] == [(2**31 - 1, 2**40)]
+        assert [d.deleted_by for d in catalog.delete_runs("gpt2", "run-1", deleted_by="me")] == ["me"]
+
     # ------------------------------------------------------------------ watermarks
+    def test_upto_of_another_scope_is_refused(self, catalog):
+        with catalog.publisher("A", holder="h") as pub:
+            wa = pub.publish([pack(request="from-A")])
+        with catalog.publisher("B", holder="h") as pub:
+            wb = pub.publish([pack(request="from-B")])
+        with pytest.raises(InvalidArgumentError, match="scope 'B', not of the scope 'A'"):
+            catalog.find_records("gpt2", scope="A", upto=wb)
+        assert {e.meta.key.request_id for e in catalog.find_records("gpt2", scope="A", upto=wa)} == {"from-A"}
+        assert {e.meta.key.request_id for e in catalog.find_records("gpt2", scope="B", upto=wb)} == {"from-B"}
+        assert {e.meta.key.request_id for e in catalog.find_records("gpt2", upto=wb)} == {"from-B"}
+
     def test_consistent_prefix_and_follow(self, catalog):
         first, second = pack(request="early"), pack(request="late")
         with catalog.publisher("s", holder="h") as pub:
@@ -1004,6 +1126,22 @@ class CatalogConformance(RecoveryConformance, DeletionCrashConformance):
             with pytest.raises(InvalidIdentifierError):
                 catalog.publisher(bad)
         assert catalog.models() == []
+
+    def test_required_ids_may_not_be_none(self, catalog):
+        """``None`` would drop the filter: every model's records, or a WHERE-less statement."""
+        with catalog.publisher("s", holder="h") as pub:
+            pub.publish([pack(request="r1"), pack(model="other", request="r2")])
+        calls = [
+            lambda: catalog.find_records(None), lambda: catalog.find_records(None, hook="resid_post"),
+            lambda: catalog.runs(None), lambda: catalog.requests(None), lambda: catalog.request_totals(None),
+            lambda: catalog.request_contents("gpt2", None), lambda: catalog.request_runs(None, "r1"),
+            lambda: catalog.request_phases("gpt2", "r1", None), lambda: catalog.rank_request_ids("gpt2", None),
+        ]
+        for call in calls:
+            with pytest.raises(InvalidIdentifierError, match="must be a str, not NoneType"):
+                call()
+        assert {e.meta.key.model_id for e in catalog.find_records("gpt2", hook="resid_post")} == {"gpt2"}
+        assert catalog.runs("other") == ["run-1"] and catalog.request_runs("gpt2", "r1") == ["run-1"]
 
 
 def _schema_records(descs):

@@ -195,6 +195,53 @@ def test_bad_uris_and_names_are_refused(tmp_path):
         open_catalog(f"chdb://{tmp_path / 'n'}", table_prefix="x`")
 
 
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "clickhouse://h:abc/db",
+        "clickhouse://h:99999/db",
+        "clickhouse://[::1/db",
+        "clickhouse:/db-host:9000/analytics",
+        "clickhouse:db-host",
+        "CH:db-host",
+        "chdb:",
+        "chdb:cat",
+        "file:cat",
+        "chdb:///{cwd}/x?cluster=foo",
+        "chdb:///{cwd}/y#frag",
+        "chdb:///{cwd}/z?",
+        "{cwd}/cat?readonly=0&x",
+        "cat#x",
+        "chdb:///{cwd}/cat%3Freadonly=0",
+        123,
+        b"/tmp/x",
+    ],
+)
+def test_malformed_uris_are_refused_and_create_nothing(tmp_path, monkeypatch, uri):
+    monkeypatch.chdir(tmp_path)
+    if isinstance(uri, str):
+        uri = uri.format(cwd=tmp_path)
+    with pytest.raises(InvalidArgumentError) as info:
+        open_catalog(uri)
+    assert not isinstance(info.value, (TypeError, UnicodeError))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["mycat", "./a:b", "chdbish:x", "sub/clickhouse:x"])
+def test_plain_relative_paths_are_still_directories(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    with open_catalog(name) as catalog:
+        assert catalog.backend == "chdb"
+        assert catalog.where == f"chdb://{(tmp_path / name).resolve()}"
+    assert (tmp_path / name / "dmi.lock").is_file()
+
+
+def test_the_format_function_is_not_a_format_clause(tmp_path):
+    with open_catalog(f"chdb://{tmp_path / 'c'}") as catalog:
+        assert catalog.sql("SELECT format('{}-{}', 'a', 'b') AS a").to_pylist() == [{"a": "a-b"}]
+        assert catalog.sql("SELECT format ('{}!', 'c') AS a").to_pylist() == [{"a": "c!"}]
+
+
 def test_without_contention_the_session_is_kept_not_reopened(tmp_path):
     """Nobody waits: neither idle gaps of seconds nor more than MAX_HOLD_SECONDS of use make
     the process give its session up (a reopen costs 10–400 ms, and threads chDB never ends)."""
