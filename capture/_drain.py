@@ -101,6 +101,7 @@ class LostRecords:
 
 
 _IDLE = object()
+_POLL_SECONDS = 0.1  # how often a flush waiting for the thread checks that it still runs
 
 
 class _Marker:
@@ -192,16 +193,29 @@ class Drain:
 
         Returns the descriptors published since the previous flush.
         """
-        if not self._thread.is_alive():
-            self.check()
-            raise DrainError("the capture drain thread is not running")
+        self._check_running()
         marker = _Marker("flush")
         self._q.put(marker)
-        if not marker.done.wait(timeout):
-            raise DrainError(f"flush did not finish within {timeout}s")
+        self._wait_done(marker, timeout)
         self.check()
         out, self.published = self.published, []
         return out
+
+    def _check_running(self) -> None:
+        """Raise :class:`DrainError` (its cause: the thread's error) if the thread has ended."""
+        if not self._thread.is_alive():
+            self.check()
+            raise DrainError("the capture drain thread is not running")
+
+    def _wait_done(self, marker: _Marker, timeout: float | None) -> None:
+        """Wait for the thread to reach ``marker`` — no longer than ``timeout``, and not at all
+        once the thread has ended (it would never reach it)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not marker.done.wait(_POLL_SECONDS if deadline is None else
+                                   max(0.0, min(_POLL_SECONDS, deadline - time.monotonic()))):
+            self._check_running()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DrainError(f"flush did not finish within {timeout}s")
 
     def seal_soon(self, request_ids=None, *, at_once: bool = False) -> None:
         """Ask the thread to seal the open pack and publish it once it has processed what was
@@ -232,6 +246,19 @@ class Drain:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice_level)
 
     def _run(self) -> None:
+        """The thread's body. Whatever escapes the loop (outside the guards around each piece of
+        work) becomes ``self.error``, so the thread never ends unnoticed: the next step,
+        ``flush()`` or exit raises it as :class:`DrainError`, and a model thread waiting for a
+        free slot stops waiting."""
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - surfaced by check()
+            if self.error is None:
+                self.error = exc
+            if self._encoders is not None:
+                self._encoders.shutdown(wait=False)
+
+    def _loop(self) -> None:
         self.torch_threads = one_openmp_thread()
         try:
             self._lower_priority()
@@ -388,9 +415,20 @@ class Drain:
         self.published.extend(batch)
 
     def _lose(self, lost: LostRecords) -> None:
+        """Count the records a dropped tensor would have made: one per span, and for a dropped
+        ``token_ids`` with a tokenizer also the ``token_text`` / ``prompt_text`` records
+        :meth:`_append_text` would have cut from it."""
         keys = [self._key(lost.hook, lost.layer, lost.plan, s) for s in lost.plan.spans]
+        if self.texts is not None and lost.hook == "token_ids":
+            keys += [replace(key, hook=hook) for key in keys for hook in self._text_hooks(key)]
         self.lost_keys.extend(keys)
         self.stats.records_lost += len(keys)
+
+    @staticmethod
+    def _text_hooks(key: RecordKey) -> tuple[str, ...]:
+        """The text records made beside a ``token_ids`` record: its tokens' strings, and the
+        prompt's text beside a prefill (or scoring forward) record."""
+        return (TOKEN_TEXT,) if key.phase == "decode" else (TOKEN_TEXT, PROMPT_TEXT)
 
     def _flush_losses(self) -> None:
         if self._record_losses is not None and self.lost_keys:
@@ -437,11 +475,9 @@ class Drain:
     def _append_text(self, key: RecordKey, ids) -> None:
         """The strings of one ``token_ids`` record, under its key: its tokens' strings, and the
         prompt's text beside a prefill (or scoring forward) record."""
-        texts = [(TOKEN_TEXT, self.texts.token_record(ids))]
-        if key.phase != "decode":
-            texts.append((PROMPT_TEXT, self.texts.prompt_record(ids)))
-        for hook, payload in texts:
-            self._write(replace(key, hook=hook), payload)
+        records = {TOKEN_TEXT: self.texts.token_record, PROMPT_TEXT: self.texts.prompt_record}
+        for hook in self._text_hooks(key):
+            self._write(replace(key, hook=hook), records[hook](ids))
             self.stats.records += 1
 
     def _write(self, key: RecordKey, data, **options) -> None:

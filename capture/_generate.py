@@ -3,6 +3,7 @@ how many sequences ``generate`` runs per prompt."""
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,23 +47,13 @@ class CaptureResult:
 
 
 def prepare_batch(input_ids, attention_mask=None, *, pad_token_id: int | None = None):
-    """``(input_ids [b, t], attention_mask [b, t])``; lists of token ids are left-padded."""
+    """``(input_ids [b, t], attention_mask [b, t])``; lists of token ids are left-padded.
+    Anything else is refused here with :class:`InvalidArgumentError`, before the model runs."""
     if isinstance(input_ids, torch.Tensor):
-        ids = input_ids if input_ids.dim() == 2 else input_ids.unsqueeze(0)
-        if attention_mask is None:
-            mask = torch.ones_like(ids)
-        else:
-            mask = attention_mask if attention_mask.dim() == 2 else attention_mask.unsqueeze(0)
-            if mask.shape != ids.shape:
-                raise InvalidArgumentError(
-                    f"attention_mask shape {tuple(mask.shape)} != input_ids shape {tuple(ids.shape)}"
-                )
-        return ids, mask
+        return _tensor_batch(input_ids, attention_mask)
     if attention_mask is not None:
         raise InvalidArgumentError("attention_mask is built for you when prompts are lists of token ids")
-    prompts = [list(p) for p in input_ids]
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise InvalidArgumentError("every prompt needs at least one token")
+    prompts = _prompts(input_ids)
     if pad_token_id is None:
         pad_token_id = 0
     t = max(len(p) for p in prompts)
@@ -72,6 +63,51 @@ def prepare_batch(input_ids, attention_mask=None, *, pad_token_id: int | None = 
         ids[i, t - len(p):] = torch.tensor(p, dtype=torch.long)
         mask[i, t - len(p):] = 1
     return ids, mask
+
+
+def _tensor_batch(input_ids: torch.Tensor, attention_mask):
+    """A ``[b, t]`` (or one prompt's ``[t]``) tensor of token ids, at least one of each, and
+    its mask: a tensor of the same shape, or ``None`` (every token real)."""
+    if input_ids.dim() not in (1, 2):
+        raise InvalidArgumentError("input_ids must be a [batch, tokens] tensor (or one prompt's [tokens]), "
+                                   f"got shape {tuple(input_ids.shape)}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise InvalidArgumentError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    ids = input_ids if input_ids.dim() == 2 else input_ids.unsqueeze(0)
+    if ids.numel() == 0:
+        raise InvalidArgumentError(f"input_ids needs at least one row and one token, got shape {tuple(ids.shape)}")
+    if attention_mask is None:
+        return ids, torch.ones_like(ids)
+    if not isinstance(attention_mask, torch.Tensor):
+        raise InvalidArgumentError(
+            f"attention_mask must be a tensor of input_ids' shape (or None: every token real), "
+            f"got {type(attention_mask).__name__}")
+    mask = attention_mask if attention_mask.dim() == 2 else attention_mask.unsqueeze(0)
+    if mask.shape != ids.shape:
+        raise InvalidArgumentError(
+            f"attention_mask shape {tuple(mask.shape)} != input_ids shape {tuple(ids.shape)}"
+        )
+    return ids, mask
+
+
+def _prompts(input_ids) -> list[list[int]]:
+    """``input_ids`` given as prompts: a non-empty list of them, each a non-empty sequence of
+    token ids (ints; a string is text, not token ids)."""
+    try:
+        prompts = [[operator.index(token) for token in p] for p in input_ids]
+    except TypeError as exc:
+        raise InvalidArgumentError(
+            "input_ids must be a [batch, tokens] tensor or a list of prompts, each a list of token ids "
+            f"(ints), got {_describe(input_ids)}") from exc
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise InvalidArgumentError("every prompt needs at least one token")
+    return prompts
+
+
+def _describe(value) -> str:
+    """A short account of ``value`` for an error message (a long list is not repeated whole)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{type(value).__name__} {text[:77]}..."
 
 
 def left_pads(mask: torch.Tensor) -> list[int]:

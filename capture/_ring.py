@@ -39,6 +39,7 @@ Also:
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 from dataclasses import dataclass, field
@@ -128,8 +129,8 @@ class Ring:
             raise InvalidArgumentError(f"slot_bytes must be an int >= {_ALIGN}, got {slot_bytes!r}")
         if drop_policy not in ("wait", "drop"):
             raise InvalidArgumentError(f"drop_policy must be 'wait' or 'drop', got {drop_policy!r}")
-        if timeout is None or timeout < 0:
-            raise InvalidArgumentError(f"ring timeout must be >= 0 seconds, got {timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
+            raise InvalidArgumentError(f"ring_timeout must be a number of seconds >= 0, got {timeout!r}")
         self.pin = torch.cuda.is_available() if pin is None else bool(pin)
         self.slot_bytes = slot_bytes
         self.timeout = float(timeout)

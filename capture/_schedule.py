@@ -7,7 +7,7 @@ no copy, no ring reservation, no record.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from dmi.storage.errors import InvalidArgumentError
 from dmi.storage.records import PHASES
@@ -44,7 +44,7 @@ class Schedule:
     positions: tuple[int, int | None] | None = None
 
     def __post_init__(self):
-        phases = (self.phases,) if isinstance(self.phases, str) else tuple(self.phases)
+        phases = _phases(self.phases)
         bad = [p for p in phases if p not in PHASES]
         if bad or not phases:
             raise InvalidArgumentError(f"schedule phases {bad or phases!r} invalid; choose from {PHASES}")
@@ -68,6 +68,10 @@ class Schedule:
         if isinstance(value, Schedule):
             return value
         if isinstance(value, dict):
+            names = [f.name for f in fields(cls)]
+            unknown = sorted(map(repr, set(value) - set(names)))
+            if unknown:
+                raise InvalidArgumentError(f"schedule has no field(s) {', '.join(unknown)}; its fields: {', '.join(names)}")
             return cls(**value)
         if isinstance(value, (str, tuple, list)):
             return cls(phases=value)
@@ -108,6 +112,17 @@ class Schedule:
             firsts.append(start + (first - col))
             ends.append(end)
         return cols, firsts, ends
+
+
+def _phases(value) -> tuple:
+    """``phases`` as a tuple: one phase name, or an iterable of them (each checked by the caller)."""
+    if isinstance(value, str):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError as exc:
+        raise InvalidArgumentError(
+            f"schedule phases must be a phase name or several of {PHASES}, got {value!r}") from exc
 
 
 def _window(value) -> tuple[int, int | None]:

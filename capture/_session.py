@@ -15,6 +15,8 @@ import contextlib
 import functools
 import hashlib
 import json
+import math
+import numbers
 import os
 import re
 import secrets
@@ -184,6 +186,7 @@ class CaptureSession:
     def flush(self, timeout: float | None = None) -> list:
         """Drain every copied tensor, seal the open pack, publish; re-raise any drain error.
         Returns the pack descriptors published since the previous flush."""
+        self._refuse_closed()  # before the drain: its thread ends with the session
         self.ring.submit()
         out = self.drain.flush(timeout)
         self.published.extend(out)
@@ -232,9 +235,12 @@ class CaptureSession:
         return ids.to(dev), mask.to(dev)
 
     def _check_open(self):
+        self._refuse_closed()
+        self.drain.check()
+
+    def _refuse_closed(self) -> None:
         if self._closed:
             raise CaptureError("this capture session is closed (its `with` block has exited)")
-        self.drain.check()
 
     def _open_call(self, ids, mask, request_ids, first_phase, per_prompt: int = 1) -> _Call:
         """One request per row the model will run: each prompt row repeated ``per_prompt`` times."""
@@ -421,11 +427,12 @@ class CaptureSession:
                               geometry=self.geometry, hooks=self._emitted, call_id=call.call_id, ends=ends)
         if plan is None:
             return None  # no token of this step is in the schedule's position window
+        from_ids = [hook for hook in self._emitted if HOOKS[hook].source == "input_ids"]
+        if from_ids and ids is None:
+            _refuse_embeds(from_ids)
         self._plan = plan
-        if ids is not None:
-            for hook in self._emitted:
-                if HOOKS[hook].source == "input_ids":
-                    self._emit(hook, GLOBAL_LAYER, ids, "bt", plan)
+        for hook in from_ids:
+            self._emit(hook, GLOBAL_LAYER, ids, "bt", plan)
         return None
 
     def _on_model_post(self, module, args, output):
@@ -569,6 +576,18 @@ class CaptureSession:
                 self.ring.close()
 
 
+def _refuse_embeds(hooks: list[str]) -> None:
+    """A step run on ``inputs_embeds`` has no token ids: refuse it rather than capture the
+    step without the ``hooks`` read from ``input_ids`` (their records would be missing
+    unnoticed, and uncounted)."""
+    names = ", ".join(map(repr, hooks))
+    raise CaptureError(
+        f"the model ran on inputs_embeds, without input_ids, so hook(s) {names} have no token ids to "
+        f"capture; pass input_ids, or leave {names} out of hooks= (and do not pass tokenizer=, which "
+        "adds token_ids)"
+    )
+
+
 class _GenerateGuard:
     """Wraps ``model.generate`` while the session is attached (``cap.generate`` goes through
     it too). Refuses beam search before the model runs: seen only through its forwards, beam
@@ -577,10 +596,12 @@ class _GenerateGuard:
     starts by itself (``disable_compile=True``; it compiles the decode steps with CUDA graphs
     when a static cache is used on a GPU), unless the caller configured compilation: eager
     hooks must run as Python, between kernels launched one by one. Installed as an instance
-    attribute over the class's ``generate``; ``remove()`` restores the original."""
+    attribute over the class's ``generate`` (or over one the user set on the instance);
+    ``remove()`` restores what was there."""
 
     def __init__(self, model, *, eager: bool):
         self._model = model
+        self._own = vars(model).get("generate", _NOT_SET)  # a generate set on the instance, kept
         original = model.generate
 
         @functools.wraps(original)
@@ -594,8 +615,17 @@ class _GenerateGuard:
         model.generate = generate
 
     def remove(self) -> None:
-        if vars(self._model).get("generate") is self._guard:
+        """Give back the instance's ``generate``: the one set on it before attach, or none (the
+        class's). One set on it while attached (not the guard) is left as it is."""
+        if vars(self._model).get("generate") is not self._guard:
+            return
+        if self._own is _NOT_SET:
             del self._model.generate
+        else:
+            self._model.generate = self._own
+
+
+_NOT_SET = object()
 
 
 def _compilation_configured(model, generate_kwargs: dict) -> bool:
@@ -679,6 +709,8 @@ def attach(
       plus ``"/tp<rank>"`` when ``tp_size > 1``, so the ranks of one run publish side by side);
       without a catalog, packs are sealed but not published. Anything else given as either (a
       path, a URI, a ``dmi.Store``) is refused with ``InvalidArgumentError`` saying what to pass.
+    * ``lease_seconds``: the publisher lease's lifetime, renewed by the drain; a finite number
+      of seconds > 0 (else ``InvalidArgumentError``).
     * ``schedule``: a :class:`Schedule` (or a dict of its fields, or phases).
     * ``ring_slots`` × ``slot_bytes``: host memory between the model and the drain thread;
       ``ring_timeout``: how long the producer waits for a free slot before
@@ -741,7 +773,8 @@ def attach(
     drain_nice = auto_drain_nice(model, drain_nice, drop_policy)
     check_pipeline_arguments("attach", store=store, catalog=catalog, writer=writer,
                              decode_chunk_steps=decode_chunk_steps, adaptive_codec=adaptive_codec,
-                             encode_threads=encode_threads, drain_nice=drain_nice)
+                             encode_threads=encode_threads, drain_nice=drain_nice,
+                             lease_seconds=lease_seconds)
     geometry = ModelGeometry.from_config(model.config, _model_dtype(model))
     texts = None if tokenizer is None else TokenStrings(tokenizer)
     if texts is not None:
@@ -814,9 +847,8 @@ def owned_session(owner_key, model_name: str, ctx: KeyContext, options: _Pipelin
             )
         ring = Ring(o.ring_slots, o.slot_bytes, timeout=o.ring_timeout, drop_policy=o.drop_policy)
         _OWNERS[owner_key] = None  # type: ignore[assignment]  # reserved while we build
-    session = None
+    session = publisher = writer = drain = None
     try:
-        publisher = None
         if o.catalog is not None:
             publisher = _Publishing(o.catalog, o.publish_scope, model_id=ctx.model_id, run_id=ctx.run_id,
                                     lease_seconds=o.lease_seconds)
@@ -837,13 +869,7 @@ def owned_session(owner_key, model_name: str, ctx: KeyContext, options: _Pipelin
             _OWNERS[owner_key] = session
         session._install()
     except BaseException:
-        if session is not None:
-            session._remove_hooks()
-            with contextlib.suppress(Exception):
-                session.drain.close(timeout=10)
-            if session._publisher is not None:
-                with contextlib.suppress(Exception):
-                    session._publisher.close()
+        _undo_attach(session, drain, writer if writer is not o.writer else None, publisher)
         with _OWNERS_LOCK:
             _OWNERS.pop(owner_key, None)
         raise
@@ -865,6 +891,26 @@ def owned_session(owner_key, model_name: str, ctx: KeyContext, options: _Pipelin
                 _OWNERS.pop(owner_key, None)
 
 
+def _undo_attach(session, drain, own_writer, publisher) -> None:
+    """Undo an attach that failed part-way, whatever step failed: remove the session's hooks
+    (if it was made), stop the drain thread (if it started: it may already hold the
+    publisher lease) or else close the writer made for it, and release the lease. Without
+    this, a failure after the drain started would leave its thread running and the scope's
+    lease held for the rest of the process. Errors here are suppressed: the attach's own
+    error is the one raised."""
+    if session is not None:
+        session._remove_hooks()
+    if drain is not None:
+        with contextlib.suppress(Exception):
+            drain.close(timeout=10)
+    elif own_writer is not None:
+        with contextlib.suppress(Exception):
+            own_writer.close()
+    if publisher is not None:
+        with contextlib.suppress(Exception):
+            publisher.close()
+
+
 AUTO_DRAIN_NICE = 19
 """The drain's nice level below a model on the CPU when ``drain_nice`` is not given: the lowest
 priority, so the drain takes only the cycles the model leaves (docs/capture.md, "Drain priority")."""
@@ -884,9 +930,10 @@ def auto_drain_nice(model, drain_nice, drop_policy: str):
 
 
 def check_pipeline_arguments(who: str, *, store, catalog, writer, decode_chunk_steps, adaptive_codec,
-                             encode_threads, drain_nice) -> None:
+                             encode_threads, drain_nice, lease_seconds) -> None:
     """The arguments every attach shares about the drain and the writer, checked before the
     model is touched (:class:`InvalidArgumentError`)."""
+    _check_lease_seconds(lease_seconds)
     for name, value in (("decode_chunk_steps", decode_chunk_steps), ("encode_threads", encode_threads)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}")
@@ -899,6 +946,14 @@ def check_pipeline_arguments(who: str, *, store, catalog, writer, decode_chunk_s
         raise InvalidArgumentError(f"{who} needs a pack store (store=PackStore.local(path))")
     _check_pack_store(who, store)
     _check_catalog(who, catalog)
+
+
+def _check_lease_seconds(value) -> None:
+    """A real number of seconds, finite and > 0: the drain waits ``lease_seconds / 4`` for work
+    between lease renewals, so 0 would spin a core, a negative wait would kill its thread, and
+    anything else would fail only there."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise InvalidArgumentError(f"lease_seconds must be a finite number of seconds > 0, got {value!r}")
 
 
 def _check_pack_store(who: str, store) -> None:
@@ -955,7 +1010,9 @@ def _wants_compiled(model, compiled) -> bool:
 def _next_default_index(run_id: str, taken: set[str]) -> int:
     """The first default request index (``<run id>-NNNNNN``) after those the run already holds."""
     prefix = f"{run_id}-"
-    held = [int(r[len(prefix):]) for r in taken if r.startswith(prefix) and r[len(prefix):].isdigit()]
+    # ASCII digits only: str.isdigit() also takes '²' or '٣', which int() refuses or reads as another number
+    held = [int(r[len(prefix):]) for r in taken
+            if r.startswith(prefix) and re.fullmatch(r"[0-9]+", r[len(prefix):])]
     return max(held, default=-1) + 1
 
 

@@ -343,7 +343,8 @@ def attach_vllm(
     run_id = _validate_id("run id", run_id if run_given else new_run_id())
     check_pipeline_arguments("attach_vllm", store=store, catalog=catalog, writer=writer,
                              decode_chunk_steps=decode_chunk_steps, adaptive_codec=adaptive_codec,
-                             encode_threads=encode_threads, drain_nice=drain_nice)
+                             encode_threads=encode_threads, drain_nice=drain_nice,
+                             lease_seconds=lease_seconds)
     if run_given and catalog is not None:
         _refuse_a_run_holding_records(catalog, model_id, run_id, tp_rank)
     _check_publish_interval(publish_interval)

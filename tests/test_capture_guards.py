@@ -14,9 +14,12 @@ import dmi
 from ._models import MemoryWriter, left_padded_batch, tiny
 from dmi.capture import HOOKS, GROUPS, Schedule, attach, resolve_hooks, resolve_layers
 from dmi.storage import PackStore
+from dmi.capture._drain import Drain
+from dmi.capture._session import _next_default_index
 from dmi.storage.errors import (
     AttachError,
     AttentionImplementationError,
+    CaptureError,
     DrainError,
     HookSelectionError,
     InvalidArgumentError,
@@ -339,6 +342,105 @@ def test_drain_error_surfaces_on_the_model_thread_before_more_is_copied():
                 model(ids, attention_mask=mask)  # a direct forward: only the ring's check stands guard
             assert isinstance(e.value.__cause__, RuntimeError)
             assert cap.ring.stats.copies == copies  # nothing more was copied
+
+
+class _LoopBroke(Exception):
+    """Raised inside the drain's loop, outside the guards around each piece of its work."""
+
+
+def _break_the_loop(self):
+    raise _LoopBroke("the drain's loop broke")
+
+
+def test_a_drain_crash_outside_its_work_guards_surfaces_with_its_cause(monkeypatch):
+    monkeypatch.setattr(Drain, "_check_started", _break_the_loop)  # called on every turn of the loop
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    with pytest.raises(DrainError) as at_exit:
+        with attach(model, hooks="resid_post", writer=MemoryWriter()) as cap:
+            cap.forward(ids, attention_mask=mask)
+            with pytest.raises(DrainError) as at_flush:
+                cap.flush(timeout=10)
+    assert isinstance(at_flush.value.__cause__, _LoopBroke)
+    assert at_exit.value.__cause__ is at_flush.value.__cause__
+    assert cap.drain.error is at_flush.value.__cause__
+    assert not cap.drain._thread.is_alive()
+    assert n_hooks(model) == 0
+
+
+def test_a_model_waiting_for_a_slot_stops_when_the_drain_crashes(monkeypatch):
+    monkeypatch.setattr(Drain, "_check_started", _break_the_loop)
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    t0 = time.monotonic()
+    with pytest.raises(DrainError) as e:
+        with attach(model, hooks="resid_post", writer=MemoryWriter(), ring_slots=2, slot_bytes=1024,
+                    ring_timeout=30):
+            model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    assert isinstance(e.value.__cause__, _LoopBroke)  # not RingFullError after ring_timeout
+    assert time.monotonic() - t0 < 15
+
+
+@pytest.mark.parametrize("lease", [-1, -1.0, 0, 0.0, float("inf"), float("nan"), "30", None, True])
+def test_lease_seconds_other_than_a_finite_positive_number_is_refused_before_the_model_is_touched(lease):
+    model = tiny("llama")
+    before = n_hooks(model)
+    with pytest.raises(InvalidArgumentError, match="lease_seconds must be a finite number of seconds > 0"):
+        with attach(model, hooks="resid_post", writer=MemoryWriter(), lease_seconds=lease):
+            pass
+    assert n_hooks(model) == before
+    with attach(model, hooks="resid_post", writer=MemoryWriter(), lease_seconds=0.5) as cap:  # ownership free
+        assert cap.drain._tick_seconds == 0.125
+
+
+def test_default_request_index_counts_ascii_digits_only():
+    # '²' and '٩' are str.isdigit(); int() refuses the first and reads the second as 9
+    taken = {"R-\u00b2", "R-\u0669\u0669", "R-000004", "R-x1", "R-", "Q-000009"}
+    assert _next_default_index("R", taken) == 5
+    assert _next_default_index("R", {"R-\u00b2"}) == 0
+
+
+def test_token_ids_of_a_model_run_on_inputs_embeds_are_refused_naming_the_hook():
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    embeds = model.get_input_embeddings()(ids).detach()
+    w = MemoryWriter()
+    with attach(model, hooks="token_ids resid_post", layers=0, writer=w) as cap:
+        with pytest.raises(CaptureError, match="hook.s. 'token_ids'.*pass input_ids, or leave 'token_ids' out"):
+            model(inputs_embeds=embeds, attention_mask=mask, use_cache=False)
+        cap.flush()
+    assert w.records == []
+    with attach(model, hooks="resid_post", layers=0, writer=w) as cap:  # nothing read from input_ids: captured
+        model(inputs_embeds=embeds, attention_mask=mask, use_cache=False)
+    assert [(k.hook, k.n_tokens) for k, _, _ in w.records] == [("resid_post", 7), ("resid_post", 4), ("resid_post", 6)]
+
+
+def test_detach_gives_back_a_generate_set_on_the_instance():
+    def own_generate(*args, **kwargs):
+        return ("own", kwargs)
+
+    model = tiny("llama")
+    model.generate = own_generate
+    with attach(model, hooks="resid_post", writer=MemoryWriter()):
+        assert model.generate is not own_generate  # the guard, in front of it
+        assert model.generate(max_new_tokens=1) == ("own", {"max_new_tokens": 1, "disable_compile": True})
+    assert model.generate is own_generate
+    plain = tiny("llama")
+    with attach(plain, hooks="resid_post", writer=MemoryWriter()):
+        assert "generate" in vars(plain)
+    assert "generate" not in vars(plain)  # the class's generate again
+
+
+def test_flush_after_detach_raises_the_closed_session_error():
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    with attach(model, hooks="resid_post", writer=MemoryWriter()) as cap:
+        cap.forward(ids, attention_mask=mask)
+    for call in (cap.flush, lambda: cap.forward(ids, attention_mask=mask)):
+        with pytest.raises(CaptureError) as e:
+            call()
+        assert type(e.value) is CaptureError
+        assert str(e.value) == "this capture session is closed (its `with` block has exited)"
 
 
 # -- tensor-parallel rank -------------------------------------------------------------------------

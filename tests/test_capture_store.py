@@ -228,3 +228,37 @@ def test_two_tensor_parallel_ranks_of_one_run_publish_side_by_side(store_and_cat
         rank1.forward(ids, attention_mask=mask)
     ranks = {e.meta.key.shard_rank for e in catalog.find_records("m-tp", run_id="r")}
     assert ranks == {0, 1}
+
+
+def test_a_run_holding_a_request_id_of_other_digits_is_continued(store_and_catalog):
+    store, catalog = store_and_catalog
+    model = tiny("llama")
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    with attach(model, hooks="resid_post", store=store, catalog=catalog, model_id="m-digits", run_id="R") as cap:
+        cap.forward(ids, request_ids=["R-\u00b2", "R-000004"])  # '²'.isdigit(), yet no int
+    with attach(model, hooks="resid_post", store=store, catalog=catalog, model_id="m-digits", run_id="R") as cap:
+        rids, _ = cap.forward(ids)
+    assert rids == ("R-000005", "R-000006")
+
+
+def test_an_attach_failing_after_the_drain_started_stops_it_and_frees_the_lease(store_and_catalog, monkeypatch):
+    from dmi.capture import _session
+
+    def broken(run_id, taken):
+        raise RuntimeError("the session could not be made")
+
+    store, catalog = store_and_catalog
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    before = set(threading.enumerate())
+    monkeypatch.setattr(_session, "_next_default_index", broken)  # CaptureSession() calls it, after Drain()
+    with pytest.raises(RuntimeError, match="the session could not be made"):
+        with attach(model, hooks="resid_post", store=store, catalog=catalog, model_id="m-undo", run_id="R"):
+            pass
+    monkeypatch.undo()
+    assert [t.name for t in set(threading.enumerate()) - before if t.name == "dmi-drain"] == []
+    # at once: the same model, run and publishing scope
+    with attach(model, hooks="resid_post", store=store, catalog=catalog, model_id="m-undo", run_id="R") as cap:
+        rids, _ = cap.forward(ids, attention_mask=mask)
+    assert rids == ("R-000000", "R-000001", "R-000002")
+    assert len(catalog.find_records("m-undo", hook="resid_post")) == 3 * 3  # requests x layers

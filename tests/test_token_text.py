@@ -32,7 +32,7 @@ from dmi.storage.errors import (
     RecordNotFoundError,
 )
 
-from ._models import tiny
+from ._models import MemoryWriter, tiny
 
 VOCAB = 97  # tests/_models.SMALL
 WORDS = ["<pad>", "<s>", "</s>", "héllo", "wörld", "日本", "a$b$c", "tab\there", "new\nline", "ŉ", "x" * 30]
@@ -390,3 +390,50 @@ def test_tensor_parallel_ranks_copies_of_the_strings_are_read_once(tmp_path, tok
     assert ranks == {0, 1}
     assert got.positions == tuple(range(len(PROMPTS[0]) + N_NEW - 1))
     assert got.tokens == tuple(tok.convert_ids_to_tokens(list(got.token_ids)))
+
+
+class _GatedWriter(MemoryWriter):
+    """Holds the drain at its first record until ``gate`` opens: the ring fills and drops."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def append(self, key, data, *, shard=None, token_axis=0, key_axis=None):
+        self.gate.wait(30)
+        super().append(key, data, shard=shard)
+
+
+def _capture_twice(tokenizer, writer, **options) -> dict:
+    """Two greedy generates of ``PROMPTS`` (hooks resid_post at layer 0); returns the stats."""
+    model = tiny("llama")
+    with attach(model, hooks="resid_post", layers=0, writer=writer, tokenizer=tokenizer,
+                decode_chunk_steps=1, **options) as cap:
+        for _ in range(2):
+            cap.generate(PROMPTS, max_new_tokens=N_NEW, do_sample=False)
+        writer.gate.set()
+    return cap.stats
+
+
+def test_a_dropped_token_ids_record_counts_its_text_records_as_lost_too(store_and_catalog, tok):
+    _, catalog = store_and_catalog
+    lossless = _GatedWriter()
+    lossless.gate.set()
+    _capture_twice(tok, lossless)
+    dropping = _GatedWriter()
+    stats = _capture_twice(tok, dropping, ring_slots=1, slot_bytes=1024, drop_policy="drop",
+                           catalog=catalog, model_id="m-drop-text")
+    # calls x requests x (a prefill's 4 records: resid_post, token_ids, its text, the prompt's text;
+    # each decode step's 3: resid_post, token_ids, its text)
+    assert len(lossless.records) == 2 * len(PROMPTS) * (4 + (N_NEW - 1) * 3)
+    assert stats["records_lost"] > 0
+    assert len(dropping.records) + stats["records_lost"] == len(lossless.records)
+    losses = catalog.losses(model_id="m-drop-text").to_pylist()
+    by_hook = {}
+    for row in losses:
+        by_hook[row["hook"]] = by_hook.get(row["hook"], 0) + row["count"]
+    assert sum(by_hook.values()) == stats["records_lost"]
+    assert by_hook[TOKEN_TEXT] == by_hook["token_ids"] and by_hook[PROMPT_TEXT] > 0
+    written = [k.hook for k, _, _ in dropping.records]
+    for hook in ("token_ids", TOKEN_TEXT, PROMPT_TEXT, "resid_post"):  # each hook: written + lost = lossless
+        assert written.count(hook) + by_hook.get(hook, 0) == [k.hook for k, _, _ in lossless.records].count(hook)
