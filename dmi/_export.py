@@ -2,20 +2,23 @@
 
 The format is chosen by the file extension. Every format stores the exact values: no
 dtype conversion ever happens silently (``.npy`` refuses dtypes numpy cannot hold,
-such as ``bfloat16``, instead of widening them).
+such as ``bfloat16``, instead of widening them). A file is written under a temporary name
+beside its final one and renamed into place when complete, so a write that fails (disk
+full, a file size limit) leaves nothing behind, not a truncated file under the final name.
 """
 
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Callable
 from typing import BinaryIO
 
 import torch
 
-from dmi.storage.errors import InvalidArgumentError
+from dmi.storage.errors import InvalidArgumentError, ExportError
 
-__all__ = ["EXPORT_FORMATS", "export_tensor"]
+__all__ = ["EXPORT_FORMATS", "check_format", "export_tensor"]
 
 EXPORT_FORMATS = (".safetensors", ".npy", ".pt")
 
@@ -26,25 +29,63 @@ def export_tensor(tensor: torch.Tensor, path: str | os.PathLike[str], *, name: s
     ``name`` is the tensor's key inside a ``.safetensors`` file. Raises
     ``InvalidArgumentError`` for an unknown extension, a dtype the format cannot
     represent exactly, or a path that cannot be written (no such directory, a directory,
-    no permission): the file is opened here, so every format fails the same way.
+    no permission): checked before anything is written, so every format fails the same way.
+    Raises ``ExportError`` (an ``OSError``) when writing fails part-way (disk full, a file
+    size limit): the partial file is removed and ``path`` is left as it was.
     """
     out = os.fspath(path)
     ext = os.path.splitext(out)[1].lower()
     if ext not in EXPORT_FORMATS:
         raise InvalidArgumentError(f"cannot tell the format of {out!r}: use one of {', '.join(EXPORT_FORMATS)}")
-    write = _writer(tensor.detach().cpu().contiguous(), ext, name=name)
+    tensor = tensor.detach().cpu().contiguous()
+    check_format(tensor.dtype, ext)
+    if os.path.isdir(out):
+        raise InvalidArgumentError(f"cannot write {out}: Is a directory")
+    handle, temp = _open_temp(out)
     try:
-        handle = open(out, "wb")
+        with handle:
+            _writer(tensor, ext, name=name)(handle)
+        os.replace(temp, out)
     except OSError as exc:
-        raise InvalidArgumentError(f"cannot write {out}: {exc.strerror or exc}") from exc
-    with handle:
-        write(handle)
+        _remove(temp)
+        raise ExportError(f"could not write {out} ({exc.strerror or exc}); nothing was written") from exc
     return ext
 
 
+def check_format(dtype: torch.dtype, ext: str) -> None:
+    """Refuse, with ``InvalidArgumentError``, a ``dtype`` that format ``ext`` cannot hold
+    exactly (``.npy``: what numpy lacks, such as ``bfloat16``); called before any writing."""
+    if ext != ".npy":
+        return
+    try:
+        torch.empty(0, dtype=dtype).numpy()
+    except TypeError as exc:
+        raise InvalidArgumentError(f"numpy cannot hold {dtype} exactly; write .safetensors or .pt instead") from exc
+
+
+def _open_temp(out: str) -> tuple[BinaryIO, str]:
+    """A new file beside ``out`` (same directory, so the final rename cannot cross file
+    systems; permissions from the umask, as ``open`` gives), open for writing, and its name;
+    ``InvalidArgumentError`` when none can be made."""
+    directory, base = os.path.split(out)
+    temp = os.path.join(directory, f".{base}.{uuid.uuid4().hex[:12]}.part")
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except OSError as exc:
+        raise InvalidArgumentError(f"cannot write {out}: {exc.strerror or exc}") from exc
+    return os.fdopen(fd, "wb"), temp
+
+
+def _remove(temp: str) -> None:
+    """Remove a partial file; one already gone is fine (the error being raised says why)."""
+    try:
+        os.unlink(temp)
+    except FileNotFoundError:
+        pass
+
+
 def _writer(tensor: torch.Tensor, ext: str, *, name: str) -> Callable[[BinaryIO], object]:
-    """What writes ``tensor`` into an open file in format ``ext``; checks that the format
-    holds the tensor exactly before the file is created."""
+    """What writes ``tensor`` (a dtype ``check_format`` took) into an open file in format ``ext``."""
     if ext == ".safetensors":
         from safetensors.torch import save
 
@@ -52,11 +93,5 @@ def _writer(tensor: torch.Tensor, ext: str, *, name: str) -> Callable[[BinaryIO]
     if ext == ".npy":
         import numpy as np
 
-        try:
-            array = tensor.numpy()
-        except TypeError as exc:
-            raise InvalidArgumentError(
-                f"numpy cannot hold {tensor.dtype} exactly; write .safetensors or .pt instead"
-            ) from exc
-        return lambda handle: np.save(handle, array, allow_pickle=False)
+        return lambda handle: np.save(handle, tensor.numpy(), allow_pickle=False)
     return lambda handle: torch.save(tensor, handle)

@@ -12,13 +12,14 @@ exactly-once, determinism and resume hold. See ``docs/loader.md``.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import math
 import multiprocessing
 import sys
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -40,15 +41,17 @@ from dmi._loader_quality import ShuffleQuality, shuffle_quality
 from dmi._loader_read import LAYOUTS, ON_ERROR, RowFormat, Window, WindowReader, new_batch
 from dmi.reader import DEFAULT_MAX_GAP
 from dmi.storage import PackStore
-from dmi.storage.errors import InvalidArgumentError
+from dmi.storage.errors import InvalidArgumentError, RecordNotFoundError
 
 __all__ = ["TokenLoader", "ActivationDataset", "ShuffleQuality", "open_loader"]
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 """2: with ``drop_last``, every share keeps as many whole batches as the smallest share holds
 (equal step counts across DDP ranks). A version-1 state resumes a loader without
 ``drop_last`` (nothing else changed) and is refused for one with it: its cursors point into
-the older cut."""
+the older cut. 3: the fingerprint holds a digest of the selection's units and records, and a
+cursor ``(windows + 1, 0)`` marks a share whose end was reported; a version-1 or 2 state
+(no digest) still resumes, with a warning that its selection cannot be checked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,21 +74,27 @@ class LoaderConfig:
 
 @dataclass(frozen=True, slots=True)
 class _Item:
-    """What a consumer hands the loader: a batch and the bookkeeping that makes resume exact."""
+    """What a consumer hands the loader: a batch and the bookkeeping that makes resume exact.
 
-    x: torch.Tensor
+    ``x is None``: a report without rows, handed over at the end of a share when rows were
+    left out (damage, ``drop_last``) after its last batch, so that no count waits for a batch
+    that never comes; the loader counts it and yields nothing for it."""
+
+    x: torch.Tensor | None
     tokens: tuple[tuple[str, str, int], ...] | None
     slot: int
     cursor: tuple[int, int]
     damaged: tuple[str, ...]
     skipped_rows: int
+    dropped_rows: int = 0
 
 
 class ActivationDataset(IterableDataset):
     """The batches of one DDP rank, split over DataLoader workers (``batch_size=None``).
 
     Worker ``w`` of ``num_workers`` serves consumer slot ``rank * num_workers + w`` of the
-    epoch's order. Used directly, it yields what the loader yields; :class:`TokenLoader`
+    epoch's order. Used directly (no DataLoader worker), it yields what the loader yields:
+    every worker's share, in the DataLoader's round robin; :class:`TokenLoader`
     wraps it in a DataLoader and keeps the resume state. ``memory``: the pools to read into
     (the loader's own, kept between epochs, when it reads in its own process); ``None``, new
     pools for this iteration.
@@ -104,16 +113,41 @@ class ActivationDataset(IterableDataset):
         self.memory = memory
 
     def __iter__(self) -> Iterator[Any]:
+        items = _in_turn([_slot_batches(self, local) for local in self._local_slots()])
+        _UNFINISHED.add(items)
+        for item in items:
+            if self.bookkeeping:
+                yield item
+            elif item.x is not None:
+                yield _public(item, self.config.with_tokens)
+
+    def _local_slots(self) -> list[int]:
+        """The local slots this process serves: its worker's, or, outside a DataLoader worker,
+        all of them in the order the DataLoader's round robin takes them (worker ``w`` serves
+        ``(w + rotation) % slots_per_rank``)."""
         info = get_worker_info()
-        worker = info.id if info is not None else 0
-        if info is not None and info.num_workers != self.slots_per_rank:
+        if info is None:
+            return [(w + self.rotation) % self.slots_per_rank for w in range(self.slots_per_rank)]
+        if info.num_workers != self.slots_per_rank:
             raise InvalidArgumentError(f"this dataset was planned for {self.slots_per_rank} workers, "
                                        f"the DataLoader runs {info.num_workers}")
-        local = (worker + self.rotation) % self.slots_per_rank
-        batches = _slot_batches(self, local)
-        _UNFINISHED.add(batches)
-        for item in batches:
-            yield item if self.bookkeeping else _public(item, self.config.with_tokens)
+        return [(info.id + self.rotation) % self.slots_per_rank]
+
+
+def _in_turn(streams: list[Iterator[_Item]]) -> Iterator[_Item]:
+    """One item of each stream in turn, an exhausted stream left out: the order in which a
+    DataLoader hands out its workers' items. Closing it closes every stream."""
+    live = deque(streams)
+    try:
+        while live:
+            stream = live.popleft()
+            item = next(stream, None)
+            if item is not None:
+                yield item
+                live.append(stream)
+    finally:
+        for stream in streams:
+            stream.close()
 
 
 _UNFINISHED: weakref.WeakSet = weakref.WeakSet()
@@ -133,7 +167,12 @@ def _public(item: _Item, with_tokens: bool) -> Any:
 
 
 def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
-    """The batches of one consumer slot from its cursor on, windows read ahead on threads."""
+    """The batches of one consumer slot from its cursor on, windows read ahead on threads.
+
+    Every window's damage is counted once: with the batch cut after it, or, when no batch
+    follows, in the share's end report (see :class:`_Item`), which also counts the rows
+    ``drop_last`` leaves out. A window resumed inside (cursor ``(w, pos > 0)``) had its damage
+    counted with the batch that ended there. Cursor ``(last + 1, 0)``: the end is reported."""
     cfg = ds.config
     slot, n_slots = ds.rank * ds.slots_per_rank + local, ds.world_size * ds.slots_per_rank
     order = EpochOrder(ds.plan, seed=cfg.seed, epoch=ds.epoch, shuffle=cfg.shuffle)
@@ -151,7 +190,7 @@ def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
             return window_permutation(n, seed=cfg.seed, epoch=ds.epoch, slot=slot, w=w, shuffle=True)
 
         return reader.read(window_slices(order, slot, n_slots, cfg.shuffle_buffer, w, whole_batches=whole),
-                           permutation if cfg.shuffle else None)
+                           permutation if cfg.shuffle else None, opens_share=w == 0)
 
     pending = deque(ahead.submit(read, w) for w in range(first, min(last, first + cfg.prefetch)))
     gathers = ThreadPoolExecutor(1, thread_name_prefix="dmi-loader-batch")
@@ -166,7 +205,8 @@ def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
             window = next_window.result()
             if w + cfg.prefetch < last:
                 pending.append(ahead.submit(read, w + cfg.prefetch))
-            batch.note_damage(window)
+            if w > first or consumed == 0:
+                batch.note_damage(window)
             pos = consumed if w == first else 0
             while pos < len(window):
                 pos = batch.take(window, pos)
@@ -178,6 +218,10 @@ def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
             built.append(gathers.submit(batch.cut((last, 0))))
         while built:
             yield built.popleft().result()
+        if first <= last:
+            report = batch.end_report((last + 1, 0), beyond=_rows_past_whole_batches(order.total, slot, n_slots, whole))
+            if report is not None:
+                yield report
     finally:
         for future in pending:
             future.cancel()
@@ -193,6 +237,13 @@ next batch is copied out of its window while the loop works on the current one."
 
 def _cursor(w: int, pos: int, size: int) -> tuple[int, int]:
     return (w + 1, 0) if pos >= size else (w, pos)
+
+
+def _rows_past_whole_batches(total: int, slot: int, n_slots: int, whole: int | None) -> int:
+    """Rows of ``slot``'s share that ``drop_last`` (``whole``: the batch size) never reads."""
+    if whole is None:
+        return 0
+    return slot_range(total, slot, n_slots)[1] - slot_range(total, slot, n_slots, whole_batches=whole)[1]
 
 
 class _BatchBuilder:
@@ -219,6 +270,17 @@ class _BatchBuilder:
         self.parts.append((window, pos, end))
         self.rows += end - pos
         return end
+
+    def end_report(self, cursor: tuple[int, int], *, beyond: int) -> _Item | None:
+        """The share's end: the rows of a batch left partial (only ``drop_last`` leaves one
+        uncut) and the ``beyond`` rows ``drop_last`` never read count as dropped; with the
+        damage no batch carried, a report without rows, or ``None`` when nothing is left out."""
+        dropped = self.rows + beyond
+        if not (dropped or self.damaged or self.skipped):
+            return None
+        item = _Item(None, None, self.local, cursor, tuple(self.damaged), self.skipped, dropped)
+        self.parts, self.rows, self.damaged, self.skipped = [], 0, [], 0
+        return item
 
     def cut(self, cursor: tuple[int, int]) -> Callable[[], _Item]:
         """Close the batch of the rows taken so far; returns what gathers it (on any thread)."""
@@ -248,7 +310,10 @@ class TokenLoader:
     iteration broken off resumes where it stopped). ``state_dict()`` / ``load_state_dict()``
     resume exactly; ``len()`` is this rank's batch count per epoch (without damage);
     ``features`` names the feature axis; ``scales`` holds the normalisation factors;
-    ``damaged_records`` / ``skipped_rows`` count what ``on_error="skip"`` left out.
+    ``damaged_records`` / ``skipped_rows`` count what ``on_error="skip"`` left out, and
+    ``dropped_rows`` what ``drop_last`` left out (each share's rows past its whole batches,
+    and a last batch left partial by skipped rows): per epoch and rank, yielded rows +
+    ``skipped_rows`` + ``dropped_rows`` = the rank's share of ``n_tokens``.
     """
 
     def __init__(self, plan: Plan, packs: PackStore, config: LoaderConfig, *, rank: int, world_size: int,
@@ -260,6 +325,8 @@ class TokenLoader:
         self.scales = None if config.fmt.scales is None else dict(zip(self.features, config.fmt.scales))
         self.damaged_records: list[str] = []
         self.skipped_rows = 0
+        self.dropped_rows = 0
+        self._digest: str | None = None
         # read in this process: its memory is kept from one epoch to the next (workers are processes of an epoch)
         self._memory = LoaderMemory(config.prefetch) if num_workers == 0 else None
         self.set_epoch(0)
@@ -313,7 +380,9 @@ class TokenLoader:
             self._next = (local + 1) % self.slots_per_rank
             self.damaged_records.extend(item.damaged)
             self.skipped_rows += item.skipped_rows
-            yield _public(item, self.config.with_tokens)
+            self.dropped_rows += item.dropped_rows
+            if item.x is not None:
+                yield _public(item, self.config.with_tokens)
         self.set_epoch(self.epoch + 1)
 
     def state_dict(self) -> dict[str, Any]:
@@ -328,25 +397,77 @@ class TokenLoader:
         selection, seed, shuffle setting, batch size, shuffle buffer, ``drop_last``, worker
         count or rank layout.
         """
-        if not isinstance(state, dict) or state.get("version") not in (1, STATE_VERSION):
+        if not isinstance(state, dict) or state.get("version") not in (1, 2, STATE_VERSION):
             raise InvalidArgumentError(f"not a DMI loader state (version {STATE_VERSION}): {state!r:.200}")
         if state["version"] == 1 and self.config.drop_last:
             raise InvalidArgumentError("this state was saved by a loader whose drop_last cut each share on its own "
                                        "(state version 1); its positions do not apply to this loader's cut: "
                                        "start the epoch again (set_epoch) instead of loading it")
-        mine, theirs = self._fingerprint(), state.get("fingerprint")
+        self._check_fingerprint(state.get("fingerprint"), state["version"])
+        epoch, cursors, turn = _state_int(state, "epoch"), self._state_cursors(state), _state_int(state, "next")
+        if turn >= self.slots_per_rank:
+            raise InvalidArgumentError(f"state next={turn} names no worker of {self.slots_per_rank}")
+        self.epoch, self._cursors, self._next = epoch, cursors, turn
+
+    def _check_fingerprint(self, theirs: Any, version: int) -> None:
+        """Refuse a state of another loader; warn for one too old to hold the selection's digest."""
+        mine = self._fingerprint()
+        if version < STATE_VERSION and isinstance(theirs, dict) and "selection" not in theirs:
+            mine.pop("selection")
+            warnings.warn(f"this loader state (version {version}) predates the selection digest: that it "
+                          "comes from the same selection cannot be checked", RuntimeWarning, stacklevel=3)
         if theirs != mine:
             differ = sorted(k for k in mine if not isinstance(theirs, dict) or theirs.get(k) != mine[k])
             raise InvalidArgumentError(f"this state belongs to a different loader (differs in: {', '.join(differ)})")
-        cursors = [tuple(int(v) for v in c) for c in state["cursors"]]
-        self.epoch, self._cursors, self._next = int(state["epoch"]), cursors, int(state["next"])
+
+    def _state_cursors(self, state: dict[str, Any]) -> list[tuple[int, int]]:
+        """The state's cursors, one (window, row) per worker, each inside its share: window
+        ``w`` of the share's ``n`` windows and a row before the window's end, ``(n, 0)`` (every
+        window read) or ``(n + 1, 0)`` (the share's end reported)."""
+        cursors = state.get("cursors")
+        if not isinstance(cursors, (list, tuple)) or len(cursors) != self.slots_per_rank:
+            raise InvalidArgumentError(f"state cursors must be {self.slots_per_rank} [window, row] pairs "
+                                       f"(one per worker), not {cursors!r:.200}")
+        checked = []
+        for local, cursor in enumerate(cursors):
+            if (not isinstance(cursor, (list, tuple)) or len(cursor) != 2
+                    or not all(isinstance(v, int) and not isinstance(v, bool) for v in cursor)):
+                raise InvalidArgumentError(f"state cursor {local} must be a [window, row] pair of ints, "
+                                           f"not {cursor!r:.200}")
+            w, row = cursor
+            rows = self._window_rows(local)
+            if not (0 <= w < len(rows) and 0 <= row < rows[w]) and not (len(rows) <= w <= len(rows) + 1 and row == 0):
+                raise InvalidArgumentError(f"state cursor {local} {[w, row]} lies outside its share "
+                                           f"({len(rows)} windows of at most {self.config.shuffle_buffer} rows)")
+            checked.append((w, row))
+        return checked
+
+    def _window_rows(self, local: int) -> list[int]:
+        """The row count of each window of local slot ``local``'s share (before any damage)."""
+        c = self.config
+        lo, hi = slot_range(self.plan.n_tokens, self.rank * self.slots_per_rank + local,
+                            self.world_size * self.slots_per_rank,
+                            whole_batches=c.batch_size if c.drop_last else None)
+        return [min(c.shuffle_buffer, hi - start) for start in range(lo, hi, c.shuffle_buffer)]
 
     def _fingerprint(self) -> dict[str, Any]:
         c = self.config
         return {"n_units": len(self.plan.units), "n_tokens": self.plan.n_tokens, "features": list(self.features),
-                "seed": c.seed, "shuffle": c.shuffle, "batch_size": c.batch_size, "shuffle_buffer": c.shuffle_buffer,
-                "drop_last": c.drop_last, "rank": self.rank, "world_size": self.world_size,
-                "num_workers": self.num_workers}
+                "selection": self._selection_digest(), "seed": c.seed, "shuffle": c.shuffle,
+                "batch_size": c.batch_size, "shuffle_buffer": c.shuffle_buffer, "drop_last": c.drop_last,
+                "rank": self.rank, "world_size": self.world_size, "num_workers": self.num_workers}
+
+    def _selection_digest(self) -> str:
+        """SHA-256 over every unit's identity (run, request, start, tokens) and its records'
+        places (pack, payload offset): equal counts from another selection differ here.
+        Computed once (the plan does not change)."""
+        if self._digest is None:
+            digest = hashlib.sha256()
+            for unit in self.plan.units:
+                places = [[(e.pack_id, e.payload.offset) for e in group] for group in unit.records]
+                digest.update(repr((unit.run_id, unit.request_id, unit.start, unit.n_tokens, places)).encode())
+            self._digest = digest.hexdigest()
+        return self._digest
 
     def export(self, directory: Any, *, suffix: str = ".safetensors", on_shard: Any = None) -> Any:
         """Write the next epoch as one shard file per batch (``.safetensors``, ``.npy``, ``.pt``)
@@ -360,7 +481,12 @@ class TokenLoader:
 
     def shuffle_quality(self, batches: int = 64, *, epoch: int | None = None) -> ShuffleQuality:
         """How well mixed this loader's batches are, from the plan alone (no payload read):
-        distinct requests and packs per batch against uniform sampling (see ``ShuffleQuality``)."""
+        distinct requests and packs per batch against uniform sampling (see ``ShuffleQuality``).
+        ``batches``: an int >= 1; ``epoch``: an int >= 0 (``None``: the loader's epoch)."""
+        if not isinstance(batches, int) or isinstance(batches, bool) or batches < 1:
+            raise InvalidArgumentError(f"batches must be an int >= 1, not {batches!r}")
+        if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0):
+            raise InvalidArgumentError(f"epoch must be an int >= 0 or None (the loader's epoch), not {epoch!r}")
         return shuffle_quality(self.plan, self.config.batch_size, self.config.shuffle_buffer, seed=self.config.seed,
                                epoch=self.epoch if epoch is None else epoch, shuffle=self.config.shuffle,
                                slot=self.rank * self.slots_per_rank, n_slots=self.world_size * self.slots_per_rank,
@@ -369,6 +495,14 @@ class TokenLoader:
     def __repr__(self) -> str:
         return (f"<dmi.TokenLoader {self.plan.n_tokens} tokens x {len(self.features)} features, "
                 f"batch {self.config.batch_size}, epoch {self.epoch}, rank {self.rank}/{self.world_size}>")
+
+
+def _state_int(state: dict[str, Any], key: str) -> int:
+    """``state[key]``, which must be an int >= 0."""
+    value = state.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgumentError(f"state {key} must be an int >= 0, not {value!r:.200}")
+    return value
 
 
 # ------------------------------------------------------------------------------ construction
@@ -398,12 +532,14 @@ def open_loader(catalog: Any, packs: PackStore, model_id: str, *, hooks: Any = "
     if not isinstance(direct_io, bool):
         raise InvalidArgumentError(f"direct_io must be True (around the page cache) or False (through it), "
                                    f"not {direct_io!r}")
+    _check_phases(phases)
     rank, world_size = _rank_and_world(rank, world_size)
     if num_workers and fork_may_hang(multiprocessing_context):
         warnings.warn(FORK_HANG_WARNING, RuntimeWarning, stacklevel=3)
     entries = catalog.select_records(model_id, run_ids=runs, hooks=hook_names, layers=layers, phases=phases,
                                      where=where, params=params)
     plan = build_plan(entries, hook_names or _hook_catalogue())
+    _check_requested(plan, hook_names, layers)
     _check_layout(plan, layout, dtype)
     scales = _unit_norm_scales(plan) if normalize else None
     config = LoaderConfig(batch_size, bool(shuffle), seed, shuffle_buffer, bool(drop_last), bool(with_tokens),
@@ -413,9 +549,41 @@ def open_loader(catalog: Any, packs: PackStore, model_id: str, *, hooks: Any = "
                        multiprocessing_context=multiprocessing_context)
 
 
+def _check_requested(plan: Plan, hooks: tuple[str, ...] | None, layers: Any) -> None:
+    """Refuse a selection that holds none of the records of a requested hook, layer or (both
+    given) hook and layer, naming what is missing and what is held: a feature asked for is
+    never silently absent from ``loader.features``. (``layers`` was checked by the catalog.)"""
+    held = {(f.hook, f.layer) for f in plan.features}
+    wanted_layers = None if layers is None else ((layers,) if isinstance(layers, int) else tuple(layers))
+    if hooks is not None and wanted_layers is not None:
+        missing = [f"{h}.{layer}" for h in hooks for layer in wanted_layers if (h, layer) not in held]
+    elif hooks is not None:
+        missing = [h for h in hooks if h not in {h for h, _ in held}]
+    elif wanted_layers is not None:
+        missing = [f"layer {layer}" for layer in wanted_layers if layer not in {layer for _, layer in held}]
+    else:
+        missing = []
+    if missing:
+        raise RecordNotFoundError(f"the selection holds no records of {', '.join(missing)}; it holds "
+                                  f"{', '.join(f.name for f in plan.features)}")
+
+
+def _check_phases(phases: Any) -> None:
+    """Refuse a phase that no record can have (a typo would otherwise select nothing, or
+    silently less), naming the phases there are; other shapes are the catalog's to check."""
+    from dmi.storage.records import PHASES
+
+    given = (phases,) if isinstance(phases, str) else phases if isinstance(phases, (list, tuple, set)) else ()
+    unknown = [p for p in given if isinstance(p, str) and p not in PHASES]
+    if unknown:
+        raise InvalidArgumentError(f"unknown phase {', '.join(map(repr, unknown))}; phases: {', '.join(PHASES)}")
+
+
 def _hook_names(hooks: Any) -> tuple[str, ...] | None:
     if hooks is None:
         return None
+    if not isinstance(hooks, (str, Iterable)):
+        raise InvalidArgumentError(f"hooks must be a hook name or a list of them, not {hooks!r}")
     names = (hooks,) if isinstance(hooks, str) else tuple(hooks)
     catalogue = _hook_catalogue()
     from dmi.storage.errors import HookSelectionError

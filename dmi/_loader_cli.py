@@ -24,7 +24,8 @@ __all__ = ["ExportSummary", "parse_params", "run_export"]
 
 @dataclass(frozen=True, slots=True)
 class ExportSummary:
-    """What ``dmi export`` wrote: where, how much, and what ``--on-error skip`` left out."""
+    """What ``dmi export`` wrote: where, how much, and what ``--on-error skip`` (``skipped_rows``,
+    ``damaged_records``) and ``--drop-last`` (``dropped_rows``) left out."""
 
     directory: str
     manifest: str
@@ -36,6 +37,7 @@ class ExportSummary:
     bytes: int
     skipped_rows: int
     damaged_records: tuple[str, ...]
+    dropped_rows: int
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -57,7 +59,7 @@ def run_export(store: Any, args: argparse.Namespace, *, layers: Any,
     return ExportSummary(str(Path(args.output)), str(manifest_path), tuple(manifest["features"]), manifest["dtype"],
                          manifest["epoch"], manifest["rows"], len(manifest["shards"]),
                          sum(s["bytes"] for s in manifest["shards"]), manifest["skipped_rows"],
-                         tuple(manifest["damaged_records"]))
+                         tuple(manifest["damaged_records"]), manifest["dropped_rows"])
 
 
 def _row_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -105,35 +107,43 @@ def _resolve_layers(store: Any, args: argparse.Namespace, hooks: tuple[str, ...]
                     layers: Any) -> tuple[int, ...] | None:
     """``--layers`` by the rule of ``capture``/``get``/``plot`` (``dmi.capture.layer_numbers``),
     against the layers the model holds for the selected hooks, runs and phases: negative numbers
-    and open ranges count from the last held layer; a layer not held is refused."""
+    and open ranges count from the last held layer; a layer that any selected hook does not hold
+    is refused, naming each hook's held layers (never a smaller export)."""
     from dmi.capture import layer_numbers
     from dmi.storage.records import GLOBAL_LAYER
 
     if layers is None:
         return None
     found = _held_layers(store, args.model_id, hooks, _names(args.runs), _names(args.phases))
-    held = [layer for layer in found if layer != GLOBAL_LAYER]
+    global_hooks = [hook for hook in hooks if found.get(hook) == [GLOBAL_LAYER]]
+    if global_hooks:
+        raise HookSelectionError(f"{', '.join(global_hooks)}: global hooks have no layers; export without --layers")
+    held = sorted({layer for hook in hooks for layer in found.get(hook, [])})
     if not held:
-        if found:
-            raise HookSelectionError(f"{', '.join(hooks)}: global hooks have no layers; export without --layers")
         raise RecordNotFoundError(f"model {args.model_id!r} holds no records of {', '.join(hooks)} "
                                   "in the selected runs and phases")
-    what = f"model {args.model_id} holds layers {held} of {', '.join(hooks)}"
+    what = f"model {args.model_id} holds " + ", ".join(f"layers {found.get(hook, [])} of {hook}" for hook in hooks)
     numbers = layer_numbers(layers, held[-1] + 1, what)
-    missing = sorted(set(numbers) - set(held))
-    if missing:
-        raise RecordNotFoundError(f"{what}; --layers {args.layers} asks for {missing}, which were not captured")
+    missing = {hook: sorted(set(numbers) - set(found.get(hook, []))) for hook in hooks}
+    asked = [f"{gone}" + (f" of {hook}" if len(hooks) > 1 else "") for hook, gone in missing.items() if gone]
+    if asked:
+        raise RecordNotFoundError(f"{what}; --layers {args.layers} asks for {', '.join(asked)}, "
+                                  "which were not captured")
     return numbers
 
 
 def _held_layers(store: Any, model_id: str, hooks: tuple[str, ...], runs: tuple[str, ...] | None,
-                 phases: tuple[str, ...] | None) -> list[int]:
-    """The distinct layers of the published records of this selection (``-1``: global hooks)."""
+                 phases: tuple[str, ...] | None) -> dict[str, list[int]]:
+    """Per hook, the sorted distinct layers of the published records of this selection
+    (``[-1]``: a global hook); a hook without records is absent."""
     conditions, params = ["model_id = %(model)s"], {"model": model_id}
     for column, values in (("hook", hooks), ("run_id", runs), ("phase", phases)):
         if values is not None:
             conditions.append(f"{column} IN %({column})s")
             params[column] = values
-    table = store.catalog.sql(f"SELECT DISTINCT layer FROM {store.tables['records']} "
-                              f"WHERE {' AND '.join(conditions)} ORDER BY layer", params)
-    return table.column("layer").to_pylist()
+    table = store.catalog.sql(f"SELECT DISTINCT hook, layer FROM {store.tables['records']} "
+                              f"WHERE {' AND '.join(conditions)} ORDER BY hook, layer", params)
+    held: dict[str, list[int]] = {}
+    for row in table.to_pylist():
+        held.setdefault(row["hook"], []).append(row["layer"])
+    return held

@@ -4,7 +4,8 @@ Each batch becomes one shard (``shard-00000.safetensors``, ``.npy`` or ``.pt``, 
 :func:`dmi._export.export_tensor`, which never converts a dtype silently); with
 ``with_tokens=True`` a ``tokens.parquet`` index names each row's (run, request, position);
 ``manifest.json`` records the selection's features, dtype, order, shard list and what
-``on_error="skip"`` left out. The manifest is written last: a directory without one holds
+``on_error="skip"`` (``skipped_rows``, ``damaged_records``) and ``drop_last``
+(``dropped_rows``) left out. The manifest is written last: a directory without one holds
 an export that did not finish.
 """
 
@@ -13,13 +14,16 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 
-from dmi._export import EXPORT_FORMATS, export_tensor
+from dmi._export import EXPORT_FORMATS, check_format, export_tensor
+from dmi.storage import torch_dtype
 from dmi.storage.errors import InvalidArgumentError
 
 
@@ -28,36 +32,75 @@ def export_epoch(loader: Any, directory: str | os.PathLike[str], *, suffix: str 
     """Write the loader's next epoch under ``directory`` (created; must be empty); returns the
     manifest's path. ``on_shard`` is called with each shard's manifest entry once its file is
     written (progress). Raises ``InvalidArgumentError`` for an unknown suffix, a directory that
-    cannot be made or is not empty, or a dtype the format cannot hold exactly, and what
-    iterating the loader raises."""
+    cannot be made or is not empty, or a dtype the format cannot hold exactly (all checked
+    before a batch is read), what writing a shard raises, and what iterating the loader
+    raises. An export that raises leaves the loader where it stood (position and counts), so
+    no batch is consumed by an export that did not finish."""
     if suffix not in EXPORT_FORMATS:
         raise InvalidArgumentError(f"suffix must be one of {', '.join(EXPORT_FORMATS)}, not {suffix!r}")
+    check_format(_torch_dtype(loader), suffix)
     root = _empty_directory(Path(directory))
+    before = _Position.of(loader)
+    try:
+        manifest = _write_shards(loader, root, suffix, on_shard, before)
+    except BaseException:
+        before.restore(loader)
+        raise
+    path = root / "manifest.json"
+    path.write_text(json.dumps(manifest, indent=1))
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class _Position:
+    """Where a loader stood before an export: its resume state and its counts of what was left out."""
+
+    state: dict[str, Any]
+    damaged: int
+    skipped: int
+    dropped: int
+
+    @classmethod
+    def of(cls, loader: Any) -> _Position:
+        return cls(loader.state_dict(), len(loader.damaged_records), loader.skipped_rows, loader.dropped_rows)
+
+    def restore(self, loader: Any) -> None:
+        """Put ``loader`` back here: the next iteration yields the batches the export consumed."""
+        loader.load_state_dict(self.state)
+        del loader.damaged_records[self.damaged:]
+        loader.skipped_rows, loader.dropped_rows = self.skipped, self.dropped
+
+
+def _write_shards(loader: Any, root: Path, suffix: str, on_shard: Callable[[dict[str, Any]], None] | None,
+                  before: _Position) -> dict[str, Any]:
+    """One epoch of ``loader`` as shard files (and ``tokens.parquet``) under ``root``; returns
+    the manifest. The epoch's iterator is closed before this returns or raises."""
     epoch, shards, rows, index = loader.epoch, [], 0, []
-    damaged_before, skipped_before = len(loader.damaged_records), loader.skipped_rows
-    for i, batch in enumerate(loader):
-        x, tokens = batch if loader.config.with_tokens else (batch, None)
-        name = f"shard-{i:05d}{suffix}"
-        export_tensor(x, root / name, name="x")
-        shard = {"file": name, "rows": int(x.shape[0]), "bytes": (root / name).stat().st_size}
-        shards.append(shard)
-        rows += shard["rows"]
-        if tokens is not None:
-            index.extend((i, row, *token) for row, token in enumerate(tokens))
-        if on_shard is not None:
-            on_shard(shard)
+    batches = iter(loader)
+    try:
+        for i, batch in enumerate(batches):
+            x, tokens = batch if loader.config.with_tokens else (batch, None)
+            name = f"shard-{i:05d}{suffix}"
+            export_tensor(x, root / name, name="x")
+            shard = {"file": name, "rows": int(x.shape[0]), "bytes": (root / name).stat().st_size}
+            shards.append(shard)
+            rows += shard["rows"]
+            if tokens is not None:
+                index.extend((i, row, *token) for row, token in enumerate(tokens))
+            if on_shard is not None:
+                on_shard(shard)
+    finally:
+        batches.close()
     if loader.config.with_tokens:
         columns = list(zip(*index)) if index else [[], [], [], [], []]
         names = ["shard", "row", "run_id", "request_id", "position"]
         pq.write_table(pa.table(dict(zip(names, columns))), root / "tokens.parquet")
-    manifest = {"features": list(loader.features), "dtype": _dtype(loader), "rows": rows,
-                "epoch": epoch, "seed": loader.config.seed, "shuffle": loader.config.shuffle,
-                "scales": loader.scales, "rank": loader.rank, "world_size": loader.world_size,
-                "skipped_rows": loader.skipped_rows - skipped_before,
-                "damaged_records": loader.damaged_records[damaged_before:], "shards": shards}
-    path = root / "manifest.json"
-    path.write_text(json.dumps(manifest, indent=1))
-    return path
+    return {"features": list(loader.features), "dtype": _dtype(loader), "rows": rows,
+            "epoch": epoch, "seed": loader.config.seed, "shuffle": loader.config.shuffle,
+            "scales": loader.scales, "rank": loader.rank, "world_size": loader.world_size,
+            "skipped_rows": loader.skipped_rows - before.skipped,
+            "dropped_rows": loader.dropped_rows - before.dropped,
+            "damaged_records": loader.damaged_records[before.damaged:], "shards": shards}
 
 
 def _empty_directory(root: Path) -> Path:
@@ -74,3 +117,9 @@ def _empty_directory(root: Path) -> Path:
 def _dtype(loader: Any) -> str:
     fmt = loader.config.fmt
     return str(fmt.dtype) if fmt.dtype is not None else loader.plan.features[0].dtype
+
+
+def _torch_dtype(loader: Any) -> torch.dtype:
+    """The dtype of the loader's batches (``dtype=None``: the stored one, one for every feature)."""
+    fmt = loader.config.fmt
+    return fmt.dtype if fmt.dtype is not None else torch_dtype(loader.plan.features[0].dtype)

@@ -4,7 +4,8 @@ A window's records are grouped by pack and each group is read with
 :func:`dmi.reader.read_records` (one coalesced range read per neighbourhood, checksums
 verified, decode in the thread that read it; zstd decoding releases the GIL) on a thread
 pool. A damaged record raises its named ``PackError`` — or, with ``on_error="skip"``, its
-unit's rows are left out of the window and the damage is counted.
+unit's rows are left out of the window and the damage is counted (the record listed once
+per share, by the window where its unit's rows begin).
 """
 
 from __future__ import annotations
@@ -100,11 +101,17 @@ class WindowReader:
         self.memory = memory
         self.direct_io = direct_io
 
-    def read(self, slices: list[Slice], permutation: Callable[[int], np.ndarray] | None) -> Window:
+    def read(self, slices: list[Slice], permutation: Callable[[int], np.ndarray] | None, *,
+             opens_share: bool = True) -> Window:
         """The rows of ``slices``, damaged units left out (skip mode), in the order of
-        ``permutation(n_rows)`` (``None``: stream order)."""
+        ``permutation(n_rows)`` (``None``: stream order). A damaged record is listed by the
+        window where its unit's rows in the share begin (its first row, or the share's first
+        window: ``opens_share``), so a unit spread over several windows lists it once."""
         tensors, bad = self._read_records([e for s in slices for group in self.plan.units[s.unit].records for e in group])
         damaged_units = {s.unit for s in slices if bad and any(e in bad for g in self.plan.units[s.unit].records for e in g)}
+        begins = {s.unit for s in slices if s.lo == 0 or opens_share}
+        listed = sorted(text for e, text in bad.items() if any(e in g for u in damaged_units & begins
+                                                               for g in self.plan.units[u].records))
         kept = [s for s in slices if s.unit not in damaged_units]
         skipped = sum(s.hi - s.lo for s in slices) - sum(s.hi - s.lo for s in kept)
         units, rows = slice_rows(kept)
@@ -116,7 +123,7 @@ class WindowReader:
             picks.append(feature_picks if order is None else feature_picks[order])
         if order is not None:
             units, rows = units[order], rows[order]
-        return Window(tuple(sources), tuple(picks), units, rows, tuple(sorted(bad.values())), skipped)
+        return Window(tuple(sources), tuple(picks), units, rows, tuple(listed), skipped)
 
     def _read_records(self, entries: list[RecordEntry]) -> tuple[dict[RecordEntry, torch.Tensor], dict[RecordEntry, str]]:
         by_pack: dict[str, list[RecordEntry]] = defaultdict(list)

@@ -518,6 +518,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
     _say(args, f"exported {plural(summary.rows, 'row', human_count)} x {', '.join(summary.features)} "
                f"({summary.dtype.removeprefix('torch.')}, epoch {summary.epoch}) as "
                f"{plural(summary.shards, 'shard')}, {human_bytes(summary.bytes)}, to {summary.directory}")
+    if summary.dropped_rows:
+        _say(args, f"left out {plural(summary.dropped_rows, 'row', human_count)} that did not fill a whole batch "
+                   "(--drop-last)")
     _say(args, f"manifest: {summary.manifest}")
     return EXIT_OK
 

@@ -48,6 +48,7 @@ exception types. Builtin mix-ins are added where callers naturally expect them.
     │   ├── RingFullError (TimeoutError)         producer waited its bound for a free slot
     │   └── DrainError                           the drain thread failed; cause attached
     ├── AuditError                               a capture cannot be audited (no token ids, gaps, TP)
+    ├── ExportError (OSError)                    an exported file could not be written (disk full, ...)
     └── ModelError                               getting a model to capture from (``dmi.load_model``)
         ├── ModelNotInstalledError (ImportError) its package, or what loads it, is absent; the pip command is in the message
         └── ModelCacheError (OSError)            the converted model's cache could not be written or read
@@ -96,6 +97,7 @@ __all__ = [
     "RingFullError",
     "DrainError",
     "AuditError",
+    "ExportError",
     "ModelError",
     "ModelNotInstalledError",
     "ModelCacheError",
@@ -290,6 +292,12 @@ class AuditError(DMIError):
     """A capture cannot be audited: the request lacks its ``token_ids``, has gaps, was
     captured with tensor parallelism, or does not fit the model given for the re-run.
     (An audit that runs and finds wrong values is a result, not this error.)"""
+
+
+class ExportError(DMIError, OSError):
+    """An exported file (``dmi get``, ``dmi export``, ``loader.export``) could not be written:
+    the disk is full, a file size limit, ... The partial file was removed: nothing was written
+    under the file's name (an earlier file there is left as it was)."""
 
 
 class ModelError(DMIError):

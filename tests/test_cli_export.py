@@ -59,6 +59,9 @@ def _bad(out: Path, blocker: Path) -> dict[str, tuple[list[str], int, str]]:
     return {
         "layer_not_held": ([*m, "--layers", "5"], 1, "holds layers [0, 1, 2] of resid_post"),
         "layers_past": ([*m, "--layers", "1:9"], 1, "asks for [3, 4, 5, 6, 7, 8]"),
+        "layer_not_held_by_a_hook": ([*m, "--hooks", "resid_post,mlp_out", "--layers", "0"], 1,
+                                     "holds layers [0, 1, 2] of resid_post, layers [1] of mlp_out; "
+                                     "--layers 0 asks for [0] of mlp_out, which were not captured"),
         "layers_text": ([*m, "--layers", "x"], 2, "cannot read layers 'x'"),
         "hook": ([*m, "--hooks", "no_such_hook"], 2, "unknown hook 'no_such_hook'"),
         "model": (["no-such-model", "-o", str(out / "never")], 1, "matches no published records"),
@@ -129,6 +132,11 @@ def ran(home, damaged_packs, tmp_path_factory) -> dict[str, dict]:
     damaged = ["export", "m", "--layers", "0", "--batch-size", "5", "--catalog", catalog, "--packs", str(copy)]
     argvs["damaged"] = [*damaged, "-o", str(out / "damaged")]
     argvs["damaged_skip"] = [*damaged, "-o", str(out / "damaged_skip"), "--on-error", "skip", "--json"]
+    argvs["damaged_skip_drop_last"] = [*damaged, "-o", str(out / "damaged_skip_drop_last"), "--on-error", "skip",
+                                       "--json", "--no-shuffle", "--shuffle-buffer", "10", "--batch-size", "45",
+                                       "--drop-last"]
+    argvs["damaged_skip_drop_last_text"] = [arg for arg in argvs["damaged_skip_drop_last"] if arg != "--json"]
+    argvs["damaged_skip_drop_last_text"][argvs["damaged_skip_drop_last_text"].index("-o") + 1] += "_text"
     proc = subprocess.run([sys.executable, "-c", _BATCH], input=json.dumps(list(argvs.values())), capture_output=True,
                           text=True, env=_env(home), timeout=600)
     assert proc.returncode == 0, proc.stderr
@@ -230,8 +238,53 @@ def test_skip_mode_says_and_records_what_it_left_out(ran, damaged_packs):
     assert pack_id in damage
     manifest = json.loads(Path(summary["manifest"]).read_text())
     assert manifest["skipped_rows"] == n_tokens and manifest["damaged_records"] == [damage]
+    assert summary["dropped_rows"] == manifest["dropped_rows"] == 0
     [line] = result["stderr"].strip().splitlines()
     assert line.startswith(f"dmi: skipped {n_tokens} rows of 1 damaged record")
+
+
+def test_skip_mode_records_damage_after_the_last_batch_and_what_drop_last_left_out(ran, damaged_packs):
+    """Unshuffled, in windows of 10 rows, drop_last reads 90 of the 93 rows: one batch of 45
+    is cut before the damaged record's window (rows 80-89); the 41 rows after it form no whole
+    batch. Its damage must still be recorded, and the rows drop_last left out counted."""
+    _, pack_id, n_tokens = damaged_packs
+    result = _ok(ran["damaged_skip_drop_last"])
+    summary = json.loads(result["stdout"])
+    assert (summary["rows"], summary["skipped_rows"], summary["dropped_rows"]) == (45, n_tokens, 41 + 3)
+    assert summary["rows"] + summary["skipped_rows"] + summary["dropped_rows"] == len(ALL)
+    [damage] = summary["damaged_records"]
+    assert pack_id in damage
+    manifest = json.loads(Path(summary["manifest"]).read_text())
+    assert (manifest["skipped_rows"], manifest["dropped_rows"], manifest["damaged_records"]) == (n_tokens, 44, [damage])
+    assert result["stderr"].startswith(f"dmi: skipped {n_tokens} rows of 1 damaged record")
+    said = _ok(ran["damaged_skip_drop_last_text"])["stdout"]
+    assert "exported 45 rows" in said and "left out 44 rows that did not fill a whole batch (--drop-last)" in said
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_write_that_fails_part_way_leaves_no_file(tmp_path, monkeypatch):
+    """The file is written under a temporary name that here leads to /dev/full (every write:
+    no space left): a named error that says nothing was written, and no file at all."""
+    import dmi._export as export
+    from dmi._export import export_tensor
+    from dmi.storage.errors import ExportError
+
+    def to_dev_full(out):
+        temp = f"{out}.part"
+        os.symlink("/dev/full", temp)
+        return open(temp, "wb"), temp
+
+    monkeypatch.setattr(export, "_open_temp", to_dev_full)
+    target = tmp_path / "x.safetensors"
+    with pytest.raises(ExportError, match=r"could not write .*x\.safetensors \(No space left on device\); nothing was "
+                                        "written") as raised:
+        export_tensor(torch.zeros(1000, 8), target, name="x")
+    assert isinstance(raised.value, OSError) and isinstance(raised.value.__cause__, OSError)
+    assert list(tmp_path.iterdir()) == []
+    target.write_bytes(b"before")  # a file already there is left as it was
+    with pytest.raises(ExportError, match="nothing was written"):
+        export_tensor(torch.zeros(1000, 8), target, name="x")
+    assert list(tmp_path.iterdir()) == [target] and target.read_bytes() == b"before"
 
 
 def test_progress_is_drawn_on_a_terminal(home, tmp_path):

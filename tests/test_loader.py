@@ -294,6 +294,69 @@ def test_a_state_from_another_loader_is_refused(store):
         other.load_state_dict({"epoch": 3})
 
 
+def test_a_state_from_another_selection_with_the_same_counts_is_refused(store):
+    """Leaving out q00 or q05 of r1 leaves as many units and tokens: the digest tells them apart."""
+    options = dict(layers=[0], runs="r1", batch_size=4)
+    saved = store.loader("m", where="request_id != 'q00'", **options)
+    other = store.loader("m", where="request_id != 'q05'", **options)
+    state = saved.state_dict()
+    assert (saved.n_tokens, len(saved.plan.units)) == (other.n_tokens, len(other.plan.units))
+    with pytest.raises(InvalidArgumentError, match="differs in: selection"):
+        other.load_state_dict(state)
+    store.loader("m", where="request_id != 'q00'", **options).load_state_dict(state)  # the same selection: taken
+
+
+def test_a_state_from_before_the_selection_digest_resumes_with_a_warning(store):
+    options = dict(layers=[0], batch_size=4, with_tokens=True)
+    saved = store.loader("m", **options)
+    it = iter(saved)
+    next(it)
+    state = saved.state_dict()
+    del state["fingerprint"]["selection"]
+    resumed = store.loader("m", **options)
+    with pytest.raises(InvalidArgumentError, match="selection"):
+        resumed.load_state_dict(state)  # a version-3 state must hold it
+    with pytest.warns(RuntimeWarning, match="predates the selection digest"):
+        resumed.load_state_dict({**state, "version": 2})
+    assert _same(list(resumed), list(it))
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(epoch=-5), "epoch must be an int >= 0"),
+    (dict(epoch="1"), "epoch must be an int >= 0"),
+    (dict(epoch=True), "epoch must be an int >= 0"),
+    (dict(cursors=[]), r"cursors must be 2 \[window, row\] pairs"),
+    (dict(cursors="00"), r"cursors must be 2 \[window, row\] pairs"),
+    (dict(cursors=[[0, 0]]), r"cursors must be 2 \[window, row\] pairs"),
+    (dict(cursors=[[0, 0], [0]]), r"cursor 1 must be a \[window, row\] pair"),
+    (dict(cursors=[[0, 0], [0, 1.5]]), r"cursor 1 must be a \[window, row\] pair"),
+    (dict(cursors=[[0, 9999], [0, 0]]), r"cursor 0 \[0, 9999\] lies outside its share"),
+    (dict(cursors=[[0, -1], [0, 0]]), r"cursor 0 \[0, -1\] lies outside"),
+    (dict(cursors=[[0, 0], [9, 0]]), r"cursor 1 \[9, 0\] lies outside its share \(5 windows"),
+    (dict(cursors=[[0, 0], [5, 1]]), r"cursor 1 \[5, 1\] lies outside"),
+    (dict(next=2), "next=2 names no worker of 2"),
+    (dict(next=-1), "next must be an int >= 0"),
+    (dict(next=None), "next must be an int >= 0"),
+])
+def test_a_state_with_positions_outside_the_loader_is_refused(store, change, needle):
+    """Two workers, each share of 46 or 47 rows in 5 windows of 10: positions are checked
+    against them before anything is iterated."""
+    options = dict(layers=[0], batch_size=4, shuffle_buffer=10, num_workers=2)
+    loader = store.loader("m", **options)
+    state = {**loader.state_dict(), **change}
+    with pytest.raises(InvalidArgumentError, match=needle):
+        loader.load_state_dict(state)
+    assert loader.state_dict()["cursors"] == [[0, 0], [0, 0]] and loader.epoch == 0  # nothing taken
+
+
+def test_states_at_the_edges_of_a_share_are_taken(store):
+    options = dict(layers=[0], batch_size=4, shuffle_buffer=10, num_workers=2)
+    loader = store.loader("m", **options)
+    for cursors in ([[4, 5], [4, 6]], [[5, 0], [5, 0]], [[6, 0], [6, 0]]):
+        loader.load_state_dict({**loader.state_dict(), "cursors": cursors, "next": 1, "epoch": 3})
+        assert loader.state_dict()["cursors"] == cursors
+
+
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_a_version_1_state_resumes_only_where_the_cut_did_not_change(store, drop_last):
     """Version 2 changed what drop_last leaves out (equal batch counts across shares); a
@@ -375,6 +438,51 @@ def test_the_dataset_under_the_loader_feeds_a_plain_dataloader(store):
     assert all(torch.equal(a, b) for a, b in zip(plain, _epoch(loader), strict=True))
 
 
+def test_the_dataset_used_directly_yields_every_worker_s_share(store):
+    """Outside a DataLoader worker, a dataset planned for two workers yields both shares, in
+    the order the loader's DataLoader hands them out, from the loader's position on."""
+    options = dict(layers=[0], batch_size=4, shuffle_buffer=10, num_workers=2, seed=2, with_tokens=True)
+    loader = store.loader("m", **options)
+    direct = list(loader.dataset)
+    assert _same(direct, _epoch(store.loader("m", **options)))
+    assert Counter(_tokens(direct)) == Counter(ALL)
+    it = iter(loader)
+    seen = [next(it) for _ in range(3)]
+    it.close()
+    assert _same(seen + list(loader.dataset), direct)
+
+
+def test_a_requested_hook_or_layer_without_records_is_refused(store):
+    with pytest.raises(RecordNotFoundError, match=r"no records of resid_post\.7; it holds resid_post\.0$"):
+        store.loader("m", layers=[0, 7])
+    with pytest.raises(RecordNotFoundError, match=r"no records of mlp_out\.0; it holds resid_post\.0$"):
+        store.loader("m", hooks=["resid_post", "mlp_out"], layers=[0])
+    with pytest.raises(RecordNotFoundError, match=r"no records of attn_q\.1; it holds resid_post\.1, mlp_out\.1$"):
+        store.loader("m", hooks=["resid_post", "mlp_out", "attn_q"], layers=[1], runs="r1")
+    with pytest.raises(RecordNotFoundError, match="no records of attn_q; it holds resid_post.0, resid_post.1"):
+        store.loader("m", hooks=["resid_post", "attn_q"])
+    with pytest.raises(InvalidArgumentError, match="hooks must be a hook name or a list of them, not 5"):
+        store.loader("m", hooks=5)
+    assert store.loader("m", hooks=["resid_post", "mlp_out"], layers=[1], runs="r1").features == (
+        "resid_post.1", "mlp_out.1")
+
+
+@pytest.mark.parametrize("phases", ["bogus", ["prefill", "bogus"]])
+def test_an_unknown_phase_is_refused_naming_the_phases(store, phases):
+    with pytest.raises(InvalidArgumentError, match="unknown phase 'bogus'; phases: prefill, decode, forward"):
+        store.loader("m", layers=[0], phases=phases)
+
+
+@pytest.mark.parametrize("arguments, needle", [
+    (dict(batches=2.5), "batches must be an int >= 1, not 2.5"), (dict(batches="x"), "batches must be"),
+    (dict(batches=None), "batches must be"), (dict(batches=-1), "batches must be"), (dict(batches=0), "batches must"),
+    (dict(epoch=-1), "epoch must be an int >= 0 or None"), (dict(epoch="x"), "epoch must be an int >= 0 or None"),
+])
+def test_shuffle_quality_refuses_bad_arguments(store, arguments, needle):
+    with pytest.raises(InvalidArgumentError, match=needle):
+        store.loader("m", layers=[0], batch_size=8).shuffle_quality(**arguments)
+
+
 def test_selections_that_cannot_be_served(store):
     with pytest.raises(RecordNotFoundError):
         store.loader("m", where="request_id = %(r)s", params={"r": "nope"})
@@ -419,17 +527,29 @@ def test_shuffle_quality_against_uniform(store):
 # ------------------------------------------------------------------------------ damage
 
 
-@pytest.fixture
-def damaged(store, tmp_path):
-    """The module's packs copied, with one payload byte of one ``r2`` record flipped."""
+def _damage(store, tmp_path, which: int):
+    """The module's packs copied, with one payload byte of ``r2``'s layer-0 record ``which``
+    (in request order) flipped: the store over the copy, and the damaged record."""
     copy = tmp_path / "packs"
     shutil.copytree(store.packs.uri.removeprefix("file://"), copy)
-    victim = store.catalog.select_records("m", run_ids="r2", hooks="resid_post", layers=[0])[0]
+    victim = store.catalog.select_records("m", run_ids="r2", hooks="resid_post", layers=[0])[which]
     path = copy / PackStore.local(copy).location(victim.pack_id).rsplit("/", 1)[-1]
     data = bytearray(path.read_bytes())
     data[victim.payload.offset] ^= 0xFF
     path.write_bytes(bytes(data))
     return dmi.Store(store.catalog, PackStore.local(copy)), victim
+
+
+@pytest.fixture
+def damaged(store, tmp_path):
+    """The module's packs copied, with one payload byte of the first ``r2`` record flipped."""
+    return _damage(store, tmp_path, 0)
+
+
+@pytest.fixture
+def damaged_last(store, tmp_path):
+    """The same with the last ``r2`` record damaged: the last rows of an unshuffled epoch."""
+    return _damage(store, tmp_path, -1)
 
 
 def test_a_corrupt_pack_surfaces_as_a_named_error(damaged):
@@ -446,6 +566,72 @@ def test_skip_mode_counts_what_it_left_out(damaged):
     assert Counter(tokens) == Counter(ALL - lost)
     assert loader.skipped_rows == len(lost)
     assert len(loader.damaged_records) == 1 and victim.pack_id in loader.damaged_records[0]
+
+
+def _left_out(loader) -> tuple[int, int, int, int]:
+    """One epoch of ``loader``: rows yielded, rows skipped, rows dropped, damaged records listed."""
+    rows = sum(x.shape[0] for x in loader)
+    return rows, loader.skipped_rows, loader.dropped_rows, len(loader.damaged_records)
+
+
+@pytest.mark.parametrize("options, counts", [
+    # damage in the last windows, no batch cut after them
+    (dict(shuffle=False, shuffle_buffer=1, batch_size=1), (len(ALL) - 4, 4, 0, 1)),
+    # drop_last reads 90 of 93 rows; the damaged unit's first row is one of them: 89 rows, one batch
+    # of 45, the 44 left drop with the 3 drop_last never reads
+    (dict(shuffle=False, shuffle_buffer=10, batch_size=45, drop_last=True), (45, 1, 44 + 3, 1)),
+])
+def test_skip_mode_reports_damage_that_no_batch_follows(damaged_last, options, counts):
+    broken, victim = damaged_last
+    loader = broken.loader("m", layers=[0], on_error="skip", **options)
+    rows, skipped, dropped, damaged = _left_out(loader)
+    assert (rows, skipped, dropped, damaged) == counts
+    assert rows + skipped + dropped == loader.n_tokens == len(ALL)
+    assert victim.pack_id in loader.damaged_records[0]
+
+
+def test_a_damaged_record_read_by_several_windows_is_listed_once(damaged):
+    broken, victim = damaged
+    loader = broken.loader("m", layers=[0], on_error="skip", shuffle=False, shuffle_buffer=1, batch_size=3)
+    assert _left_out(loader) == (len(ALL) - 4, 4, 0, 1)  # the record's 4 rows lie in 4 windows
+
+
+def test_drop_last_counts_the_rows_it_leaves_out(store):
+    loader = store.loader("m", layers=[0], batch_size=10, drop_last=True, rank=1, world_size=2)
+    share = len(ALL) - len(ALL) // 2
+    assert _left_out(loader) == (share // 10 * 10, 0, share % 10, 0)
+    assert loader.dropped_rows == share % 10  # the same next epoch: counts add up
+    _left_out(loader)
+    assert loader.dropped_rows == 2 * (share % 10)
+
+
+@pytest.mark.parametrize("options", [dict(shuffle=False, batch_size=4),
+                                     dict(shuffle_buffer=10, batch_size=3, seed=2),
+                                     dict(shuffle_buffer=10, batch_size=7, drop_last=True, seed=1)])
+def test_skip_mode_counts_damage_once_across_a_break_and_a_resume(damaged, options):
+    broken, _ = damaged
+    straight = broken.loader("m", layers=[0], on_error="skip", **options)
+    batches = list(straight)
+    expected = (sum(x.shape[0] for x in batches), straight.skipped_rows, straight.dropped_rows,
+                len(straight.damaged_records))
+    assert expected[1] == 4 and expected[3] == 1
+    for cut in range(1, len(batches) + 1):
+        same = broken.loader("m", layers=[0], on_error="skip", **options)  # broken off, then continued
+        it = iter(same)
+        rows = sum(next(it).shape[0] for _ in range(cut))
+        it.close()
+        rows += sum(x.shape[0] for x in same)
+        assert (rows, same.skipped_rows, same.dropped_rows, len(same.damaged_records)) == expected, cut
+        first = broken.loader("m", layers=[0], on_error="skip", **options)  # saved, loaded by another loader
+        it = iter(first)
+        rows = sum(next(it).shape[0] for _ in range(cut))
+        resumed = broken.loader("m", layers=[0], on_error="skip", **options)
+        resumed.load_state_dict(first.state_dict())
+        it.close()
+        rows += sum(x.shape[0] for x in resumed)
+        totals = [first.skipped_rows + resumed.skipped_rows, first.dropped_rows + resumed.dropped_rows,
+                  len(first.damaged_records) + len(resumed.damaged_records)]
+        assert (rows, *totals) == expected, cut
 
 
 # ------------------------------------------------------------------------------ server catalog
@@ -492,3 +678,42 @@ def test_export_writes_one_epoch_as_shards_with_a_token_index(store, tmp_path):
         loader.export(tmp_path / "out")
     with pytest.raises(InvalidArgumentError, match="numpy cannot hold"):
         store.loader("m", layers=[0], dtype=torch.bfloat16).export(tmp_path / "npy", suffix=".npy")
+
+
+def test_a_refused_export_consumes_no_batch(store, tmp_path):
+    import json
+
+    loader = store.loader("m", layers=[0], batch_size=10, dtype=torch.bfloat16)
+    with pytest.raises(InvalidArgumentError, match="numpy cannot hold torch.bfloat16"):
+        loader.export(tmp_path / "npy", suffix=".npy")
+    assert not (tmp_path / "npy").exists()
+    assert loader.state_dict()["cursors"] == [[0, 0]] and loader.epoch == 0
+    manifest = json.loads(loader.export(tmp_path / "st").read_text())
+    assert (manifest["epoch"], manifest["rows"], len(manifest["shards"])) == (0, len(ALL), len(loader))
+
+
+def test_an_export_that_fails_part_way_leaves_the_loader_where_it_stood(damaged, tmp_path, monkeypatch):
+    import json
+
+    import dmi._loader_export as loader_export
+    from dmi.storage.errors import ExportError
+
+    broken, _ = damaged
+    loader = broken.loader("m", layers=[0], batch_size=10, shuffle=False, on_error="skip", with_tokens=True)
+    real, written = loader_export.export_tensor, []
+
+    def fail_third(tensor, path, *, name):
+        if len(written) == 2:
+            raise ExportError(f"could not write {path} (No space left on device); nothing was written")
+        written.append(path)
+        return real(tensor, path, name=name)
+
+    monkeypatch.setattr(loader_export, "export_tensor", fail_third)
+    with pytest.raises(ExportError, match="No space left"):
+        loader.export(tmp_path / "full")
+    assert loader.state_dict()["cursors"] == [[0, 0]] and loader.epoch == 0
+    assert (loader.skipped_rows, loader.dropped_rows, loader.damaged_records) == (0, 0, [])
+    monkeypatch.setattr(loader_export, "export_tensor", real)
+    manifest = json.loads(loader.export(tmp_path / "again").read_text())
+    assert (manifest["epoch"], manifest["rows"], manifest["skipped_rows"]) == (0, len(ALL) - 4, 4)
+    assert (manifest["dropped_rows"], len(manifest["damaged_records"])) == (0, 1)
