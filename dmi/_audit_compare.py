@@ -113,18 +113,28 @@ def compare(captured: torch.Tensor, rerun: torch.Tensor, *, token_axis: int, sta
         return Difference(True, 0.0, 0.0, 0.0, None, None)
     a = captured.movedim(token_axis, 0).reshape(captured.shape[token_axis], -1).double()
     r = rerun.movedim(token_axis, 0).reshape(rerun.shape[token_axis], -1).double()
-    delta = (a - r).abs()
-    delta = torch.where(torch.isnan(a) ^ torch.isnan(r), torch.full_like(delta, float("inf")), delta.nan_to_num(0.0))
-    scale = r.abs().amax(dim=1).clamp_min(torch.finfo(torch.float64).tiny)
+    delta = _difference(a, r)
+    finite = torch.where(torch.isfinite(r), r, torch.zeros_like(r))  # what a position's scale is taken from
+    scale = finite.abs().amax(dim=1).clamp_min(torch.finfo(torch.float64).tiny)
     per_position = delta.amax(dim=1) / scale
     differs = (delta.amax(dim=1) > 0).nonzero().flatten()
     beyond = (per_position > bound).nonzero().flatten()
-    norm = r.norm().item()
+    norm = finite.norm().item()
     return Difference(
         exact=False,
         max_abs=delta.max().item(),
         max_rel=per_position.max().item(),
-        rel_l2=(a - r).nan_to_num(0.0).norm().item() / norm if norm > 0 else float("inf"),
+        rel_l2=delta.norm().item() / norm if norm > 0 else float("inf"),
         first_diff=start + int(differs[0]) if len(differs) else None,
         first_fail=start + int(beyond[0]) if len(beyond) else None,
     )
+
+
+def _difference(a: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``|a - r|`` value by value, where equal values (NaN beside NaN, an infinity beside the
+    same infinity) differ by 0 and anything else that is not finite (NaN beside a number,
+    an infinity beside a number or the other infinity) by infinity: a NaN or infinite re-run
+    must fail the check, never set the scale it is measured against."""
+    same = (a == r) | (torch.isnan(a) & torch.isnan(r))
+    delta = (a - r).abs().nan_to_num(nan=float("inf"), posinf=float("inf"))
+    return torch.where(same, torch.zeros_like(delta), delta)

@@ -478,3 +478,29 @@ def test_a_capture_whose_packs_a_vllm_writer_sealed_is_held_to_the_vllm_toleranc
     with pytest.raises(AuditError, match="captured by vLLM.*cannot be bit-identical"):
         store.audit(vllm_id, model=model, run_id="served", exact=True)
     assert store.audit(hf_id, model=model, run_id="local", request_ids=hf_rids[:1], exact=False).tolerance == "batched"
+
+
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize(
+    "captured,rerun",
+    [([1.0, 2.0], [INF, 2.0]), ([INF, 5.0], [INF, 1000.0]), ([INF, 2.0], [-INF, 2.0]), ([1.0, 2.0], [NAN, 2.0]),
+     ([NAN, 2.0], [1.0, 2.0]), ([INF, 2.0], [1.0, 2.0])],
+    ids=["rerun-inf", "inf-sets-no-scale", "opposite-infinities", "rerun-nan", "captured-nan", "captured-inf"],
+)
+def test_a_non_finite_difference_fails_its_position(captured, rerun):
+    """A NaN or infinite value on one side only fails the position, and an infinity that is on
+    both sides sets no scale for the values beside it (else a NaN re-run passed as noise)."""
+    from dmi._audit_compare import compare
+
+    got = compare(torch.tensor([captured]), torch.tensor([rerun]), token_axis=0, start=7, bound=1e-3)
+    assert got.first_fail == 7 and not got.exact
+
+
+def test_equal_non_finite_values_are_the_same_value():
+    from dmi._audit_compare import compare
+
+    got = compare(torch.tensor([[NAN, INF, 2.0]]), torch.tensor([[NAN, INF, 2.0 + 1e-6]]), token_axis=0, start=0,
+                  bound=1e-3)
+    assert got.first_fail is None and got.first_diff == 0 and got.max_abs == pytest.approx(1e-6, rel=0.1)
