@@ -1,8 +1,8 @@
 """Loading a model sharded by transformers' own tensor parallelism, GQA included.
 
 ``from_pretrained(path, distributed_config=DistributedConfig(tp_size=n))`` shards q/k/v
-column-wise by heads. With fewer key/value heads than ranks (Llama with one kv head on two
-ranks) the k/v projections cannot be cut: they need transformers' ``"replicate"`` plan,
+column-wise by heads. With one key/value head and several ranks the k/v projections cannot be
+cut: they need transformers' ``"replicate"`` plan,
 and each attention module's ``num_key_value_groups`` (query heads per kv head, used to
 repeat k/v before attention) must then count this rank's query heads, not the model's —
 otherwise attention repeats k/v to the model's head count and fails (or, on some paths,
@@ -21,17 +21,28 @@ _KV_PROJECTIONS = ("model.layers.*.self_attn.k_proj", "model.layers.*.self_attn.
 
 def replicated_kv_plan(config, tp_size: int) -> dict[str, str] | None:
     """The TP plan override a model needs on ``tp_size`` ranks: k/v replicated when it has
-    fewer key/value heads than ranks, else ``None`` (the model's own plan)."""
+    one key/value head and several ranks, else ``None`` (the model's own plan).
+
+    Between one head and ``tp_size`` (2 kv heads on 4 ranks) neither works: cut, a rank has
+    no whole kv head; replicated, each rank would hold every kv head while its query heads
+    need only one of them, and attention pairs them wrongly (a wrong model, captured as
+    right). Refused with :class:`InvalidArgumentError`."""
     n_kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 1)
     if n_kv >= tp_size:
         return None
+    if n_kv > 1:
+        raise InvalidArgumentError(
+            f"{n_kv} key/value heads cannot be split over {tp_size} ranks, and replicating them would pair "
+            f"query heads with the wrong kv heads; use a tp_size of at most {n_kv}"
+        )
     return {name: "replicate" for name in _KV_PROJECTIONS}
 
 
 def load_tensor_parallel(path, tp_size: int, **from_pretrained_kwargs):
     """``AutoModelForCausalLM.from_pretrained(path)`` sharded ``tp_size`` ways by transformers
     (``torch.distributed`` must be initialised, one process per rank), with k/v replicated
-    and ``num_key_value_groups`` fixed where kv heads < ``tp_size`` (see the module docstring)."""
+    and ``num_key_value_groups`` fixed for a single kv head; more kv heads than one but fewer
+    than ``tp_size`` are refused (:func:`replicated_kv_plan`)."""
     import transformers
     from transformers.distributed import DistributedConfig
 

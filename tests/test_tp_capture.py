@@ -259,3 +259,23 @@ def test_a_killed_rank_is_named_and_recovery_completes_it(tmp_path, capsys):
     assert main(["show", "killed", rid, "--run", RUN, "--home", home]) == 0
     shown = capsys.readouterr().out
     assert "tensor parallel" in shown and "split on axis 1 over 2 ranks" in shown and "missing" not in shown
+
+
+def test_transformers_tp_refuses_kv_heads_it_would_pair_wrongly(tmp_path):
+    """2 kv heads on 4 ranks: replicated, every rank would hold both kv heads and attention
+    would pair its query heads with the wrong one (logits off by 0.37 in the audit's run), so
+    it is refused before any weight loads; 1 kv head (replicated) and 2 on 2 ranks are fine."""
+    from dmi.capture._tp_load import load_tensor_parallel, replicated_kv_plan
+    from dmi.storage.errors import InvalidArgumentError
+
+    tiny("llama", num_attention_heads=8, num_key_value_heads=2, hidden_size=64).save_pretrained(tmp_path)
+    with pytest.raises(InvalidArgumentError, match="2 key/value heads cannot be split over 4 ranks"):
+        load_tensor_parallel(tmp_path, 4)
+
+    class Config:
+        num_attention_heads = 8
+        num_key_value_heads = 2
+
+    assert replicated_kv_plan(Config, 2) is None
+    Config.num_key_value_heads = 1
+    assert set(replicated_kv_plan(Config, 4).values()) == {"replicate"}
