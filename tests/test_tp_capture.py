@@ -263,8 +263,7 @@ def test_a_killed_rank_is_named_and_recovery_completes_it(tmp_path, capsys):
 
 def test_transformers_tp_refuses_kv_heads_it_would_pair_wrongly(tmp_path):
     """2 kv heads on 4 ranks: replicated, every rank would hold both kv heads and attention
-    would pair its query heads with the wrong one (logits off by 0.37 in the audit's run), so
-    it is refused before any weight loads; 1 kv head (replicated) and 2 on 2 ranks are fine."""
+    would pair its query heads with the wrong one, so it is refused before any weight loads; 1 kv head (replicated) and 2 on 2 ranks are fine."""
     from dmi.capture._tp_load import load_tensor_parallel, replicated_kv_plan
     from dmi.storage.errors import InvalidArgumentError
 
