@@ -24,6 +24,7 @@ def resolve_codecs(codec, writer_options: dict | None, hooks, geometry: ModelGeo
     """``(writer_options, {hook: codec})`` for ``codec``, refused where it cannot apply.
 
     ``hooks``: the hook names this capture writes; ``with_text``: a tokenizer adds token text."""
+    _check_writer_options(writer_options)
     if codec is None:
         whole = (writer_options or {}).get("codec")
         _check_lossy(whole, hooks, geometry, with_text)
@@ -43,6 +44,24 @@ def resolve_codecs(codec, writer_options: dict | None, hooks, geometry: ModelGeo
         _check_name(name)
         _check_lossy(name, (hook,), geometry, False)
     return writer_options, dict(codec)
+
+
+WRITER_OPTIONS = ("writer_id", "codec", "max_records", "max_bytes", "stats", "batch_bytes")
+"""The :class:`~dmi.storage.PackWriter` arguments a capture's ``writer_options`` may set (the
+session sets ``on_seal`` itself)."""
+
+
+def _check_writer_options(writer_options) -> None:
+    """``writer_options`` is None or a mapping of :data:`WRITER_OPTIONS`: anything else would fail
+    only when the writer is made, as a ``TypeError``."""
+    if writer_options is None:
+        return
+    if not isinstance(writer_options, Mapping):
+        raise InvalidArgumentError(f"writer_options must be a dict of PackWriter arguments, got {writer_options!r}")
+    unknown = sorted(set(writer_options) - set(WRITER_OPTIONS))
+    if unknown:
+        raise InvalidArgumentError(f"writer_options {unknown} are not PackWriter arguments a capture sets; "
+                                   f"choose from {', '.join(WRITER_OPTIONS)}")
 
 
 def _check_name(name) -> None:

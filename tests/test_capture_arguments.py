@@ -27,8 +27,11 @@ def _attach(**options):
     (lambda: _attach(ring_timeout="5"), r"ring_timeout must be a number of seconds >= 0, got '5'"),
     (lambda: _attach(ring_timeout=float("nan")), r"ring_timeout must be a number of seconds >= 0, got nan"),
     (lambda: Ring(1, 64, timeout=None), r"ring_timeout must be a number of seconds >= 0, got None"),
+    (lambda: _attach(writer_options=5), r"writer_options must be a dict of PackWriter arguments, got 5"),
+    (lambda: _attach(writer_options={"bogus": 1, "on_seal": print}),
+     r"writer_options \['bogus', 'on_seal'\] are not PackWriter arguments a capture sets; choose from writer_id"),
 ], ids=["attach-schedule-field", "schedule-field", "phases-None", "phases-int", "ring_timeout-str",
-        "ring_timeout-nan", "ring-timeout-None"])
+        "ring_timeout-nan", "ring-timeout-None", "writer_options-int", "writer_options-unknown"])
 def test_bad_attach_and_schedule_arguments_are_named(make, message):
     with pytest.raises(InvalidArgumentError, match=message):
         make()
