@@ -41,6 +41,13 @@ import torch
 __all__ = ["ModelGeometry", "HookSpec", "HOOKS", "GROUPS", "hook_names"]
 
 
+CONFIG_SIZE_FIELDS = ("num_hidden_layers", "n_layer", "hidden_size", "n_embd", "num_attention_heads", "n_head",
+                      "num_key_value_heads", "head_dim", "intermediate_size", "n_inner", "vocab_size",
+                      "num_local_experts", "num_experts", "num_experts_per_tok")
+"""The config fields :meth:`ModelGeometry.from_config` reads sizes from: whoever reads a
+config file (``dmi describe-model``, ``dmi estimate``) checks they are integers first."""
+
+
 @dataclass(frozen=True, slots=True)
 class ModelGeometry:
     """The sizes of a model that determine every hook's shape."""

@@ -32,7 +32,7 @@ from typing import Any
 
 from dmi.storage.errors import InvalidArgumentError, PlanError
 
-__all__ = ["MEASURED_RATIOS", "RATIO_SOURCE", "DECODE_CHUNK_BYTES", "HookEstimate", "Estimate", "estimate_plan",
+__all__ = ["MEASURED_RATIOS", "RATIO_SOURCE", "DECODE_CHUNK_BYTES", "MAX_BATCH", "HookEstimate", "Estimate", "estimate_plan",
            "estimate_plan_file", "rank_geometry"]
 
 MEASURED_RATIOS: dict[tuple[str, str], float] = {
@@ -46,6 +46,11 @@ MEASURED_RATIOS: dict[tuple[str, str], float] = {
 RATIO_SOURCE = ("bench/bench_storage.py run of 2026-11-29 (docs/benchmarks.md, Storage): 192 records of "
                 "512 x 2048 activation-like values (Gaussian / sqrt(uniform) tails, 8 outlier channels), "
                 "default writer, 2-vCPU x86_64 VM; zstd = the run's zstd-1 figure on the same data")
+
+MAX_BATCH = 65_536
+"""The largest ``batch`` estimated: the step plan, as the runtime builds it, holds one entry
+per request, so the time an estimate takes grows with ``batch`` (and the web page estimates on
+every edit). Far above any real batch."""
 
 DECODE_CHUNK_BYTES = 16 << 20
 """The drain's staging bound per (hook, layer) for coalesced decode steps (``Drain``'s
@@ -213,15 +218,20 @@ def _hook_estimate(name: str, layers: tuple[int, ...], g: Any, w: _Workload, pla
                         records * len(layers), raw * len(layers), ring)
 
 
-def _peak_step_bytes(g: Any, hooks: dict[str, tuple[int, ...]], w: _Workload, prompt: int) -> int:
-    """The largest step the ring must hold: the prompt step, or the last captured decode
-    step (its attention pattern has the longest key axis)."""
+def _decode_tensor_bytes(g: Any, hooks: dict[str, tuple[int, ...]], w: _Workload) -> dict[str, int]:
+    """Per hook, what the ring reserves for one layer of the last captured decode step (the
+    largest: its attention pattern has the longest key axis); empty when no decode step is
+    captured."""
     if not w.decode_steps:
-        return prompt
-    d = w.decode_steps[-1]
+        return {}
     step = _prompt_step(g, hooks, w.batch, 1, "decode")
-    decode = sum(_step_bytes(step, h, "decode", w.tokens + d) * len(layers) for h, layers in hooks.items())
-    return max(prompt, decode)
+    kv = w.tokens + w.decode_steps[-1]
+    return {h: _step_bytes(step, h, "decode", kv) for h in hooks}
+
+
+def _peak_step_bytes(hooks: dict[str, tuple[int, ...]], decode: dict[str, int], prompt: int) -> int:
+    """The largest step the ring must hold: the prompt step, or the last captured decode step."""
+    return max(prompt, sum(per_layer * len(hooks[h]) for h, per_layer in decode.items()))
 
 
 def _ratio(codec: str, hooks: tuple[HookEstimate, ...]) -> float | None:
@@ -241,6 +251,8 @@ def estimate_plan(plan: Any, geometry: Any, *, model: str, tokens: int = 512, ne
                                ("tp", tp, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise InvalidArgumentError(f"{name} must be an integer >= {least}, got {value!r}")
+    if batch > MAX_BATCH:
+        raise InvalidArgumentError(f"batch must be at most {MAX_BATCH:,} requests per forward, got {batch:,}")
     g = rank_geometry(geometry, tp)
     hooks = _selected(plan, geometry, source)
     w = _workload(plan, tokens, new_tokens, batch)
@@ -257,6 +269,7 @@ def estimate_plan(plan: Any, geometry: Any, *, model: str, tokens: int = 512, ne
     stored_m = math.ceil(stored * requests)
     packs_m = max(1, math.ceil(records_m / DEFAULT_MAX_RECORDS), math.ceil(stored_m / DEFAULT_MAX_BYTES))
     prompt_ring = sum(h.ring_bytes_per_step for h in per_hook)
+    decode = _decode_tensor_bytes(g, hooks, w)
     return Estimate(
         model=model, tokens=tokens, new_tokens=new_tokens, batch=batch, tp=tp, hooks=per_hook, codec=codec,
         ratio=ratio, ratio_source="raw bytes: exact" if codec == "raw" else RATIO_SOURCE,
@@ -265,8 +278,8 @@ def estimate_plan(plan: Any, geometry: Any, *, model: str, tokens: int = 512, ne
         raw_bytes_per_million_tokens=math.ceil(raw * requests), stored_bytes_per_million_tokens=stored_m,
         records_per_million_tokens=records_m, packs_per_million_tokens=packs_m,
         catalog_rows_per_million_tokens=records_m + packs_m,
-        peak_step_bytes=_peak_step_bytes(g, hooks, w, prompt_ring),
-        largest_tensor_bytes=max(h.ring_bytes_per_step // len(h.layers) for h in per_hook),
+        peak_step_bytes=_peak_step_bytes(hooks, decode, prompt_ring),
+        largest_tensor_bytes=max([*(h.ring_bytes_per_step // len(h.layers) for h in per_hook), *decode.values()]),
         slot_bytes=plan.ring.slot_bytes, ring_slots=plan.ring.slots,
     )
 

@@ -21,7 +21,7 @@ import difflib
 import functools
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,39 +152,78 @@ def parse_plan(text: str, *, source: str = "<string>") -> CapturePlan:
     """Validate a plan document given as YAML text (``source`` names it in errors)."""
     import yaml
 
+    loader = _strict_loader()(text)
     try:
-        doc = yaml.load(text, Loader=_strict_loader())  # noqa: S506 - a SafeLoader subclass
-    except _DuplicateKey as exc:
-        raise PlanError(source, exc.path, f"key {exc.key!r} appears twice (line {exc.line})") from None
+        node = loader.get_single_node()
+        if node is not None:
+            _check_keys(loader, node, "(document)", source, set())
+        doc = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
         raise PlanError(source, "(document)", f"not valid YAML: {' '.join(str(exc).split())}") from exc
+    except RecursionError as exc:
+        raise PlanError(source, "(document)", "nested too deeply to be a plan") from exc
+    finally:
+        loader.dispose()
     return _Reader(source).plan(doc)
 
 
-class _DuplicateKey(Exception):
-    def __init__(self, key: Any, line: int, path: str):
-        super().__init__(key)
-        self.key, self.line, self.path = key, line, path
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _check_keys(loader: Any, node: Any, path: str, source: str, seen_nodes: set[int]) -> None:
+    """Refuse, at its full field path, a key written twice in one mapping (PyYAML keeps the
+    last) and a key that is not a plain scalar (a list or mapping as a key cannot name a
+    field, and is not hashable). Merge keys (``<<``) are not keys of their own: the
+    mapping's own keys override what they merge, as YAML defines. Walked on the node tree
+    before construction, where the path is known; an aliased node is walked once."""
+    import yaml
+
+    if id(node) in seen_nodes:
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_keys(loader, item, f"{path}[{i}]", source, seen_nodes)
+        return
+    if not isinstance(node, yaml.MappingNode):
+        return
+    keys = set()
+    for key_node, value_node in node.value:
+        if key_node.tag == _MERGE_TAG:
+            _check_keys(loader, value_node, path, source, seen_nodes)
+            continue
+        line = key_node.start_mark.line + 1
+        key = loader.construct_object(key_node) if isinstance(key_node, yaml.ScalarNode) else []
+        if not isinstance(key, Hashable):
+            raise PlanError(source, path, f"a key must be a field name; got a {key_node.id} (line {line})")
+        where = f"{path}.{key}" if path != "(document)" else str(key)
+        if key in keys:
+            raise PlanError(source, where, f"key {key!r} appears twice (line {line})")
+        keys.add(key)
+        _check_keys(loader, value_node, where, source, seen_nodes)
 
 
 @functools.cache
 def _strict_loader():
-    """A ``yaml.SafeLoader`` that refuses duplicate keys (built on first use: importing this
-    module loads no YAML)."""
+    """A ``yaml.SafeLoader`` that reads integers as YAML 1.2 does (built on first use:
+    importing this module loads no YAML)."""
     import yaml
 
     class StrictLoader(yaml.SafeLoader):
-        """PyYAML keeps the last of two equal keys; a plan refuses them."""
+        """Integers in decimal unless written ``0x`` / ``0b``: YAML 1.1 (PyYAML) reads ``010``
+        as the octal 8, YAML 1.2 as 10, and a plan means what it shows."""
 
-        def construct_mapping(self, node, deep=False):
-            seen = set()
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=deep)
-                if key in seen:
-                    raise _DuplicateKey(key, key_node.start_mark.line + 1, str(key))
-                seen.add(key)
-            return super().construct_mapping(node, deep=deep)
+        def construct_yaml_int(self, node):
+            text = self.construct_scalar(node).replace("_", "")
+            sign, digits = (-1, text[1:]) if text[:1] == "-" else (1, text.removeprefix("+"))
+            base = {"0x": 16, "0b": 2}.get(digits[:2], 10)
+            try:
+                return sign * int(digits[2:] if base != 10 else digits, base)
+            except ValueError as exc:  # an explicit `!!int` on text that is no integer
+                raise yaml.constructor.ConstructorError(None, None, f"not an integer: {text!r}",
+                                                        node.start_mark) from exc
 
+    StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
     # YAML 1.1 reads `8:24` as the base-60 integer 504: a layer range written unquoted would
     # silently become one layer. Plans read integers as YAML 1.2 does (no sexagesimal form).
     StrictLoader.yaml_implicit_resolvers = {
@@ -193,7 +232,7 @@ def _strict_loader():
     }
     StrictLoader.add_implicit_resolver(
         "tag:yaml.org,2002:int",
-        re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+        re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?[0-9][0-9_]*|[-+]?0x[0-9a-fA-F_]+)$"),
         list("-+0123456789"),
     )
     return StrictLoader

@@ -25,7 +25,9 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 import secrets
+import socket
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -36,12 +38,23 @@ from urllib.parse import parse_qs, urlsplit
 
 from dmi.storage.errors import DMIError, InvalidArgumentError, PlanError
 
-__all__ = ["UIConfig", "UIServer", "is_loopback", "start_server"]
+__all__ = ["UIConfig", "UIServer", "is_loopback", "is_unspecified", "start_server"]
 
 _MAX_BODY = 1 << 20
+_BODY_TIMEOUT_S = 30.0
+"""How long a connection may stall (request line, headers or body) before it is dropped."""
 _ONE_AT_A_TIME = threading.Lock()
 """Endpoints run one at a time: the catalog serialises its statements anyway, and lazy
 imports (``transformers``) are not safe to race from two request threads."""
+
+
+def is_unspecified(host: str) -> bool:
+    """Whether ``host`` is the any-address (``0.0.0.0``, ``::``): the server answers on every
+    interface, under whatever name or address a client reached it by."""
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
 
 
 def is_loopback(host: str) -> bool:
@@ -129,11 +142,19 @@ def start_server(config: UIConfig, host: str = "127.0.0.1", port: int = 0, *, sc
     assert httpd is not None
     httpd.daemon_threads = True
     bound = httpd.server_address[1]
-    shown = f"[{host}]" if ":" in host else host
+    shown = _shown_host(host)
     url = f"http://{shown}:{bound}/" + (f"?token={config.token}" if config.token else "")
     thread = threading.Thread(target=httpd.serve_forever, name="dmi-ui", daemon=True)
     thread.start()
     return UIServer(httpd, url, thread, stores)
+
+
+def _shown_host(host: str) -> str:
+    """The host part of the printed URL: the machine's name for the any-address (a browser
+    cannot open ``http://0.0.0.0:port/`` from another machine), brackets around IPv6."""
+    if is_unspecified(host):
+        return socket.gethostname()
+    return f"[{host}]" if ":" in host else host
 
 
 def _handler(config: UIConfig, stores: _StoreHolder) -> type[BaseHTTPRequestHandler]:
@@ -148,6 +169,8 @@ class _Handler(BaseHTTPRequestHandler):
     ui: UIConfig
     store_holder: _StoreHolder
     server_version = "dmi-ui"
+    timeout = _BODY_TIMEOUT_S  # StreamRequestHandler sets it on the socket: a stalled client frees its thread
+    payload: dict[str, Any] | None = None  # a POST's JSON body, read before the endpoint lock
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         """Quiet: the terminal shows the URL, not a line per request."""
@@ -167,6 +190,8 @@ class _Handler(BaseHTTPRequestHandler):
             route = _ROUTES.get((method, url.path))
             if route is None:
                 raise _Refused(HTTPStatus.NOT_FOUND, f"no {method} {url.path}")
+            if method == "POST":
+                self.payload = self._read_body()  # outside the lock: a slow client delays only itself
             with _ONE_AT_A_TIME:
                 status, ctype, body = route(self, query)
         except _Refused as exc:
@@ -204,8 +229,7 @@ class _Handler(BaseHTTPRequestHandler):
             given = self.headers.get("X-DMI-Token") or query.get("token") or ""
             if not secrets.compare_digest(given, self.ui.token):
                 raise _Refused(HTTPStatus.FORBIDDEN, "missing or wrong token (use the URL dmi ui printed)")
-        host, port = self.server.server_address[:2]
-        allowed = {f"{h}:{port}" for h in (host, f"[{host}]", "localhost", "127.0.0.1", "[::1]")}
+        allowed = self._allowed_hosts()
         if self.headers.get("Host") not in allowed:
             raise _Refused(HTTPStatus.FORBIDDEN, "request for another host refused")
         origin = self.headers.get("Origin")
@@ -214,12 +238,35 @@ class _Handler(BaseHTTPRequestHandler):
         if method == "POST" and self.headers.get("Content-Type", "").split(";")[0].strip() != "application/json":
             raise _Refused(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "POST bodies must be application/json")
 
-    def body(self) -> dict[str, Any]:
-        length = int(self.headers.get("Content-Length") or 0)
+    def _allowed_hosts(self) -> set[str]:
+        """The ``Host`` (and ``Origin``) values a request may carry.
+
+        Bound to one address: that address and the loopback names, so a page on another site
+        that rebinds its DNS name to this machine is refused. Bound to the any-address (which
+        needs the token): the name the client used, whatever it is — the server answers on
+        every interface under any name, and the token, which a rebinding page cannot know,
+        is the guard."""
+        host, port = self.server.server_address[:2]
+        if is_unspecified(host) and self.ui.token is not None:
+            return {self.headers.get("Host") or ""}
+        return {f"{h}:{port}" for h in (host, f"[{host}]", "localhost", "127.0.0.1", "[::1]")}
+
+    def _read_body(self) -> dict[str, Any]:
+        """The request's JSON object body; a ``Content-Length`` that is not a decimal byte
+        count is 400 (``-1`` would read until the client closes), over :data:`_MAX_BODY` 413,
+        a body that stalls past :data:`_BODY_TIMEOUT_S` 408."""
+        text = (self.headers.get("Content-Length") or "0").strip()
+        if not re.fullmatch(r"[0-9]{1,20}", text):
+            raise _Refused(HTTPStatus.BAD_REQUEST, f"Content-Length must be a byte count; got {text[:40]!r}")
+        length = int(text)
         if length > _MAX_BODY:
             raise _Refused(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "body too large")
         try:
-            value = json.loads(self.rfile.read(length) or b"{}")
+            raw = self.rfile.read(length)
+        except TimeoutError as exc:
+            raise _Refused(HTTPStatus.REQUEST_TIMEOUT, f"body not received within {self.timeout:g} s") from exc
+        try:
+            value = json.loads(raw or b"{}")
         except ValueError as exc:
             raise _Refused(HTTPStatus.BAD_REQUEST, f"body is not JSON: {exc}") from None
         if not isinstance(value, dict):
@@ -291,7 +338,7 @@ def _estimate(h: _Handler, query: dict[str, str]):
     from dmi._describe import model_geometry, read_model_config
     from dmi._estimate import estimate_plan
 
-    body = h.body()
+    body = h.payload
     plan = _parse(h, body)
     name = _allowed_model(h, plan.model or h.ui.models[0])
     where, config = read_model_config(name)
@@ -305,7 +352,7 @@ def _save(h: _Handler, query: dict[str, str]):
 
     if not h.ui.plan_path:
         raise _Refused(HTTPStatus.CONFLICT, "no plan path was named at launch (dmi ui --plan FILE)")
-    plan = _parse(h, h.body())
+    plan = _parse(h, h.payload)
     text = dump_plan(plan)
     with open(h.ui.plan_path, "w", encoding="utf-8") as handle:
         handle.write(text)

@@ -109,6 +109,23 @@ def test_offered_hooks_leave_out_routers_on_dense_models():
     assert "router_logits" not in offered_hooks(dense) and "mlp_post" in offered_hooks(dense)
 
 
+_LLAMA = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 10}
+
+
+@pytest.mark.parametrize(("field", "value"), [("hidden_size", "4096"), ("num_hidden_layers", 2.0),
+                                              ("num_attention_heads", True), ("vocab_size", -1),
+                                              ("num_key_value_heads", [2]), ("intermediate_size", 1.5),
+                                              ("n_embd", "32"), ("num_experts_per_tok", 2.0)])
+def test_sizes_must_be_integers(field, value, tmp_path):
+    """A size the config gives as a string, float or bool is refused naming the field — not a
+    raw TypeError from the shape arithmetic, nor a float layer count taken as given."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**_LLAMA, field: value}))
+    with pytest.raises(InvalidArgumentError) as info:
+        describe_model(str(path))
+    assert str(info.value) == f"{path}: {field} must be a non-negative integer; got {value!r}"
+
+
 @pytest.mark.parametrize(("config", "words"), [
     ({"model_type": "t5", "is_encoder_decoder": True, "d_model": 512}, "model type 't5' is an encoder-decoder"),
     ({"model_type": "bart", "d_model": 16}, "model type 'bart' is an encoder-decoder"),
@@ -177,6 +194,10 @@ def test_cli_builtin_model_and_refusal(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "is_encoder_decoder": True}))
     rc, out, err = _cli("describe-model", str(tmp_path))
     assert rc == 2 and out == "" and "encoder-decoder" in err and err.count("\n") == 1
+    (tmp_path / "config.json").write_text(json.dumps({**_LLAMA, "hidden_size": "4096"}))
+    rc, out, err = _cli("describe-model", str(tmp_path))
+    assert (rc, out) == (2, "") and err == f"dmi: error: {tmp_path / 'config.json'}: hidden_size must be a " \
+                                          "non-negative integer; got '4096'\n"
 
 
 def test_cli_yaml_writes_hooks_as_blocks_and_shapes_on_one_line():

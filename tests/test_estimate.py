@@ -17,6 +17,7 @@ import dmi
 from dmi._describe import model_geometry, read_model_config
 from dmi._estimate import (
     DECODE_CHUNK_BYTES,
+    MAX_BATCH,
     MEASURED_RATIOS,
     RATIO_SOURCE,
     estimate_plan,
@@ -95,6 +96,40 @@ def test_generate_matches_a_real_capture(schedule, chunk, home, tmp_path):
     est = _estimate(model, text, 5, tmp_path)
     stored, _ = _capture(home, model, text, f"gen-{abs(hash(schedule)) % 10**6}-{chunk}", 5)
     assert _per_hook(est) == stored
+
+
+def test_decode_only_largest_tensor_is_the_largest_a_real_decode_step_reserves(home, tmp_path, monkeypatch):
+    """A decode-only plan reserves nothing at the prompt; its largest (hook, layer) tensor is a
+    decode step's (the last one's attention pattern), and it does not fit a 64-byte slot."""
+    from dmi.capture._ring import Ring
+
+    sizes = []
+    reserve = Ring.reserve
+
+    def recording(self, nbytes, **kwargs):
+        sizes.append(nbytes)
+        return reserve(self, nbytes, **kwargs)
+
+    monkeypatch.setattr(Ring, "reserve", recording)
+    model = tiny("llama", attn="eager")
+    text = ("version: 1\nhooks: [resid_post, attn_pattern, logits]\nlayers: '1:3'\nschedule: {phases: [decode]}\n"
+            "ring: {slot_bytes: 64}\n")
+    est = _estimate(model, text, 5, tmp_path)
+    stored, _ = _capture(home, model, text, "decode-only", 5)
+    assert _per_hook(est) == stored
+    assert est.largest_tensor_bytes == -(-max(sizes) // 16) * 16 > 64  # the ring rounds each up to 16
+    assert (est.fits_slot, est.step_fits_ring) == (False, False)
+    assert all(h.ring_bytes_per_step == 0 for h in est.hooks)  # nothing reserved at the prompt
+
+
+def test_batch_is_bounded():
+    """A step plan holds one entry per request: an unbounded batch once kept the UI's endpoint
+    lock for minutes."""
+    plan = parse_plan("version: 1\nhooks: [resid_post]\n")
+    assert estimate_plan(plan, LLAMA_8B, model="m", tokens=1, batch=MAX_BATCH).batch == MAX_BATCH == 65_536
+    with pytest.raises(InvalidArgumentError, match="batch must be at most 65,536 requests per forward, "
+                                                   "got 65,537"):
+        estimate_plan(plan, LLAMA_8B, model="m", batch=MAX_BATCH + 1)
 
 
 def test_decode_chunk_bound_is_the_drains():

@@ -73,10 +73,25 @@ def test_attach_options_are_the_capture_keywords():
 
 
 @pytest.mark.parametrize(("written", "layers"), [("8:24", range(8, 24)), ("1:4", range(1, 4)), ("'1:4'", range(1, 4)),
-                                                 ("12", (12,)), ("[0x1, 010]", (1, 8))])
+                                                 ("12", (12,)), ("[0x1, 0b11, 010]", (1, 3, 10))])
 def test_layer_ranges_are_never_base_60_integers(written, layers):
     """YAML 1.1 reads ``8:24`` as 504; a plan reads it as the range it looks like."""
     assert parse_plan(f"{BASE}layers: {written}\n").layers == layers
+
+
+@pytest.mark.parametrize(("written", "value"), [("010", 10), ("0_8", 8), ("-010", -10), ("+012", 12), ("0x10", 16),
+                                                ("!!int 010", 10)])
+def test_zero_padded_integers_are_decimal(written, value):
+    """YAML 1.2 reads ``010`` as 10; PyYAML (YAML 1.1) as the octal 8. A plan reads what it shows."""
+    assert parse_plan(f"{BASE}layers: [{written}]\n").layers == (value,)
+    assert parse_plan(f"{BASE}schedule: {{warmup: {written.lstrip('-')}}}\n").schedule.warmup == abs(value)
+
+
+def test_merge_keys_merge_and_the_mappings_own_keys_win():
+    plan = parse_plan(BASE + "schedule: &base {step_stride: 2}\nring:\n  <<: [{slots: 2, timeout: 5}, {slot_bytes: 64}]\n"
+                             "  slots: 3\n")
+    assert plan.ring == RingPlan(slots=3, slot_bytes=64, timeout=5.0)
+    assert parse_plan(BASE + "ring: &r {slots: 2}\nschedule: {<<: {warmup: 4}}\n").schedule.warmup == 4
 
 
 def test_hooks_may_be_one_string():
@@ -126,6 +141,12 @@ REJECTED = [
     (BASE + "run_id: [a]\n", "run_id", "non-empty string"),
     (BASE + "decode_chunk_steps: 0\n", "decode_chunk_steps", "at least 1"),
     (BASE + "hooks: [embed]\n", "hooks", "appears twice (line 3)"),
+    ("version: 1\n? [a, b]\n: 1\n", "(document)", "a key must be a field name; got a sequence (line 2)"),
+    (BASE + "schedule:\n  ? {x: 1}\n  : 2\n", "schedule", "a key must be a field name; got a mapping (line 4)"),
+    (BASE + "ring:\n  slots: 2\n  slots: 3\n", "ring.slots", "key 'slots' appears twice (line 5)"),
+    (BASE + "ring:\n  <<: {slots: 2, slots: 3}\n", "ring.slots", "key 'slots' appears twice (line 4)"),
+    ("version: 1\nhooks: [{a: 1, a: 2}]\n", "hooks[0].a", "key 'a' appears twice (line 2)"),
+    (BASE + "model: " + "[" * 5000 + "]" * 5000 + "\n", "(document)", "nested too deeply"),
     ("- version: 1\n", "(document)", "mapping"),
     ("version: [1\n", "(document)", "not valid YAML"),
 ]

@@ -4,9 +4,12 @@ written, and the guards (token off loopback, Host, Origin, JSON bodies) refuse f
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.client
 import shutil
 import json
+import socket
+import time
 from urllib.parse import urlsplit
 
 import pytest
@@ -16,7 +19,7 @@ import dmi
 from dmi._describe import describe_model
 from dmi._estimate import estimate_plan_file
 from dmi._models import BUILTIN_MODELS
-from dmi._ui import UIConfig, is_loopback, start_server
+from dmi._ui import UIConfig, _Handler, is_loopback, is_unspecified, start_server
 from dmi.storage.errors import CatalogError, InvalidArgumentError
 from tests._models import left_padded_batch, tiny
 
@@ -45,9 +48,9 @@ def server(home, tmp_path):
     srv.close()
 
 
-def _call(url: str, method: str = "GET", path: str = "/", body=None, headers=None):
+def _call(url: str, method: str = "GET", path: str = "/", body=None, headers=None, timeout: float = 60):
     parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
     data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
     hdrs = {"Content-Type": "application/json"} if body is not None else {}
     hdrs.update(headers or {})
@@ -165,6 +168,59 @@ def test_unknown_route_and_bad_body(server):
     assert status == 400 and "not JSON" in err["error"]
 
 
+def _raw_request(port: int, head: str, *, timeout: float = 5.0) -> tuple[int, dict]:
+    """Send ``head`` (request line and headers, no body) and read the answer; the socket stays
+    open for writing, as a client that never sends its body leaves it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as conn:
+        conn.sendall(head.encode() + b"\r\n")
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+@pytest.mark.parametrize("length", ["-1", "abc", "+5", "1e3", "1_0"])
+def test_a_bad_content_length_is_400_at_once_and_blocks_nobody(server, length):
+    """``Content-Length: -1`` once made the server read until the client closed, holding the
+    endpoint lock, so every other request waited; ``abc`` was a 500. Now both are refused
+    before anything is read, while another client is answered."""
+    srv, _ = server
+    port = urlsplit(srv.url).port
+    head = (f"POST /api/estimate HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        bad = pool.submit(_raw_request, port, head)
+        time.sleep(0.2)  # the bad request has reached the server
+        status, _, doc = _call(srv.url, path="/api/describe?model=tiny-llama", timeout=5)
+        assert status == 200 and doc == json.loads(json.dumps(describe_model("tiny-llama").as_dict()))
+        status, err = bad.result()
+    assert time.monotonic() - started < 5
+    assert status == 400 and "Content-Length must be a byte count" in err["error"]
+
+
+def test_a_stalled_body_holds_no_lock_and_times_out(server, monkeypatch):
+    """A client that announces a body and never sends it delays only itself: other requests
+    are answered meanwhile, and its own connection is answered 408 after the socket timeout."""
+    assert _Handler.timeout == 30.0  # the socket timeout every connection gets (None: wait forever)
+    monkeypatch.setattr(_Handler, "timeout", 1.0)  # shortened to keep the test quick
+    srv, _ = server
+    port = urlsplit(srv.url).port
+    head = (f"POST /api/estimate HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: 100\r\n")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        stalled = pool.submit(_raw_request, port, head, timeout=10)
+        time.sleep(0.2)  # the stalled request is being read
+        status, _, doc = _call(srv.url, "POST", "/api/estimate", {"plan": PLAN, "tokens": 4}, timeout=5)
+        assert status == 200 and doc["tokens"] == 4
+        assert time.monotonic() - started < 1.0  # answered while the other body was still awaited
+        status, err = stalled.result()
+    assert status == 408 and "not received within 1 s" in err["error"]
+    assert 1.0 <= time.monotonic() - started < 5
+
+
 def test_off_loopback_needs_the_token(home):
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and not is_loopback("0.0.0.0")
     config = UIConfig(plan_path=None, models=("tiny-llama",), open_store=None, token=None)
@@ -183,6 +239,47 @@ def test_off_loopback_needs_the_token(home):
         status, _, session = _call(local, path="/api/session?token=s3cret", headers=host)
         assert status == 200 and session["store"] is False and session["plan_path"] is None
         assert _call(local, path="/api/session", headers={**host, "X-DMI-Token": "s3cret"})[0] == 200
+    finally:
+        srv.close()
+
+
+def _interface_address() -> str | None:
+    """A non-loopback IPv4 address of this machine, if it has one (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if is_loopback(address) or is_unspecified(address) else address
+
+
+def test_any_address_bind_answers_every_host_name_with_the_token():
+    """``--host 0.0.0.0`` serves other machines: a browser there sends the name or address it
+    used as ``Host`` (never ``0.0.0.0``); with the token required, any Host is served and the
+    printed URL names this machine. Origin must still be the page's own."""
+    config = UIConfig(plan_path=None, models=("tiny-llama",), open_store=None, token="s3cret")
+    srv = start_server(config, "0.0.0.0", 0)
+    try:
+        port = urlsplit(srv.url).port
+        assert srv.url == f"http://{socket.gethostname()}:{port}/?token=s3cret"
+        local = f"http://127.0.0.1:{port}/"
+        name = f"workstation.example:{port}"
+        token = {"X-DMI-Token": "s3cret"}
+        status, _, session = _call(local, path="/api/session", headers={**token, "Host": name})
+        assert status == 200 and session["models"] == ["tiny-llama"]
+        status, _, doc = _call(local, "POST", "/api/estimate", {"plan": PLAN, "tokens": 4},
+                               headers={**token, "Host": name, "Origin": f"http://{name}"})
+        assert status == 200 and doc["tokens"] == 4
+        status, _, err = _call(local, "POST", "/api/estimate", {"plan": PLAN},
+                               headers={**token, "Host": name, "Origin": "http://evil.example"})
+        assert status == 403 and "cross-origin" in err["error"]
+        status, _, err = _call(local, path="/api/session", headers={"Host": name})
+        assert status == 403 and "token" in err["error"]
+        address = _interface_address()
+        if address is not None:  # a real connection through another interface, Host as a browser sends it
+            status, _, session = _call(f"http://{address}:{port}/", path="/api/session?token=s3cret")
+            assert status == 200 and session["models"] == ["tiny-llama"]
     finally:
         srv.close()
 
