@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
@@ -73,3 +75,16 @@ class MemoryWriter:
 
     def by(self, hook, request_id=None):
         return [(k, d) for k, d, _ in self.records if k.hook == hook and (request_id is None or k.request_id == request_id)]
+
+
+class GatedWriter(MemoryWriter):
+    """Holds the drain thread inside its first append until the test opens ``gate``: the ring's
+    slots stay taken, so the next reservation waits or is dropped, every run (no timer, no race)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def append(self, key, data, *, shard=None, token_axis=0, key_axis=None):
+        self.gate.wait(30)
+        super().append(key, data, shard=shard, token_axis=token_axis, key_axis=key_axis)

@@ -11,7 +11,7 @@ import torch
 
 import dmi
 
-from ._models import MemoryWriter, left_padded_batch, tiny
+from ._models import GatedWriter, MemoryWriter, left_padded_batch, tiny
 from dmi.capture import HOOKS, GROUPS, Schedule, attach, resolve_hooks, resolve_layers
 from dmi.storage import PackStore
 from dmi.capture._drain import Drain
@@ -252,20 +252,12 @@ def test_step_plan_bytes_rounded_per_hook_match_reservations():
 
 
 # -- ring and drain -------------------------------------------------------------------------------
-class BlockingWriter(MemoryWriter):
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-
-    def append(self, key, data, *, shard=None, token_axis=0, key_axis=None):
-        self.gate.wait(30)
-        super().append(key, data, shard=shard)
 
 
 def test_full_ring_waits_then_raises_ring_full():
     model = tiny("llama")
     ids, mask = left_padded_batch()
-    w = BlockingWriter()  # the drain stays blocked until the error is in hand: no timer, no race
+    w = GatedWriter()  # the drain stays blocked until the error is in hand: no timer, no race
     try:
         with pytest.raises(RingFullError, match="ring"):
             with attach(model, hooks="resid_post", writer=w, ring_slots=2, slot_bytes=1024,
@@ -296,7 +288,7 @@ def _open_gate_once_the_producer_waits(ring, gate: threading.Event) -> threading
 def test_full_ring_lossless_by_default_when_the_drain_catches_up():
     model = tiny("llama")
     ids, mask = left_padded_batch()
-    w = BlockingWriter()
+    w = GatedWriter()
     with attach(model, hooks="resid_post", writer=w, ring_slots=1, slot_bytes=1024, decode_chunk_steps=1) as cap:
         watcher = _open_gate_once_the_producer_waits(cap.ring, w.gate)
         cap.generate(ids, attention_mask=mask, max_new_tokens=4)

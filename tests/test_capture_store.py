@@ -11,7 +11,7 @@ import torch
 from dmi.capture import attach
 from dmi.reader import assemble, read_records
 
-from ._models import MemoryWriter, left_padded_batch, tiny
+from ._models import GatedWriter, left_padded_batch, tiny
 
 N_NEW = 4
 
@@ -75,21 +75,11 @@ def test_bf16_capture_under_inference_mode(store_and_catalog):
         assert e[0].meta.key.phase == "forward" and e[0].meta.shape == (ids.shape[1] - pads[i], 2, 8)
 
 
-class BlockingWriter(MemoryWriter):
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-
-    def append(self, key, data, *, shard=None, token_axis=0, key_axis=None):
-        self.gate.wait(30)
-        super().append(key, data, shard=shard)
-
-
 def test_drop_policy_counts_every_dropped_record_in_the_catalog(store_and_catalog):
     _, catalog = store_and_catalog
     model = tiny("llama")
     ids, mask = left_padded_batch()
-    w = BlockingWriter()
+    w = GatedWriter()
     with attach(model, hooks="resid_post", writer=w, ring_slots=1, slot_bytes=1024, drop_policy="drop",
                 catalog=catalog, model_id="m-drop", decode_chunk_steps=1) as cap:
         cap.generate(ids, attention_mask=mask, max_new_tokens=4)

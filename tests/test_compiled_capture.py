@@ -15,13 +15,12 @@ Models are tiny (2 layers, hidden 32) and the inductor-compiled model is built o
 
 from __future__ import annotations
 
-import threading
 import types
 
 import pytest
 import torch
 
-from ._models import MemoryWriter, left_padded_batch, tiny
+from ._models import GatedWriter, MemoryWriter, left_padded_batch, tiny
 from dmi.capture import Schedule, attach
 from dmi.capture._compiled import compiled_form, ring_write
 from dmi.storage.errors import AttachError, CaptureError, HookSelectionError, InvalidArgumentError
@@ -121,23 +120,10 @@ def test_steps_the_schedule_skips_stage_nothing():
     assert len(w.records) == 3 * 2  # requests × layers, prefill only
 
 
-class _GatedWriter(MemoryWriter):
-    """Holds the drain thread inside its first append until the test opens the gate, so the
-    one ring slot stays taken and the next reservation is dropped, every run."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-
-    def append(self, key, data, *, shard=None, token_axis=0, key_axis=None):  # no codec=: never switched
-        self.gate.wait(30)
-        super().append(key, data, shard=shard, token_axis=token_axis, key_axis=key_axis)
-
-
 def test_ring_drop_policy_counts_losses_in_compiled_mode():
     model = _model()
     ids, mask = left_padded_batch()
-    w = _GatedWriter()
+    w = GatedWriter()
     with attach(model, hooks="resid_post", writer=w, compiled=True, ring_slots=1, slot_bytes=64,
                 drop_policy="drop") as cap:
         cap.forward(ids, attention_mask=mask)

@@ -32,7 +32,7 @@ from dmi.storage.errors import (
     RecordNotFoundError,
 )
 
-from ._models import MemoryWriter, tiny
+from ._models import GatedWriter, tiny
 
 VOCAB = 97  # tests/_models.SMALL
 WORDS = ["<pad>", "<s>", "</s>", "héllo", "wörld", "日本", "a$b$c", "tab\there", "new\nline", "ŉ", "x" * 30]
@@ -392,18 +392,6 @@ def test_tensor_parallel_ranks_copies_of_the_strings_are_read_once(tmp_path, tok
     assert got.tokens == tuple(tok.convert_ids_to_tokens(list(got.token_ids)))
 
 
-class _GatedWriter(MemoryWriter):
-    """Holds the drain at its first record until ``gate`` opens: the ring fills and drops."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-
-    def append(self, key, data, *, shard=None, token_axis=0, key_axis=None):
-        self.gate.wait(30)
-        super().append(key, data, shard=shard)
-
-
 def _capture_twice(tokenizer, writer, **options) -> dict:
     """Two greedy generates of ``PROMPTS`` (hooks resid_post at layer 0); returns the stats."""
     model = tiny("llama")
@@ -417,10 +405,10 @@ def _capture_twice(tokenizer, writer, **options) -> dict:
 
 def test_a_dropped_token_ids_record_counts_its_text_records_as_lost_too(store_and_catalog, tok):
     _, catalog = store_and_catalog
-    lossless = _GatedWriter()
+    lossless = GatedWriter()
     lossless.gate.set()
     _capture_twice(tok, lossless)
-    dropping = _GatedWriter()
+    dropping = GatedWriter()
     stats = _capture_twice(tok, dropping, ring_slots=1, slot_bytes=1024, drop_policy="drop",
                            catalog=catalog, model_id="m-drop-text")
     # calls x requests x (a prefill's 4 records: resid_post, token_ids, its text, the prompt's text;
