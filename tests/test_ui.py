@@ -180,6 +180,12 @@ def _raw_request(port: int, head: str, *, timeout: float = 5.0) -> tuple[int, di
     return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
 
 
+def _estimate_head(port: int, length) -> str:
+    """The headers of a POST to /api/estimate announcing ``length`` body bytes (``_raw_request`` ends them)."""
+    return (f"POST /api/estimate HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n")
+
+
 @pytest.mark.parametrize("length", ["-1", "abc", "+5", "1e3", "1_0"])
 def test_a_bad_content_length_is_400_at_once_and_blocks_nobody(server, length):
     """``Content-Length: -1`` once made the server read until the client closed, holding the
@@ -187,8 +193,7 @@ def test_a_bad_content_length_is_400_at_once_and_blocks_nobody(server, length):
     before anything is read, while another client is answered."""
     srv, _ = server
     port = urlsplit(srv.url).port
-    head = (f"POST /api/estimate HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {length}\r\n")
+    head = _estimate_head(port, length)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         started = time.monotonic()
         bad = pool.submit(_raw_request, port, head)
@@ -207,8 +212,7 @@ def test_a_stalled_body_holds_no_lock_and_times_out(server, monkeypatch):
     monkeypatch.setattr(_Handler, "timeout", 1.0)  # shortened to keep the test quick
     srv, _ = server
     port = urlsplit(srv.url).port
-    head = (f"POST /api/estimate HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: 100\r\n")
+    head = _estimate_head(port, 100)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         started = time.monotonic()
         stalled = pool.submit(_raw_request, port, head, timeout=10)
