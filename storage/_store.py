@@ -181,9 +181,12 @@ class _LocalPackInput(PackInput):
 
     def arrow_file(self) -> pa.NativeFile:
         """The file this input opened, not its path again: a pack deleted or replaced since
-        the open still reads as the one opened."""
+        the open still reads as the one opened. Reopened through ``/dev/fd`` where the system
+        has it, as an Arrow ``OSFile``: a ``PythonFile`` over the descriptor would make a Python
+        call of every read (``verify_pack`` reads whole packs through it)."""
         if self._file is None:
-            self._file = pa.PythonFile(os.fdopen(os.dup(self._fd), "rb"), mode="r")
+            by_fd = f"/dev/fd/{self._fd}"
+            self._file = pa.OSFile(by_fd if os.path.exists(by_fd) else self._path, "rb")
         return self._file
 
     def close(self) -> None:
