@@ -6,7 +6,9 @@ attention patterns and the MLP's intermediate activations are column-parallel â€
 of ``n`` holds the ``r``-th contiguous block of heads / features, blocks of
 ``ceil(full / n)`` as ``torch.chunk`` and DTensor's ``Shard`` cut them â€” and everything
 else (residual stream, block outputs, logits, routers) is replicated. k/v with fewer heads
-than ranks are replicated (transformers needs a ``"replicate"`` plan for them there).
+than ranks are replicated (transformers needs a ``"replicate"`` plan for them there). A
+record declared replicated must be the model's whole tensor: one that is not (vLLM's one
+head per rank for 2 key/value heads on 4 ranks) is refused, never stored as if whole.
 
 A model sharded by hand may cut differently; its author says how, per hook, with
 ``tp_layout={hook: TPShard(axis, offset, full) | TPReplicated()}`` (the small interface
@@ -69,6 +71,7 @@ class TPLayout:
         """The geometry of a record of ``shape`` this rank stores for ``hook`` (``None``:
         replicated). Raises :class:`CaptureError` when the record does not fit the layout."""
         if self.replicated(hook):
+            self._check_whole(hook, shape)
             return None
         said = self.overrides.get(hook)
         if said is None:
@@ -87,11 +90,31 @@ class TPLayout:
         full_shape[axis] = full
         return ShardGeometry(axis, offset, tuple(full_shape))
 
+    def _check_whole(self, hook: str, shape: tuple[int, ...]) -> None:
+        """A record declared replicated under tensor parallelism must be the model's whole
+        tensor: a rank holding only part of it (vLLM gives each rank one of 2 key/value heads
+        on 4 ranks) would otherwise be stored without geometry, and read back as if it were all."""
+        if self.size <= 1:
+            return
+        whole = self._catalogue_shape(hook, shape)
+        if tuple(shape) != whole:
+            raise CaptureError(
+                f"hook {hook!r} on TP rank {self.rank} of {self.size} is declared replicated (every rank holds the "
+                f"whole tensor, {whole}), but this rank's record has shape {tuple(shape)}: storing it without shard "
+                f"geometry would read back as the whole tensor. Say how the model is cut with "
+                f"tp_layout={{{hook!r}: TPShard(axis, offset, full)}}, or do not capture {hook!r}"
+            )
+
     def _catalogue_full(self, hook: str, shape: tuple[int, ...], axis: int) -> int:
         """The model's size along ``axis`` of ``hook``'s record, from the catalogue's shape rule."""
+        return self._catalogue_shape(hook, shape)[axis]
+
+    def _catalogue_shape(self, hook: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The model's whole record for ``hook`` with ``shape``'s tokens (and keys), from the
+        catalogue's shape rule."""
         spec = HOOKS[hook]
         kv = shape[spec.key_axis] if spec.key_axis is not None else None
-        return spec.record_shape(self.geometry, shape[spec.token_axis], kv)[axis]
+        return spec.record_shape(self.geometry, shape[spec.token_axis], kv)
 
 
 def _checked(overrides: dict, geometry: ModelGeometry) -> dict:

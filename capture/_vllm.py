@@ -33,7 +33,8 @@ import contextlib
 import os
 from time import perf_counter
 
-from dmi.storage.errors import CaptureError, InvalidArgumentError, RequestExistsError, VLLMConfigError
+from dmi.storage.errors import (CaptureError, HookSelectionError, InvalidArgumentError, RequestExistsError,
+                               VLLMConfigError)
 from dmi.storage.records import GLOBAL_LAYER
 
 from ._codec_choice import resolve_codecs
@@ -201,6 +202,7 @@ class VLLMCaptureSession(CaptureSession):
     def stats(self) -> dict:
         return {**super().stats, "requests": len(self.planner.sequence),
                 "recomputed_tokens_skipped": self.planner.recomputed_tokens,
+                "duplicate_request_ids": self.planner.duplicate_request_ids,
                 "logits_calls_ignored": self._logits_calls_ignored}
 
     # -- hooks ----------------------------------------------------------------------------------
@@ -349,12 +351,14 @@ def attach_vllm(
         _refuse_a_run_holding_records(catalog, model_id, run_id, tp_rank)
     _check_publish_interval(publish_interval)
     geometry = ModelGeometry.from_config(model.config, config.dtype)
+    _refuse_split_kv_heads(selection.hooks, geometry, tp_size)
     layout = TPLayout(geometry, tp_rank, tp_size, None)
     emitted = emitted_hooks(selection.hooks, layout, tp_replicas)
-    # the producer, in every pack's writer id (and the catalog's packs table): an audit re-runs a
-    # vLLM capture through Hugging Face under the vllm tolerance
-    writer_options = {"writer_id": f"{VLLM_WRITER_PREFIX}{run_id}", **(writer_options or {})}
     writer_options, hook_codecs = resolve_codecs(codec, writer_options, tuple(selection.hooks), geometry, False)
+    # checked above, before this merge (a writer_options that is no mapping would fail in it as a
+    # TypeError); the producer, in every pack's writer id (and the catalog's packs table): an audit
+    # re-runs a vLLM capture through Hugging Face under the vllm tolerance
+    writer_options = {"writer_id": f"{VLLM_WRITER_PREFIX}{run_id}", **(writer_options or {})}
     ctx = KeyContext(model_id, run_id, tp_rank, tp_size, geometry, layout=layout)
     options = _PipelineOptions(
         ring_slots=ring_slots, slot_bytes=slot_bytes, ring_timeout=ring_timeout, drop_policy=drop_policy,
@@ -371,6 +375,22 @@ def attach_vllm(
 
     with owned_session(model, type(model).__name__, ctx, options, make_session) as session:
         yield session
+
+
+def _refuse_split_kv_heads(hooks, geometry: ModelGeometry, tp_size: int) -> None:
+    """Refuse ``attn_k``/``attn_v`` when a sharded vLLM engine has more than one key/value
+    head but fewer than ranks: vLLM then gives each rank one of them (ranks 0-1 head 0, ranks
+    2-3 head 1 for 2 heads on 4 ranks), a layout neither split in blocks nor replicated, which
+    DMI cannot record as the model's whole tensor."""
+    kv = geometry.n_kv_heads
+    split = sorted(h for h in ("attn_k", "attn_v") if h in hooks)
+    if split and 1 < kv < tp_size:
+        raise HookSelectionError(
+            f"{' and '.join(split)} cannot be captured from this vLLM engine: its {kv} key/value heads are fewer "
+            f"than its {tp_size} tensor-parallel ranks, so vLLM gives each rank one copy of one head and no rank "
+            f"holds them all. Capture them with tensor_parallel_size <= {kv} (each rank then holds its block of "
+            "heads), or from a model with one key/value head; the other hooks are unaffected"
+        )
 
 
 def _refuse_a_run_holding_records(catalog, model_id: str, run_id: str, tp_rank: int) -> None:

@@ -71,6 +71,8 @@ class VLLMPlanner:
     next_position: dict[str, int] = field(default_factory=dict)  # engine id -> first uncaptured position
     sequence: dict[str, int] = field(default_factory=dict)  # engine id -> order first seen
     request_ids: dict[str, str] = field(default_factory=dict)  # engine id -> DMI request id
+    taken: set[str] = field(default_factory=set)  # every DMI request id given in this session
+    duplicate_request_ids: int = 0  # requests stored under their engine id: their own id was taken
 
     def plan(self, batch: BatchView) -> StepPlans | None:
         """The plans for one forward (``None``: nothing of it is captured)."""
@@ -109,13 +111,25 @@ class VLLMPlanner:
             self.next_position.pop(engine_id, None)
             self.request_ids.pop(engine_id, None)
 
+    def _assign(self, engine_id: str) -> str:
+        """The DMI request id of a request first seen: the id vLLM returned (``to_request_id``),
+        or, when an earlier request of this session already holds it — vLLM accepts a reused
+        request id (a client retrying with the same ``X-Request-Id``) and only appends its own
+        random suffix — the full engine id, so that two requests never share one id's records."""
+        rid = self.to_request_id(engine_id)
+        if rid in self.taken:
+            rid = engine_id
+            self.duplicate_request_ids += 1
+        self.taken.add(rid)
+        return rid
+
     def _kept(self, engine_id: str, batch: BatchView, i: int, forward_index: int):
         """``(phase, first row, end row, first position)`` of request ``i``'s captured span, or None."""
         lo, hi = batch.query_start_loc[i], batch.query_start_loc[i + 1]
         position = batch.num_computed[i]
         if engine_id not in self.sequence:
             self.sequence[engine_id] = len(self.sequence)
-            self.request_ids[engine_id] = self.to_request_id(engine_id)
+            self.request_ids[engine_id] = self._assign(engine_id)
         seen = self.next_position.get(engine_id, 0)
         if position < seen:  # recomputed after preemption: those positions were captured already
             skip = min(seen - position, hi - lo)

@@ -53,7 +53,8 @@ import time
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
-from dmi.storage.errors import AttachError, InvalidArgumentError, VLLMConfigError
+from dmi.storage import errors
+from dmi.storage.errors import AttachError, DMIError, InvalidArgumentError, VLLMConfigError
 
 __all__ = ["CaptureExecutor", "CaptureMultiprocExecutor", "CaptureWorkerExtension", "WorkerCapture", "CAPTURE_ENV",
            "IDLE_PUBLISH_SECONDS"]
@@ -155,10 +156,12 @@ class CaptureMultiprocExecutor(MultiprocExecutor):
         self._dmi_rpc_lock = threading.RLock()
         super()._init_executor()
         try:
-            self.collective_rpc("dmi_attach", args=(None, None, options))
-        except RuntimeError as exc:  # vLLM's report of a worker's error (its log has the traceback)
+            _attached_or_raise(self.collective_rpc("dmi_attach", args=(None, None, options)))
+        except (RuntimeError, DMIError) as exc:  # RuntimeError: vLLM's report of a worker's crash (see its log)
             with contextlib.suppress(Exception):
                 self.collective_rpc("dmi_detach")
+            if isinstance(exc, DMIError):
+                raise
             raise AttachError(f"DMI could not attach in every vLLM worker: {exc}") from exc
         self._dmi_attached = True
         self._dmi_idle = _IdlePublisher(self._dmi_publish_buffered, IDLE_PUBLISH_SECONDS)
@@ -229,13 +232,18 @@ class CaptureWorkerExtension:
 
     def dmi_attach(self, catalog: str | None, packs: str | None, options: dict) -> dict:
         """Attach in this worker's process, to the store at ``catalog``/``packs`` (``None``: as
-        ``dmi.open()`` resolves it from the environment)."""
+        ``dmi.open()`` resolves it from the environment). A DMI error is returned as
+        ``{"error": class name, "message": ...}`` (:func:`_attached_or_raise` raises it again in
+        the caller's process): vLLM would turn it into a bare ``Exception``."""
         import dmi
 
         stack = contextlib.ExitStack()
         try:
             store = stack.enter_context(dmi.open(catalog, packs))
             session = stack.enter_context(store.capture_vllm(self, **options))
+        except DMIError as exc:
+            stack.close()
+            return {"error": type(exc).__name__, "message": str(exc)}
         except BaseException:
             stack.close()
             raise
@@ -286,11 +294,12 @@ class WorkerCapture:
     @property
     def stats(self) -> dict:
         """The workers' statistics, available after the ``with`` block: counts of records,
-        bytes and packs summed over the workers; ``forwards``, ``requests`` and
-        ``recomputed_tokens_skipped`` (every rank sees every step) as one worker counted them."""
+        bytes and packs summed over the workers; ``forwards``, ``requests``,
+        ``recomputed_tokens_skipped`` and ``duplicate_request_ids`` (every rank sees every step)
+        as one worker counted them."""
         if self.final_stats is None:
             raise InvalidArgumentError("a capture in other processes reports its statistics when it detaches")
-        per_engine = {"forwards", "requests", "recomputed_tokens_skipped"}
+        per_engine = {"forwards", "requests", "recomputed_tokens_skipped", "duplicate_request_ids"}
         return {k: (max if k in per_engine else sum)(s[k] for s in self.final_stats) for k in self.final_stats[0]}
 
     def _detached(self, stats: list) -> None:
@@ -314,16 +323,39 @@ def capture_in_workers(llm, *, catalog: str, packs: str, options: dict):
         )
     options = {"run_id": new_run_id(), **_plain(options)}  # one run across every rank
     try:
-        attached = llm.collective_rpc("dmi_attach", args=(catalog, packs, options))
-    except BaseException:
+        attached = _attached_or_raise(llm.collective_rpc("dmi_attach", args=(catalog, packs, options)))
+    except BaseException as exc:
         with contextlib.suppress(Exception):
             llm.collective_rpc("dmi_detach")
-        raise
+        if isinstance(exc, DMIError) or not isinstance(exc, Exception):
+            raise
+        raise AttachError(f"DMI could not attach in every vLLM worker: {exc}") from exc
     session = WorkerCapture(llm, attached)
     try:
         yield session
     finally:
         session._detached(llm.collective_rpc("dmi_detach"))
+
+
+def _attached_or_raise(replies: list[dict]) -> list[dict]:
+    """The workers' ``dmi_attach`` replies, or the first refusal among them raised as the DMI
+    error class the worker raised, with its message (a class this process cannot make from a
+    message alone: :class:`AttachError` naming it)."""
+    for reply in replies:
+        if "error" in reply:
+            raise _worker_error(reply["error"], reply["message"])
+    return replies
+
+
+def _worker_error(name: str, message: str) -> DMIError:
+    """The error a worker refused with, made again here from its class name and message."""
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, DMIError):
+        try:
+            return cls(message)
+        except TypeError:  # a class with fields of its own (PlanError, ...): its name is kept in the message
+            pass
+    return AttachError(f"a vLLM worker refused to attach ({name}): {message}")
 
 
 def _plain(options: dict) -> dict:

@@ -52,6 +52,37 @@ def test_a_record_that_does_not_fit_the_layout_is_refused():
         TPLayout(G, 1, 2).shard("attn_q", (5, 4, 8))
 
 
+G_KV2 = ModelGeometry("llama", n_layers=2, hidden=32, n_heads=8, n_kv_heads=2, head_dim=8, intermediate=50,
+                      vocab=97, dtype=torch.float32)
+
+
+def test_a_replicated_record_narrower_than_the_whole_tensor_is_refused():
+    """2 kv heads on 4 ranks: the catalogue calls attn_k replicated, but vLLM gives each rank
+    one head; a (5, 1, 8) record must not be stored as the whole (5, 2, 8) tensor."""
+    layout = TPLayout(G_KV2, 0, 4)
+    assert layout.replicated("attn_k") and layout.shard("attn_k", (5, 2, 8)) is None  # whole: kept
+    with pytest.raises(CaptureError, match=r"attn_k.*TP rank 0 of 4.*\(5, 2, 8\).*\(5, 1, 8\)"):
+        layout.shard("attn_k", (5, 1, 8))
+    with pytest.raises(CaptureError, match=r"resid_post.*\(5, 32\).*\(5, 16\)"):
+        layout.shard("resid_post", (5, 16))
+    assert TPLayout(G_KV2, 0, 1).shard("attn_k", (5, 1, 8)) is None  # no tensor parallelism: nothing to check
+
+
+def test_vllm_refuses_kv_hooks_when_kv_heads_are_split_between_fewer_ranks():
+    from dmi.capture._vllm import _refuse_split_kv_heads
+    from dmi.storage.errors import HookSelectionError
+
+    with pytest.raises(HookSelectionError, match=r"attn_k and attn_v .* 2 key/value heads .* 4 tensor-parallel"
+                                                 r".*tensor_parallel_size <= 2"):
+        _refuse_split_kv_heads({"attn_k": (0,), "attn_v": (0,), "attn_q": (0,)}, G_KV2, 4)
+    with pytest.raises(HookSelectionError, match=r"^attn_v cannot"):
+        _refuse_split_kv_heads({"attn_v": (0,)}, G_KV2, 4)
+    # what vLLM shards or replicates exactly is allowed
+    assert _refuse_split_kv_heads({"attn_k": (0,), "attn_v": (0,)}, G_KV2, 2) is None  # one head per rank
+    assert _refuse_split_kv_heads({"attn_k": (0,)}, G, 4) is None  # one kv head, copied on every rank
+    assert _refuse_split_kv_heads({"attn_q": (0,), "resid_post": (0,)}, G_KV2, 4) is None
+
+
 def test_hand_made_layout_overrides_the_catalogue():
     layout = TPLayout(G, 1, 2, {"attn_q": TPShard(axis=1, offset=3, full=4), "mlp_post": TPReplicated()})
     assert layout.shard("attn_q", (5, 1, 8)) == ShardGeometry(1, 3, (5, 4, 8))

@@ -2,7 +2,9 @@
 pipeline stages or decoding speculatively are refused; ``attach_vllm`` checks the pipeline
 arguments it shares with ``attach`` and its own ``publish_interval``; ``DMI_VLLM_CAPTURE`` is parsed strictly; a second logits
 computation in one step is counted, not captured; a run id that already holds records is refused
-(vLLM would reuse its request ids in it).
+(vLLM would reuse its request ids in it); ``writer_options`` is checked before it is used;
+parallel samples and a reused request id each keep their own records, under documented ids; a
+worker's refusal comes back as its own DMI error.
 
 Marked ``vllm`` (run with ``pytest -m vllm`` where vLLM is installed); real vLLM configuration
 objects and a real tiny engine in this process (``tests/_vllm.py``).
@@ -140,3 +142,86 @@ def test_a_run_id_that_holds_records_is_refused(llm, store):
     with store.capture_vllm(llm, hooks="resid_post", run_id="fresh") as cap:
         cap.generate(["hello"], params)
     assert store.catalog.runs(model_id) == ["fixed", "fresh"]
+
+
+def _fed(output, k: int = 0) -> list[int]:
+    """The tokens the model ran for sample ``k``: the prompt and every sampled token but the last."""
+    return list(output.prompt_token_ids) + list(output.outputs[k].token_ids[:-1])
+
+
+def test_parallel_samples_are_read_back_by_index_and_the_returned_id(llm, model_dir, store):
+    """``SamplingParams(n=2)``: vLLM runs one child request per sample, and each is stored as
+    ``"<k>_<request id>"`` (``k`` = ``output.outputs[j].index``), its own prompt and tokens;
+    the returned id alone names no request."""
+    from dmi.storage.errors import RecordNotFoundError
+
+    params = vllm.SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=1, ignore_eos=True)
+    with store.capture_vllm(llm, hooks="token_ids") as cap:
+        (out,) = cap.generate(["hello there"], params)
+    model_id = os.path.realpath(model_dir)
+    assert sorted(c.index for c in out.outputs) == [0, 1]
+    for k, sample in enumerate(out.outputs):
+        ids = store.get_internal(model_id, f"{sample.index}_{out.request_id}", "token_ids")
+        assert ids.flatten().tolist() == _fed(out, k)
+    assert sorted(r.request_id for r in store.requests(model_id, run_id=cap.run_id)) == [
+        f"0_{out.request_id}", f"1_{out.request_id}"]
+    with pytest.raises(RecordNotFoundError):
+        store.get_internal(model_id, out.request_id, "token_ids")
+
+
+def test_a_reused_request_id_keeps_each_requests_records_apart(llm, model_dir, store):
+    """vLLM accepts one request id twice (a client retrying with its ``X-Request-Id``): the
+    first request keeps the id, the second is stored under vLLM's engine id
+    (``"<id>-<8 characters>"``) and counted; each reads back its own tokens."""
+    params = vllm.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine = llm.llm_engine
+    with store.capture_vllm(llm, hooks="token_ids") as cap:
+        engine.add_request("dup", "first prompt", params)
+        engine.add_request("dup", "a second, longer and different prompt", params)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.finished]
+        cap.flush()
+        stats = cap.stats
+    model_id = os.path.realpath(model_dir)
+    first, second = sorted(outs, key=lambda o: len(o.prompt_token_ids))
+    assert [o.request_id for o in (first, second)] == ["dup", "dup"]  # what vLLM returns for both
+    stored = sorted(r.request_id for r in store.requests(model_id, run_id=cap.run_id))
+    assert stored[0] == "dup" and len(stored) == 2 and stored[1].startswith("dup-") and len(stored[1]) == 12
+    assert stats["duplicate_request_ids"] == 1
+    by_id = {rid: store.get_internal(model_id, rid, "token_ids").flatten().tolist() for rid in stored}
+    assert sorted(by_id.values(), key=len) == [_fed(first), _fed(second)]
+
+
+def test_a_workers_refusal_is_raised_as_its_own_dmi_error():
+    """A worker's ``dmi_attach`` returns a DMI error as its class name and message (vLLM would
+    report it as a bare ``Exception``): the caller raises that class with that message; a
+    name that is no DMI error, or a class that needs fields, becomes an ``AttachError`` naming it."""
+    from dmi.storage.errors import AttachError, HookSelectionError, PlanError
+    from dmi.vllm import _attached_or_raise
+
+    ok = [{"model_id": "m", "run_id": "r", "tp_rank": 0, "tp_size": 2}] * 2
+    assert _attached_or_raise(ok) == ok
+    for name, cls in (("HookSelectionError", HookSelectionError), ("InvalidArgumentError", InvalidArgumentError),
+                      ("RequestExistsError", RequestExistsError)):
+        with pytest.raises(cls, match=r"^unknown hook 'bogus'$") as info:
+            _attached_or_raise([ok[0], {"error": name, "message": "unknown hook 'bogus'"}])
+        assert type(info.value) is cls
+    for name in ("PlanError", "ValueError", "__class__"):
+        with pytest.raises(AttachError, match=rf"a vLLM worker refused to attach \({name}\): bad") as info:
+            _attached_or_raise([{"error": name, "message": "bad"}])
+        assert type(info.value) is AttachError and not isinstance(info.value, PlanError)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (5, r"writer_options must be a dict of PackWriter arguments, got 5"),
+    ({"bogus": 1}, r"writer_options \['bogus'\] are not PackWriter arguments"),
+])
+def test_attach_vllm_refuses_bad_writer_options(llm, store, bad, match):
+    """``writer_options`` is a mapping of the PackWriter arguments a capture sets; anything else
+    is refused by name before a hook is installed, not left to fail as a ``TypeError``."""
+    model = llm.collective_rpc(lambda w: w.model_runner.model)[0]
+    with pytest.raises(InvalidArgumentError, match=match):
+        with store.capture_vllm(llm, writer_options=bad):
+            pass  # pragma: no cover - refused before the block runs
+    assert not model._forward_pre_hooks and not model._forward_hooks

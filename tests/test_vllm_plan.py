@@ -103,3 +103,18 @@ def test_a_position_window_cuts_chunks_and_keeps_logits_only_for_a_kept_last_tok
     planner.plan(BatchView(("b-0123abcd",), (0, 6), (0,), (6,), 6))
     step = planner.plan(BatchView(("b-0123abcd",), (0, 1), (6,), (6,), 1))
     assert [(s.request_id, s.start) for p in step.logits_plans for s in p.spans] == [("b", 6)]
+
+
+def test_a_reused_request_id_is_stored_under_the_engine_id_not_merged():
+    """vLLM accepts one external id twice (a client retrying with the same X-Request-Id) and
+    only appends its random suffix: the second request is stored under its full engine id and
+    counted, so that no two requests share one DMI id — also after the first has finished."""
+    planner = _planner(hooks=("resid_post",))
+    step = planner.plan(BatchView(("dup-0123abcd", "dup-89abcdef"), (0, 2, 5), (0, 0), (2, 3), 5))
+    assert [s.request_id for s in step.token_plans[0].spans] == ["dup", "dup-89abcdef"]
+    planner.forget(["dup-0123abcd", "dup-89abcdef"])
+    step = planner.plan(BatchView(("dup-00000000",), (0, 4), (0,), (4,), 4))
+    assert [s.request_id for s in step.token_plans[0].spans] == ["dup-00000000"]
+    assert planner.duplicate_request_ids == 2
+    step = planner.plan(BatchView(("other-11111111",), (0, 1), (0,), (1,), 1))
+    assert [s.request_id for s in step.token_plans[0].spans] == ["other"] and planner.duplicate_request_ids == 2

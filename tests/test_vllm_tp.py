@@ -63,3 +63,17 @@ def test_an_engine_in_other_processes_without_the_extension_is_refused(tmp_path)
     })
     assert result["error"].startswith("VLLMConfigError")
     assert "worker_extension_cls='dmi.vllm.CaptureWorkerExtension'" in result["error"]
+
+
+def test_a_refusal_in_a_worker_process_comes_back_as_its_dmi_error(tmp_path):
+    """Workers in their own processes (the worker extension): a bad hook is refused in each
+    worker, and reaches the caller as ``HookSelectionError`` with the worker's message, not as
+    vLLM's bare ``Exception``; the engine still captures afterwards."""
+    model_dir = tiny_llama_dir(tmp_path)
+    result = capture_in_a_fresh_process({
+        "model": model_dir, "home": str(tmp_path / "home"), "hooks": "resid_post", "refuse_hooks": "bogus",
+        "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+        "engine": {"worker_extension_cls": "dmi.vllm.CaptureWorkerExtension"},
+    })
+    assert result["error"] == "" and result["fed"]
+    assert result["refused"].startswith("HookSelectionError: ") and "'bogus'" in result["refused"]
