@@ -38,14 +38,24 @@ from typing import Callable
 
 import torch
 
+from dmi.storage.errors import InvalidArgumentError
+
 __all__ = ["ModelGeometry", "HookSpec", "HOOKS", "GROUPS", "hook_names"]
 
 
-CONFIG_SIZE_FIELDS = ("num_hidden_layers", "n_layer", "hidden_size", "n_embd", "num_attention_heads", "n_head",
-                      "num_key_value_heads", "head_dim", "intermediate_size", "n_inner", "vocab_size",
-                      "num_local_experts", "num_experts", "num_experts_per_tok")
-"""The config fields :meth:`ModelGeometry.from_config` reads sizes from: whoever reads a
-config file (``dmi describe-model``, ``dmi estimate``) checks they are integers first."""
+_CONFIG_SIZE_FIELDS = ("num_hidden_layers", "n_layer", "hidden_size", "n_embd", "num_attention_heads", "n_head",
+                       "num_key_value_heads", "head_dim", "intermediate_size", "n_inner", "vocab_size",
+                       "num_local_experts", "num_experts", "num_experts_per_tok")
+"""The config fields :meth:`ModelGeometry.from_config` reads sizes from."""
+
+
+def _check_sizes(config) -> None:
+    """Refuse a size that is not a non-negative integer: a config file's ``"4096"`` would fail
+    deep in the shape arithmetic, and a ``2.0`` would give float shapes."""
+    for key in _CONFIG_SIZE_FIELDS:
+        value = getattr(config, key, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise InvalidArgumentError(f"{key} must be a non-negative integer; got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +76,9 @@ class ModelGeometry:
 
     @classmethod
     def from_config(cls, config, dtype: torch.dtype) -> "ModelGeometry":
+        """The geometry a config gives; :class:`InvalidArgumentError` for a size that is not a
+        non-negative integer."""
+        _check_sizes(config)
         get = lambda *names, default=0: next(  # noqa: E731
             (getattr(config, n) for n in names if getattr(config, n, None) is not None), default
         )

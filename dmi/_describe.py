@@ -118,23 +118,14 @@ def model_geometry(config: dict[str, Any], *, where: str = "the config", dtype: 
     name = dtype or config.get("torch_dtype") or config.get("dtype") or "float32"
     if name not in _DTYPES:
         raise InvalidArgumentError(f"{where}: dtype {name!r} is not one of {', '.join(_DTYPES)}")
-    _check_sizes(config, where)
-    geometry = ModelGeometry.from_config(SimpleNamespace(**config), getattr(torch, name))
+    try:
+        geometry = ModelGeometry.from_config(SimpleNamespace(**config), getattr(torch, name))
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{where}: {exc}") from exc
     missing = [f for f in ("n_layers", "hidden", "n_heads", "vocab") if getattr(geometry, f) <= 0]
     if missing:
         raise InvalidArgumentError(f"{where}: the config gives no {', '.join(missing)} for a {model_type} model")
     return geometry
-
-
-def _check_sizes(config: dict[str, Any], where: str) -> None:
-    """Refuse a size field that is not a non-negative integer: a JSON ``"4096"`` would fail
-    deep in the shape arithmetic, and a ``2.0`` would give float shapes."""
-    from dmi.capture._hooks import CONFIG_SIZE_FIELDS
-
-    for key in CONFIG_SIZE_FIELDS:
-        value = config.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise InvalidArgumentError(f"{where}: {key} must be a non-negative integer; got {value!r}")
 
 
 def offered_hooks(geometry: Any) -> tuple[str, ...]:
