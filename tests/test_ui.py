@@ -195,13 +195,12 @@ def test_a_bad_content_length_is_400_at_once_and_blocks_nobody(server, length):
     port = urlsplit(srv.url).port
     head = _estimate_head(port, length)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        started = time.monotonic()
         bad = pool.submit(_raw_request, port, head)
         time.sleep(0.2)  # the bad request has reached the server
+        # held behind a lock the bad request took, this call would time out instead of answering
         status, _, doc = _call(srv.url, path="/api/describe?model=tiny-llama", timeout=5)
         assert status == 200 and doc == json.loads(json.dumps(describe_model("tiny-llama").as_dict()))
         status, err = bad.result()
-    assert time.monotonic() - started < 5
     assert status == 400 and "Content-Length must be a byte count" in err["error"]
 
 
@@ -209,20 +208,18 @@ def test_a_stalled_body_holds_no_lock_and_times_out(server, monkeypatch):
     """A client that announces a body and never sends it delays only itself: other requests
     are answered meanwhile, and its own connection is answered 408 after the socket timeout."""
     assert _Handler.timeout == 30.0  # the socket timeout every connection gets (None: wait forever)
-    monkeypatch.setattr(_Handler, "timeout", 1.0)  # shortened to keep the test quick
+    monkeypatch.setattr(_Handler, "timeout", 2.0)  # shortened to keep the test quick
     srv, _ = server
     port = urlsplit(srv.url).port
     head = _estimate_head(port, 100)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        started = time.monotonic()
         stalled = pool.submit(_raw_request, port, head, timeout=10)
         time.sleep(0.2)  # the stalled request is being read
         status, _, doc = _call(srv.url, "POST", "/api/estimate", {"plan": PLAN, "tokens": 4}, timeout=5)
         assert status == 200 and doc["tokens"] == 4
-        assert time.monotonic() - started < 1.0  # answered while the other body was still awaited
+        assert not stalled.done()  # answered while the other body was still awaited
         status, err = stalled.result()
-    assert status == 408 and "not received within 1 s" in err["error"]
-    assert 1.0 <= time.monotonic() - started < 5
+    assert status == 408 and err["error"].endswith("body not received within 2 s")
 
 
 def test_off_loopback_needs_the_token(home):
