@@ -19,7 +19,6 @@ import math
 import secrets
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -284,9 +283,9 @@ def _as_bytes(data, dtype, shape):
         raise InvalidArgumentError(f"{flat.nbytes} bytes do not hold a {name} tensor of shape {shape_t}")
     tensor = None
     if flat.nbytes:
-        with warnings.catch_warnings():  # a read-only buffer: the tensor is only read (statistics, lossy codecs)
-            warnings.simplefilter("ignore", UserWarning)
-            tensor = torch.from_numpy(flat).view(torch_type).reshape(shape_t)
+        # torch takes only writable memory (a read-only buffer: its copy, for statistics and lossy codecs)
+        writable = flat if flat.flags.writeable else flat.copy()
+        tensor = torch.from_numpy(writable).view(torch_type).reshape(shape_t)
     return flat, tensor, name, shape_t
 
 
