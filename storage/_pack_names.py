@@ -12,9 +12,10 @@ __all__ = ["PACK_SUFFIX", "is_pack_id"]
 
 PACK_SUFFIX = ".arrow"
 
-_PACK_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+_PACK_ID_RE = re.compile(r"[0-9a-f]{32}")
 
 
 def is_pack_id(name: str) -> bool:
-    """Pack ids are 32 lowercase hex digits (128 random bits)."""
-    return bool(_PACK_ID_RE.match(name))
+    """Pack ids are 32 lowercase hex digits (128 random bits), and nothing else: a whole match,
+    because ``$`` would also accept a trailing newline."""
+    return _PACK_ID_RE.fullmatch(name) is not None

@@ -21,7 +21,7 @@ from dmi.storage import (
     PackTruncatedError,
 )
 
-BAD_IDS = ["../etc/passwd", "x" * 32, "0" * 31, "", "0" * 32 + "/", "A" * 32, "0" * 32 + ".arrow"]
+BAD_IDS = ["../etc/passwd", "x" * 32, "0" * 31, "", "0" * 32 + "/", "A" * 32, "0" * 32 + ".arrow", "0" * 32 + "\n"]
 
 
 def new_id() -> str:

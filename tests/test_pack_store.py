@@ -3,6 +3,7 @@
 import dataclasses
 import errno
 import os
+import secrets
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -41,6 +42,12 @@ class TestLocalPackStore(PackStoreConformance):
     def put_foreign_file(self, store, name, data):
         with open(os.path.join(store.root, name), "wb") as f:
             f.write(data)
+
+    def test_a_name_with_a_newline_after_the_id_is_not_listed(self, store):
+        """A file named ``<id>\\n.arrow`` (a local file system allows it) is a foreign file."""
+        pack_id = secrets.token_hex(16)
+        self.put_foreign_file(store, f"{pack_id}\n.arrow", b"not a pack")
+        assert store.list_packs() == []
 
 
 class TestFileSystemPackStore(PackStoreConformance):
