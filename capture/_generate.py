@@ -87,7 +87,26 @@ def _tensor_batch(input_ids: torch.Tensor, attention_mask):
         raise InvalidArgumentError(
             f"attention_mask shape {tuple(mask.shape)} != input_ids shape {tuple(ids.shape)}"
         )
-    return ids, mask
+    return ids, _binary_mask(mask)
+
+
+def _binary_mask(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` as int64 0/1, of any real dtype (a float ``torch.ones`` included) whose values
+    are all exactly 0 or 1; any other value is refused. Transformers reads a mask two ways at
+    once — attention as ``mask.bool()`` (0.5 or 2: a real token), generate's position ids from
+    ``mask.long().cumsum()`` (0.5: padding, 2: two positions) — so no one reading of such a
+    value is what the model did, and DMI's padding count would silently disagree with one."""
+    if mask.dtype.is_complex:
+        raise InvalidArgumentError(f"attention_mask must hold 0 (padding) and 1 (real token), got dtype {mask.dtype}")
+    values = mask.detach()
+    other = values[(values != 0) & (values != 1)]
+    if other.numel():
+        shown = ", ".join(map(str, other.unique()[:5].tolist()))
+        raise InvalidArgumentError(
+            f"attention_mask must hold only 0 (padding) and 1 (real token), got {other.numel()} other value(s): "
+            f"{shown}; pass the tokenizer's mask, or (mask != 0).long() if every non-zero marks a real token"
+        )
+    return values.to(torch.long)
 
 
 def _prompts(input_ids) -> list[list[int]]:
@@ -111,8 +130,9 @@ def _describe(value) -> str:
 
 
 def left_pads(mask: torch.Tensor) -> list[int]:
-    """Leading zero count of each row; refuses masks that are not left-padded."""
-    m = mask.detach().to("cpu", torch.long)
+    """Leading zero count of each row; refuses masks that are not left-padded or hold a value
+    other than 0 and 1 (also a mask handed to the model directly, not through ``prepare_batch``)."""
+    m = _binary_mask(mask.detach().to("cpu"))
     pads = (m.cumsum(1) == 0).sum(1)
     real = m.sum(1)
     t = m.shape[1]

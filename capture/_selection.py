@@ -26,6 +26,18 @@ __all__ = ["Selection", "layer_numbers", "resolve_hooks", "resolve_layers", "sel
 
 
 def _tokens(hooks) -> list[str]:
+    """The names and group tokens ``hooks`` lists, each once: the same token written twice is
+    refused (most likely a typo for another hook, which a silent dedupe would hide). A hook
+    that is also a member of a listed group is not a repeat: groups and names add up."""
+    parts = _split(hooks)
+    repeated = sorted({p for p in parts if parts.count(p) > 1})
+    if repeated:
+        raise HookSelectionError(f"hooks {hooks!r} lists {', '.join(map(repr, repeated))} more than once; "
+                                 "name each hook or group once")
+    return parts
+
+
+def _split(hooks) -> list[str]:
     if isinstance(hooks, str):
         parts = [p.strip() for p in hooks.replace(",", " ").split()]
     elif isinstance(hooks, Iterable):
@@ -33,7 +45,7 @@ def _tokens(hooks) -> list[str]:
         for h in hooks:
             if not isinstance(h, str):
                 raise HookSelectionError(f"hook names must be strings, got {h!r}")
-            parts.extend(_tokens(h))
+            parts.extend(_split(h))
     else:
         raise HookSelectionError(f"hooks must be a name, a group or a list of them, got {hooks!r}")
     return parts

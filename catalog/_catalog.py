@@ -23,6 +23,7 @@ from dmi.catalog._leases import LeaseState, LeaseTables, Publisher, Watermark, r
 from dmi.catalog._sql import (
     bind,
     no_output_clause,
+    output_clause,
     quote_identifier,
     single_statement,
     utf8_text,
@@ -777,10 +778,11 @@ class Catalog:
         ``records_published`` (``"l2_norm < %(cap)s AND request_id LIKE 'eval-%%'"``), whose
         values travel in ``params`` exactly as in :meth:`sql` (a literal ``%`` is ``%%``).
         The expression is checked to be one expression (no ``;``, no comments, parentheses
-        balanced outside quotes) so it cannot end or leave the ``SELECT`` it runs in: it can
-        only read. Parameter names starting with ``dmi_`` are reserved. Ordered by run,
-        request, hook, layer, start token, shard rank. Raises ``InvalidArgumentError`` for a
-        malformed selection or fragment, ``ServerError`` when ClickHouse refuses the filter.
+        balanced outside quotes, no ``INTO OUTFILE`` or ``FORMAT`` clause even in a subquery)
+        so it cannot end or leave the ``SELECT`` it runs in: it can only read. Parameter names
+        starting with ``dmi_`` are reserved. Ordered by run, request, hook, layer, start token,
+        shard rank. Raises ``InvalidArgumentError`` for a malformed selection or fragment,
+        ``ServerError`` when ClickHouse refuses the filter.
         """
         conditions = ["model_id = %(dmi_model_id)s"]
         values: dict[str, object] = {"dmi_model_id": validate_value_id(model_id, "model id")}
@@ -896,7 +898,8 @@ def _checked_filter(fragment: str) -> str:
 
     Scans outside quoted text (``'...'``, ``"..."``, backticks, with backslash and doubled
     quote escapes) and refuses ``;``, comments (``--``, ``#``, ``/*``), an unterminated quote
-    and unbalanced parentheses.
+    and unbalanced parentheses; then ``INTO OUTFILE`` and ``FORMAT`` clauses, as
+    :meth:`Catalog.sql` does (:func:`~dmi.catalog._sql.output_clause`).
     """
     if not isinstance(fragment, str) or not fragment.strip():
         raise InvalidArgumentError(f"where must be a non-empty SQL expression, not {fragment!r}")
@@ -922,4 +925,10 @@ def _checked_filter(fragment: str) -> str:
         i += 1
     if quote is not None or depth != 0:
         raise InvalidArgumentError(f"where has an unterminated quote or parenthesis: {fragment!r}")
+    clause = output_clause(fragment)
+    if clause is not None:
+        raise InvalidArgumentError(
+            f"where is a filter that only reads: {clause} is refused, in a subquery too (chDB would write "
+            f"an OUTFILE even under readonly=1; a FORMAT clause has no place in an expression): {fragment!r}"
+        )
     return fragment

@@ -42,6 +42,7 @@ __all__ = [
     "bind",
     "single_statement",
     "no_output_clause",
+    "output_clause",
     "utf8_text",
 ]
 
@@ -278,29 +279,42 @@ def _is_name(token: str) -> bool:
 
 
 def no_output_clause(sql: str) -> str:
-    """Return ``sql`` if it has neither ``INTO OUTFILE`` nor a ``FORMAT`` clause, else raise.
+    """Return ``sql`` if it has neither ``INTO OUTFILE`` nor a ``FORMAT`` clause (see
+    :func:`output_clause`), else raise.
 
     User SQL must only read and must answer in the Arrow format DMI reads back. chDB runs
     ``INTO OUTFILE`` even under ``readonly=1``, so it would write (or ``TRUNCATE``) any file
     the process may write, a sealed pack included; ``FORMAT`` replaces the Arrow result
-    with text DMI cannot read. Keywords count only outside strings, quoted identifiers and
-    comments; ``format(...)`` (the function) and a column or alias named ``format`` are fine.
+    with text DMI cannot read.
     """
+    clause = output_clause(sql)
+    if clause == "INTO OUTFILE":
+        raise InvalidArgumentError(
+            "sql() is read-only: INTO OUTFILE is refused (chDB would write the file even under "
+            "readonly=1); take the returned Arrow table and write it yourself"
+        )
+    if clause is not None:
+        raise InvalidArgumentError(
+            f"sql() returns an Arrow table: a FORMAT clause ({clause}) is refused; "
+            "convert the returned table instead (table.to_pandas(), pyarrow.csv.write_csv, ...)"
+        )
+    return sql
+
+
+def output_clause(sql: str) -> str | None:
+    """The first output clause of ``sql``, at any depth (a subquery's too): ``"INTO OUTFILE"``,
+    ``"FORMAT <name>"``, or ``None``. Keywords count only outside strings, quoted identifiers
+    and comments; ``format(...)`` (the function) and a column or alias named ``format`` are
+    no clause."""
     tokens = [token for _, token in _tokens(sql)]
     for i, token in enumerate(tokens):
         following = tokens[i + 1] if i + 1 < len(tokens) else ""
         previous = tokens[i - 1].upper() if i else ""
         if token.upper() == "INTO" and following.upper() == "OUTFILE":
-            raise InvalidArgumentError(
-                "sql() is read-only: INTO OUTFILE is refused (chDB would write the file even under "
-                "readonly=1); take the returned Arrow table and write it yourself"
-            )
+            return "INTO OUTFILE"
         if token.upper() == "FORMAT" and following and _is_name(following) and previous not in ("AS", "."):
-            raise InvalidArgumentError(
-                f"sql() returns an Arrow table: a FORMAT clause (FORMAT {following}) is refused; "
-                "convert the returned table instead (table.to_pandas(), pyarrow.csv.write_csv, ...)"
-            )
-    return sql
+            return f"FORMAT {following}"
+    return None
 
 
 def utf8_text(text: str, what: str) -> str:

@@ -534,6 +534,7 @@ def open_loader(catalog: Any, packs: PackStore, model_id: str, *, hooks: Any = "
                                    f"not {direct_io!r}")
     _check_phases(phases)
     rank, world_size = _rank_and_world(rank, world_size)
+    _check_context(multiprocessing_context)
     if num_workers and fork_may_hang(multiprocessing_context):
         warnings.warn(FORK_HANG_WARNING, RuntimeWarning, stacklevel=3)
     entries = catalog.select_records(model_id, run_ids=runs, hooks=hook_names, layers=layers, phases=phases,
@@ -638,6 +639,19 @@ def fork_may_hang(multiprocessing_context: Any, version: tuple = tuple(sys.versi
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
+
+
+def _check_context(context: Any) -> None:
+    """Refuse a ``multiprocessing_context`` the workers could not be started with, when the
+    loader is made: torch would raise its own ``ValueError`` or ``TypeError`` only when an
+    epoch starts its workers (and never, without workers)."""
+    if context is None or isinstance(context, multiprocessing.context.BaseContext):
+        return
+    methods = multiprocessing.get_all_start_methods()
+    if not isinstance(context, str) or context not in methods:
+        raise InvalidArgumentError(f"multiprocessing_context must be a start method ({', '.join(map(repr, methods))} "
+                                   f"here), a multiprocessing context (multiprocessing.get_context(...)) or None "
+                                   f"(multiprocessing's default), not {context!r:.200}")
 
 
 def _start_method(context: Any) -> str:

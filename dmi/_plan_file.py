@@ -330,7 +330,18 @@ class _Reader:
                 hint = f" (did you mean {near[0]!r}?)" if near else ""
                 raise self.fail(path, f"unknown hook or group {token!r}{hint}; hooks: {', '.join(HOOKS)}; "
                                       f"groups: {', '.join(GROUPS)}")
+        self.once(items, "hook or group")
         return tuple(token for _, token in items)
+
+    def once(self, items: list[tuple[str, str]], what: str) -> None:
+        """Refuse a name listed twice, at its second place: most likely a typo for another name
+        (``[resid_post, resid_post]`` meant ``resid_pre`` too), which a silent dedupe would hide."""
+        first: dict[str, str] = {}
+        for path, name in items:
+            if name in first:
+                also = f" (first at {first[name]})" if first[name] != path else ""
+                raise self.fail(path, f"{what} {name!r} is listed twice{also}; list each once")
+            first[name] = path
 
     def layers(self, value: Any) -> range | tuple[int, ...] | None:
         if value is None or value == "all":
@@ -370,6 +381,7 @@ class _Reader:
             raise self.fail("schedule.phases", f"must be a list of {', '.join(_PHASES)}; got {_kind(phases)}")
         for i, p in enumerate(phases):
             self.choice(p, f"schedule.phases[{i}]", _PHASES)
+        self.once([(f"schedule.phases[{i}]", p) for i, p in enumerate(phases)], "phase")
         return SchedulePlan(
             phases=tuple(phases),
             step_stride=self.integer(d.get("step_stride", 1), "schedule.step_stride", minimum=1),
