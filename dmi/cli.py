@@ -218,7 +218,7 @@ def _read_prompts(path: str) -> list[str]:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from dmi._human import human_bytes, human_count
+    from dmi._human import human_bytes, human_count, plural
 
     with _open_store(args) as store:
         rows = [m.as_dict() for m in store.models()]
@@ -233,8 +233,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
         ("ratio", "ratio", lambda r: f"{r:.2f}x"),
     ])
     if unindexed:
-        print(f"dmi: {len(unindexed)} packs on disk are not in the catalog (its tables or directory were lost?): "
-              "run `dmi recover` to index them again", file=sys.stderr)
+        n = len(unindexed)
+        print(f"dmi: {plural(n, 'pack')} on disk {'is' if n == 1 else 'are'} not in the catalog (its tables or "
+              "directory were lost?): run `dmi recover` to index them again", file=sys.stderr)
     elif not rows:
         _say(args, "(no models yet: try `dmi demo` or `dmi capture`)")
     return EXIT_OK

@@ -68,8 +68,10 @@ IDLE_PUBLISH_SECONDS = 0.25
 _ALLOWED = frozenset({
     "hooks", "layers", "model_id", "run_id", "schedule", "ring_slots", "slot_bytes", "ring_timeout",
     "drop_policy", "adaptive_codec", "writer_options", "codec", "publish_scope", "lease_seconds",
-    "decode_chunk_steps", "encode_threads", "drain_nice", "publish_interval",
+    "decode_chunk_steps", "encode_threads", "drain_nice", "publish_interval", "tp_replicas",
 })
+"""Every keyword of ``attach_vllm`` but those the executor gives itself (the engine, store,
+catalog and writer)."""
 
 
 def capture_options(environ=os.environ) -> dict:

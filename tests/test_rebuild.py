@@ -85,6 +85,14 @@ def test_recover_rebuilds_the_index_from_the_packs(tmp_path, damage):
         assert store.verify().ok and store.verify().unpublished_packs == ()
 
 
+def test_models_names_one_unindexed_pack_in_the_singular(tmp_path, capsys):
+    home = tmp_path / "store"
+    with PackWriter(PackStore.local(home / "packs")) as writer:
+        writer.append(RecordKey("m", "run-1", "req-0", "resid_post", 0, 0, 3), torch.zeros(3, 8))
+    assert main(["models", "--home", str(home)]) == 0
+    assert "dmi: 1 pack on disk is not in the catalog" in capsys.readouterr().err
+
+
 def test_models_after_the_catalog_directory_is_deleted_says_to_recover(tmp_path, capsys):
     home = tmp_path / "store"
     _write_packs(home)
@@ -93,7 +101,8 @@ def test_models_after_the_catalog_directory_is_deleted_says_to_recover(tmp_path,
     shutil.rmtree(home / "catalog")
     assert main(["models", "--home", str(home)]) == 0
     err = capsys.readouterr().err
-    assert "packs on disk are not in the catalog" in err and "dmi recover" in err
+    packs = len(PackStore.local(home / "packs").list_packs())
+    assert packs > 1 and f"dmi: {packs} packs on disk are not in the catalog" in err and "dmi recover" in err
     assert main(["recover", "--home", str(home), "-q"]) == 0
     capsys.readouterr()
     assert main(["models", "--home", str(home), "--json"]) == 0

@@ -12,6 +12,7 @@ objects and a real tiny engine in this process (``tests/_vllm.py``).
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 
@@ -100,6 +101,17 @@ def test_capture_options_parse_the_environment_strictly():
         capture_options({CAPTURE_ENV: "[1, 2]"})
     with pytest.raises(InvalidArgumentError, match=r"DMI_VLLM_CAPTURE: unknown keyword\(s\) engine, hookz; allowed: "):
         capture_options({CAPTURE_ENV: '{"hooks": "resid_post", "hookz": 1, "engine": 2}'})
+
+
+def test_the_environment_takes_every_attach_vllm_keyword_the_executor_does_not_give():
+    """A served engine takes its capture options only from ``DMI_VLLM_CAPTURE``: a keyword of
+    ``attach_vllm`` missing there (``tp_replicas`` was) could not be used by ``vllm serve``."""
+    from dmi.capture import attach_vllm
+    from dmi.vllm import CAPTURE_ENV, capture_options
+
+    keywords = set(inspect.signature(attach_vllm).parameters) - {"engine", "store", "catalog", "writer"}
+    assert capture_options({CAPTURE_ENV: json.dumps(dict.fromkeys(keywords, 1))}) == dict.fromkeys(keywords, 1)
+    assert {"tp_replicas", "publish_interval", "hooks"} <= keywords
 
 
 def test_prompt_logprobs_are_counted_not_captured_as_logits(llm, model_dir, store):
