@@ -200,7 +200,7 @@ class VLLMCaptureSession(CaptureSession):
 
     @property
     def stats(self) -> dict:
-        return {**super().stats, "requests": len(self.planner.sequence),
+        return {**super().stats, "requests": self.planner.requests_seen,
                 "recomputed_tokens_skipped": self.planner.recomputed_tokens,
                 "duplicate_request_ids": self.planner.duplicate_request_ids,
                 "logits_calls_ignored": self._logits_calls_ignored}
