@@ -36,6 +36,8 @@ So a session is held **per unit of catalog work**, not per process (:class:`_Emb
 * **One directory at a time per process**, no longer one per process: catalogs on
   different directories may be open in one process at once; each unit of work switches
   the process's embedded server to its directory (closing an idle session on another).
+* User SQL runs on a read-only connection (``readonly=1``) kept beside the read-write one,
+  on the same embedded server, so alternating the two starts nothing.
 * **One unit of work at a time per process.** Every use holds one process-wide lock, so
   many threads can share a catalog (parameterised queries on one shared session are not
   otherwise safe to interleave).
@@ -203,13 +205,16 @@ def _open_lock_file(directory: Path) -> int:
 
 
 class _EmbeddedSession:
-    """The process's one chDB session, opened per unit of work and shared by its threads."""
+    """The process's one chDB session, opened per unit of work and shared by its threads: a
+    read-write connection and, once user SQL has run, a read-only one beside it. Both are on
+    the one embedded server, so switching between them starts nothing (each start of the
+    server keeps threads and descriptors for good: see the module docstring)."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()  # held for a whole unit of work
         self._depth = 0
-        self._key: tuple[Path, bool] | None = None
-        self._conn = None
+        self._directory: Path | None = None
+        self._conns: dict[bool, object] = {}  # readonly -> connection, both on self._directory
         self._lock_fd: int | None = None
         self._opened_at = 0.0
         self._last_used = 0.0
@@ -221,21 +226,21 @@ class _EmbeddedSession:
     def use(self, directory: Path, lock_timeout: float, readonly: bool = False) -> Iterator[object]:
         """Yield an open connection to ``directory`` for one unit of work (re-entrant).
 
-        ``readonly`` opens the session with ClickHouse's ``readonly=1`` setting (for user
-        SQL); a session is reused only by work that wants the same directory and mode.
+        ``readonly``: the connection opened with ClickHouse's ``readonly=1`` setting (for user
+        SQL), kept beside the read-write one.
         """
-        key = (directory, readonly)
         with self._lock:
-            if self._conn is None or self._key != key:
+            if self._directory != directory:
                 if self._depth:
                     raise CatalogError(
-                        f"a unit of catalog work on {self._key[0]} cannot run one on {directory} inside it"
+                        f"a unit of catalog work on {self._directory} cannot run one on {directory} inside it"
                     )
                 self._close()
-                self._open(key, lock_timeout)
+                self._open(directory, lock_timeout)
+            conn = self._conns.get(readonly) or self._connect(readonly)
             self._depth += 1
             try:
-                yield self._conn
+                yield conn
             finally:
                 self._depth -= 1
                 if self._depth == 0:
@@ -244,31 +249,39 @@ class _EmbeddedSession:
     def _finish_use(self) -> None:
         now = time.monotonic()
         self._last_used = now
-        if now - self._opened_at >= MAX_HOLD_SECONDS and _someone_waits(self._key[0]):
+        if now - self._opened_at >= MAX_HOLD_SECONDS and _someone_waits(self._directory):
             self._close()
             self._reopen_after = time.monotonic() + YIELD_SECONDS
         else:
             self._wake.set()
 
-    def _open(self, key: tuple[Path, bool], lock_timeout: float) -> None:
-        directory, readonly = key
-        chdb = _import_chdb()
+    def _open(self, directory: Path, lock_timeout: float) -> None:
+        """Take this process's turn on ``directory`` (its connections are opened by ``use``)."""
+        _import_chdb()
         pause = self._reopen_after - time.monotonic()
         if pause > 0:
             time.sleep(pause)
         fd = _open_lock_file(directory)
         try:
             self._wait_for_turn(fd, directory, lock_timeout)
-            try:
-                conn = chdb.connect(str(directory) + ("?readonly=1" if readonly else ""))
-            except Exception as exc:
-                raise server_error_from_message(str(exc)) from exc
         except BaseException:
             os.close(fd)  # closing the descriptor releases our flock
             raise
-        self._key, self._conn, self._lock_fd = key, conn, fd
+        self._directory, self._lock_fd = directory, fd
         self._opened_at = time.monotonic()
         self._start_closer()
+
+    def _connect(self, readonly: bool) -> object:
+        """A connection to the session's directory in this mode; a first one that fails gives
+        the turn up again."""
+        try:
+            conn = _import_chdb().connect(str(self._directory) + ("?readonly=1" if readonly else ""))
+        except Exception as exc:
+            if not self._conns:
+                self._close()
+            raise server_error_from_message(str(exc)) from exc
+        self._conns[readonly] = conn
+        return conn
 
     @staticmethod
     def _wait_for_turn(fd: int, directory: Path, lock_timeout: float) -> None:
@@ -289,9 +302,9 @@ class _EmbeddedSession:
                 time.sleep(POLL_SECONDS)
 
     def _close(self) -> None:
-        conn, fd = self._conn, self._lock_fd
-        self._key, self._conn, self._lock_fd = None, None, None
-        if conn is not None:
+        conns, fd = list(self._conns.values()), self._lock_fd
+        self._directory, self._conns, self._lock_fd = None, {}, None
+        for conn in conns:
             try:
                 conn.close()
             except Exception:  # noqa: BLE001 - closing must not raise; the lock goes below
@@ -311,10 +324,10 @@ class _EmbeddedSession:
             self._wake.clear()
             while True:
                 with self._lock:
-                    if self._conn is None:
+                    if self._directory is None:
                         break
                     idle = time.monotonic() - self._last_used
-                    if self._depth == 0 and (idle >= IDLE_CLOSE_SECONDS or _someone_waits(self._key[0])):
+                    if self._depth == 0 and (idle >= IDLE_CLOSE_SECONDS or _someone_waits(self._directory)):
                         self._close()
                         break
                 time.sleep(min(max(IDLE_CLOSE_SECONDS - idle, POLL_SECONDS), WAITER_POLL_SECONDS))
@@ -326,13 +339,12 @@ class _EmbeddedSession:
         close in a process that has none of chDB's threads, which hangs (a DataLoader worker
         forked while a session was open did exactly that). Children started by
         ``multiprocessing`` end with ``os._exit``, so the reference is never released."""
-        if self._conn is not None:
-            _INHERITED_SESSIONS.append(self._conn)
+        _INHERITED_SESSIONS.extend(self._conns.values())
         self._lock = threading.RLock()
         self._depth = 0
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # the parent's flock stays: it holds its own descriptor
-        self._key, self._conn, self._lock_fd, self._closer = None, None, None, None
+        self._directory, self._conns, self._lock_fd, self._closer = None, {}, None, None
         self._wake = threading.Event()
 
     def close_now(self) -> None:
@@ -343,7 +355,7 @@ class _EmbeddedSession:
     def close_if(self, directory: Path) -> None:
         """Close the session now if it is idle on ``directory`` (a catalog was closed)."""
         with self._lock:
-            if self._depth == 0 and self._key is not None and self._key[0] == directory:
+            if self._depth == 0 and self._directory == directory:
                 self._close()
 
 

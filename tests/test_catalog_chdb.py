@@ -249,15 +249,36 @@ def test_without_contention_the_session_is_kept_not_reopened(tmp_path):
 
     with open_catalog(f"chdb://{tmp_path / 'c'}") as catalog:
         catalog.models()
-        session = _chdb._SESSION._conn
+        session = _chdb._SESSION._conns[False]
         deadline = time.monotonic() + _chdb.MAX_HOLD_SECONDS + 0.5
         while time.monotonic() < deadline:
             time.sleep(0.3)
             catalog.models()
-            assert _chdb._SESSION._conn is session
+            assert _chdb._SESSION._conns[False] is session
         time.sleep(2.5)  # idle for longer than the old 2 s close: a notebook between two cells
         catalog.models()
-        assert _chdb._SESSION._conn is session  # each reopen would keep chDB threads for good
+        assert _chdb._SESSION._conns[False] is session  # each reopen would keep chDB threads for good
+
+
+def test_user_sql_and_other_calls_share_one_running_server(tmp_path):
+    """User SQL runs on a read-only connection kept beside the read-write one: alternating them
+    reopens neither (each start of chDB's server keeps threads and descriptors for good), and
+    the read-only one still refuses to write."""
+    from dmi.catalog import _chdb
+    from dmi.storage import ServerError
+
+    with open_catalog(f"chdb://{tmp_path / 'c'}") as catalog:
+        catalog.models()
+        catalog.sql("SELECT 1")
+        conns = dict(_chdb._SESSION._conns)
+        assert set(conns) == {False, True} and conns[False] is not conns[True]
+        for _ in range(3):
+            assert catalog.sql("SELECT 2 AS x").to_pylist() == [{"x": 2}]
+            assert catalog.models() == []
+        assert _chdb._SESSION._conns == conns
+        with pytest.raises(ServerError, match="READONLY"):
+            catalog.sql(f"DROP TABLE {catalog.tables['records']}")
+        assert catalog.models() == []
 
 
 def test_an_idle_holder_gives_its_session_up_when_another_process_waits(tmp_path):
