@@ -70,6 +70,7 @@ from dmi.storage.errors import (
     CatalogLockedError,
     CatalogReadOnlyError,
     InvalidArgumentError,
+    ServerError,
 )
 
 #: How long an idle session stays open after its last statement when nobody waits (seconds).
@@ -279,7 +280,7 @@ class _EmbeddedSession:
         except Exception as exc:
             if not self._conns:
                 self._close()
-            raise server_error_from_message(str(exc)) from exc
+            raise _chdb_error(str(exc)) from exc
         self._conns[readonly] = conn
         return conn
 
@@ -357,6 +358,20 @@ class _EmbeddedSession:
         with self._lock:
             if self._depth == 0 and self._directory == directory:
                 self._close()
+
+
+def _chdb_error(message: str) -> ServerError:
+    """chDB's error as a :class:`ServerError`; out of descriptors, with what causes it here."""
+    error = server_error_from_message(message)
+    if "Too many open files" not in message:
+        return error
+    return ServerError(
+        f"{error}. The process ran out of file descriptors: each start of chDB's embedded server keeps "
+        "threads and descriptors for good, and it starts again whenever a catalog is opened after the last "
+        "one was closed, or another catalog directory is used in turn. Keep one store open (dmi.open()) "
+        "and pass it to every call (dmi.capture(..., store=store)), or raise the limit (ulimit -n).",
+        code=error.code, name=error.name,
+    )
 
 
 _INHERITED_SESSIONS: list = []
@@ -441,7 +456,7 @@ class ChdbBackend(CatalogBackend):
             try:
                 return conn.query(sql, fmt, params={})
             except RuntimeError as exc:
-                raise server_error_from_message(str(exc)) from None
+                raise _chdb_error(str(exc)) from None
 
     def command(self, sql: str, params: Mapping[str, object] | None = None) -> None:
         self._run(bind(sql, params), "CSV")
@@ -470,7 +485,7 @@ class ChdbBackend(CatalogBackend):
             try:
                 conn.query(sql, "CSV", params={})
             except RuntimeError as exc:
-                raise server_error_from_message(str(exc)) from None
+                raise _chdb_error(str(exc)) from None
 
     def _insert_streamed(self, table: str, columns: str, data: pa.Table) -> None:
         payload = _arrow_stream(data)
@@ -478,7 +493,7 @@ class ChdbBackend(CatalogBackend):
             try:
                 stream_insert(conn, f"INSERT INTO {table} ({columns}) {INSERT_SETTINGS}", payload)
             except RuntimeError as exc:
-                raise server_error_from_message(str(exc)) from None
+                raise _chdb_error(str(exc)) from None
 
     def close(self) -> None:
         if self._closed:

@@ -281,6 +281,31 @@ def test_user_sql_and_other_calls_share_one_running_server(tmp_path):
         assert catalog.models() == []
 
 
+def test_running_out_of_descriptors_says_why_and_what_to_do(tmp_path):
+    """chDB keeps threads and descriptors from every start of its server, and a catalog opened
+    after the last one was closed starts it again: a process that opens and closes a store per
+    call runs out of descriptors. Under a low limit (a real one, in a child process) the error
+    says that, and how to avoid it, instead of chDB's bare timer_fd message."""
+    out = _python(f"""
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (160, 160))
+        from dmi.catalog import open_catalog
+        from dmi.storage import ServerError
+        for round in range(400):
+            try:
+                with open_catalog({str(tmp_path / 'c')!r}) as catalog:
+                    catalog.models()
+            except ServerError as exc:
+                print("ERROR", exc)
+                break
+        else:
+            print("NO ERROR")
+    """)
+    assert out.stdout.startswith("ERROR "), out.stdout + out.stderr
+    assert "Too many open files" in out.stdout
+    assert "The process ran out of file descriptors" in out.stdout and "Keep one store open (dmi.open())" in out.stdout
+
+
 def test_an_idle_holder_gives_its_session_up_when_another_process_waits(tmp_path):
     """The holder would keep its idle session for an hour; the waiter's signal (a shared flock
     on dmi.waiting) makes it close at once, so the waiter gets in well inside its wait."""
