@@ -10,10 +10,11 @@ __all__ = ["run_audit_command", "audit_lines", "last_audits"]
 
 
 def run_audit_command(store: Any, args: argparse.Namespace) -> Any:
-    """Load ``--model`` and audit ``args.model_id``; returns the :class:`AuditReport`."""
+    """Load ``--model`` and audit ``args.model_id``; returns the :class:`AuditReport`.
+    A real model (``smollm2``) is cached in ``store.home``, the home the command reads."""
     from dmi._models import load_model, model_progress
 
-    loaded = load_model(args.model, attn_implementation=args.attn_implementation,
+    loaded = load_model(args.model, attn_implementation=args.attn_implementation, home=store.home,
                         progress=model_progress(quiet=args.quiet))
     return store.audit(args.model_id, model=loaded.model, model_name=args.model, run_id=args.run,
                        requests=args.requests, request_ids=args.request, seed=args.seed, exact=args.exact)

@@ -13,20 +13,24 @@ __all__ = ["run_capture", "stored_totals", "apply_plan"]
 
 _PLAN_FLAGS = {"hooks": "resid_post", "layers": None, "phases": "prefill,decode", "step_stride": 1,
                "request_stride": 1, "warmup": 0, "model_id": None}
-"""``dmi capture`` flags a plan file also sets, with their defaults: given with ``--plan``, refused."""
+"""``dmi capture`` flags a plan file also sets, with their defaults: given with ``--plan``, refused.
+The parser leaves them ``None`` so that a flag given explicitly (even with its default value)
+is told apart from one left out; :func:`apply_plan` fills in the defaults."""
 
 
 def apply_plan(args: argparse.Namespace) -> Any:
-    """Load ``--plan`` (``None`` without it): refuse flags the plan also sets, take the model
-    and the store location from the plan where the command line leaves them out."""
+    """Load ``--plan`` (``None`` without it): refuse flags the plan also sets (any given at all),
+    take the model and the store location from the plan where the command line leaves them
+    out. Flags left out then take their defaults (``_PLAN_FLAGS``), with a plan or without."""
     from dmi._plan_file import load_plan
 
     if args.plan is None:
         if args.model is None:
             raise InvalidArgumentError("no model: give --model DIR|NAME, or --plan FILE with a model")
+        _fill_defaults(args)
         return None
     plan = load_plan(args.plan)
-    both = [name for name, default in _PLAN_FLAGS.items() if getattr(args, name) != default]
+    both = [name for name in _PLAN_FLAGS if getattr(args, name) is not None]
     if both:
         flags = ", ".join("--" + name.replace("_", "-") for name in both)
         raise InvalidArgumentError(f"{flags} given with --plan; set them in the plan file {args.plan}")
@@ -36,7 +40,15 @@ def apply_plan(args: argparse.Namespace) -> Any:
         args.model = plan.model
     if not any((args.home, args.catalog, args.packs)):
         args.home, args.catalog, args.packs = plan.store.home, plan.store.catalog, plan.store.packs
+    _fill_defaults(args)
     return plan
+
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    """Give each plan-settable flag the command line left out (``None``) its default."""
+    for name, default in _PLAN_FLAGS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
 
 
 def stored_totals(descriptors: Sequence[Any]) -> dict[str, int]:
@@ -69,6 +81,7 @@ def run_capture(
     ``status(text)`` shows what happens while torch and the model load (seconds to
     minutes, with no countable progress); ``progress(total)`` then counts prompts. The
     model's tokenizer goes to capture: each request keeps its prompt text and token strings.
+    A real model (``smollm2``) is cached in ``store.home``, the home the command writes to.
     """
     if args.max_new_tokens < 0:
         raise InvalidArgumentError("--max-new-tokens must be at least 0")
@@ -86,7 +99,7 @@ def run_capture(
         schedule = Schedule(phases=phases, step_stride=args.step_stride,
                             request_stride=args.request_stride, warmup=args.warmup)
         _quiet_transformers()
-        loaded = load_model(args.model, attn_implementation=args.attn_implementation,
+        loaded = load_model(args.model, attn_implementation=args.attn_implementation, home=store.home,
                             progress=model_progress(quiet=args.quiet))
     tokenizer = loaded.tokenizer
     request_ids: list[str] = []

@@ -19,7 +19,7 @@
 
 ``dmi demo --model smollm2`` runs the same steps on a real trained model, SmolLM2-135M-Instruct
 with its own tokenizer (``dmi._real_model``: converted once from an installed package and
-cached in the DMI home); its model id is ``smollm2``.
+cached in the store's home, ``store.home``); its model id is ``smollm2``.
 
 Running it again appends a new run (a new run id, new request ids) under the same model
 id; nothing already stored is touched, and every step reads back its own run.
@@ -121,7 +121,7 @@ def run_demo(
         from dmi._tokens import display_token
 
         _quiet_transformers()
-        loaded = load_model(model, progress=lambda line: say(_indent(line)))
+        loaded = load_model(model, home=store.home, progress=lambda line: say(_indent(line)))
     model_id, tokenizer = model, loaded.tokenizer  # each demo model is stored under its own name
 
     say(f"   store: catalog {store.catalog_uri}, packs {store.packs_uri}")

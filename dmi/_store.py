@@ -77,7 +77,8 @@ def open(catalog: str | None = None, packs: str | None = None, *, home: str | os
     Raises ``CatalogLockedError`` (another process held the chDB directory for one unit of
     work past the wait), ``CatalogReadOnlyError`` (the chDB directory is read-only),
     ``CatalogUnavailableError`` (server unreachable), ``BackendNotInstalledError``,
-    ``SchemaVersionError``, ``InvalidArgumentError`` (malformed URI).
+    ``SchemaVersionError``, ``InvalidArgumentError`` (malformed URI: refused before anything,
+    catalog or packs directory, is created).
     """
     if home is None:
         home_dir = default_home()
@@ -87,20 +88,63 @@ def open(catalog: str | None = None, packs: str | None = None, *, home: str | os
         home_dir = str(Path(home).expanduser().resolve())
         catalog = catalog or "chdb://" + str(Path(home_dir) / "catalog")
         packs = packs or str(Path(home_dir) / "packs")
-    pack_store = PackStore.from_uri(packs)
-    return Store(open_catalog(catalog), pack_store, home=home_dir)
+    opened_catalog, pack_store = _open_parts(catalog, packs)
+    return Store(opened_catalog, pack_store, home=home_dir)
+
+
+def _open_parts(catalog: str | os.PathLike[str], packs: str | os.PathLike[str]) -> tuple[Any, PackStore]:
+    """The opened catalog and pack store, in an order that lets a malformed URI of either
+    be refused before anything is created.
+
+    Opening a local pack directory creates it, and opening a chDB catalog creates its
+    directory, so neither may run before the other URI is known to be good: a remote
+    packs URI (``s3://``, another ``pyarrow.fs`` URI, which creates nothing when opened)
+    is opened first, then the catalog, then a local packs directory (a plain path or
+    ``file://``), and a pack store that fails to open then closes the catalog.
+    """
+    text = os.fspath(packs)
+    local = "://" not in text or text.partition("://")[0].lower() == "file"
+    pack_store = None if local else PackStore.from_uri(text)
+    opened = open_catalog(catalog)
+    if pack_store is not None:
+        return opened, pack_store
+    try:
+        return opened, PackStore.from_uri(text)
+    except BaseException:
+        opened.close()
+        raise
+
+
+class _Default:
+    """A keyword's default value, told apart from the same value passed explicitly: with a
+    plan, ``capture`` refuses every argument the plan also sets, whatever its value. Its
+    repr is the value's, so ``help(dmi.capture)`` shows the real default."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def _resolved(value: Any) -> Any:
+    """The value an argument stands for: a default's own value, anything else as given."""
+    return value.value if isinstance(value, _Default) else value
 
 
 @contextmanager
-def capture(model: Any, *, hooks: Any = "resid_post", layers: Any = None, store: Store | None = None,
-            plan: Any = None, **options: Any) -> Iterator[Any]:
+def capture(model: Any, *, hooks: Any = _Default("resid_post"), layers: Any = _Default(None),
+            store: Store | None = None, plan: Any = None, **options: Any) -> Iterator[Any]:
     """Capture ``model``'s internals into ``store`` (default: ``dmi.open()``) while the block runs.
 
     Yields the capture session (``dmi.capture.CaptureSession``): call
     ``session.generate(input_ids, attention_mask, **generate_kwargs)`` or
     ``session.forward(...)``; each returns the request ids and the model's own output.
     ``hooks`` are hook names or group tokens (``"resid"``, ``"attn"``, ``"mlp"``,
-    ``"logits"``, ``"all"``, ...), ``layers`` a range, list, int or ``None`` (all).
+    ``"logits"``, ``"all"``, ...; default ``"resid_post"``), ``layers`` a range, list, int
+    or ``None`` (all, the default).
     ``options`` go to ``dmi.capture.attach`` (``model_id``, ``run_id``, ``schedule``,
     ``ring_slots``, ``drop_policy``, ``tokenizer``, ...); with ``tokenizer=`` each request
     also keeps its prompt text and token strings (``Store.tokens``). On exit every hook is
@@ -109,7 +153,9 @@ def capture(model: Any, *, hooks: Any = "resid_post", layers: Any = None, store:
     ``plan``: a capture plan (``dmi.CapturePlan`` or the path of a plan file, see
     ``docs/plans.md``) instead of ``hooks``/``layers``/options: the plan becomes the same
     keyword arguments, its layers are checked against ``model`` first (``PlanError``), and
-    its ``store`` section is opened when ``store`` is not given.
+    its ``store`` section is opened when ``store`` is not given. ``hooks``, ``layers`` or an
+    option the plan also sets, passed as well, is refused (``InvalidArgumentError``) even
+    when it equals its default: the plan's value is never silently preferred.
 
     Raises ``HookSelectionError`` (unknown hook or group, empty layer range),
     ``AttachError`` (the model is already attached), ``AttentionImplementationError``,
@@ -120,6 +166,8 @@ def capture(model: Any, *, hooks: Any = "resid_post", layers: Any = None, store:
     if plan is not None:
         plan, options = _plan_options(model, plan, hooks, layers, options)
         hooks, layers = options.pop("hooks"), options.pop("layers")
+    else:
+        hooks, layers = _resolved(hooks), _resolved(layers)
     own = store is None
     if own and plan is not None and plan.store.given:
         target = open(plan.store.catalog, plan.store.packs, home=plan.store.home)
@@ -169,7 +217,9 @@ def capture_vllm(llm: Any, *, hooks: Any = "resid_post", layers: Any = None, sto
 def _plan_options(model: Any, plan: Any, hooks: Any, layers: Any,
                   options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The plan (loaded if a path) and the keyword arguments it stands for; an argument given
-    both in the plan and to ``capture`` is refused rather than silently preferring one."""
+    both in the plan and to ``capture`` is refused rather than silently preferring one. The
+    plan always sets ``hooks`` and ``layers``, so either passed explicitly (not left as its
+    :class:`_Default`, whatever its value) is refused."""
     from dmi._plan_file import CapturePlan, load_plan
     from dmi.capture import resolve_architecture
 
@@ -178,10 +228,10 @@ def _plan_options(model: Any, plan: Any, hooks: Any, layers: Any,
         plan = load_plan(plan)
     if not isinstance(plan, CapturePlan):
         raise InvalidArgumentError(f"plan must be a dmi.CapturePlan or a plan file path, not {type(plan).__name__}")
-    given = [k for k in options if k in plan.attach_options()]
-    if hooks != "resid_post" or layers is not None or given:
-        both = ", ".join(["hooks"] * (hooks != "resid_post") + ["layers"] * (layers is not None) + given)
-        raise InvalidArgumentError(f"{both} given both by the plan and as arguments; set them in one place")
+    given = [name for name, value in (("hooks", hooks), ("layers", layers)) if not isinstance(value, _Default)]
+    given += [k for k in options if k in plan.attach_options()]
+    if given:
+        raise InvalidArgumentError(f"{', '.join(given)} given both by the plan and as arguments; set them in one place")
     plan.check_layers(resolve_architecture(model).n_layers, source)
     return plan, {**plan.attach_options(), **options}
 
@@ -449,8 +499,8 @@ class Store:
         compare every captured hook and layer with the re-run; see ``docs/audit.md``.
 
         ``model``: the ``nn.Module`` that was captured (same weights and dtype), or a built-in
-        name / local directory for ``dmi.load_model``. ``requests``: how many to sample
-        (default 8), or ``request_ids``: exactly these. ``exact=True``: the capture ran
+        name / local directory for ``dmi.load_model`` (``smollm2``: its cache in ``self.home``).
+        ``requests``: how many to sample (default 8), or ``request_ids``: exactly these. ``exact=True``: the capture ran
         alone on this device, so demand bit-identical values (default: allow the dtype's
         batched-matmul noise). ``record``: write the verdicts to the catalog's audits table.
         ``model_name``: what the audit records as the model (default: the name or class).
@@ -475,7 +525,7 @@ class Store:
         if isinstance(model, str):
             from dmi._models import load_model
 
-            model = load_model(model).model
+            model = load_model(model, home=self.home).model
         options = dict(model_name=name, run_id=run_id, requests=requests,
                        request_ids=None if request_ids is None else list(request_ids), seed=seed, exact=exact,
                        record=record)

