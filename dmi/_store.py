@@ -137,7 +137,10 @@ def _resolved(value: Any) -> Any:
 @contextmanager
 def capture(model: Any, *, hooks: Any = _Default("resid_post"), layers: Any = _Default(None),
             store: Store | None = None, plan: Any = None, **options: Any) -> Iterator[Any]:
-    """Capture ``model``'s internals into ``store`` (default: ``dmi.open()``) while the block runs.
+    """Capture ``model``'s internals into ``store`` (default: ``dmi.open()``, closed on exit;
+    for many captures in one process open one store and pass it, since every embedded catalog
+    opened after the last was closed starts chDB's server again, which keeps descriptors for
+    good) while the block runs.
 
     Yields the capture session (``dmi.capture.CaptureSession``): call
     ``session.generate(input_ids, attention_mask, **generate_kwargs)`` or
