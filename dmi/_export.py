@@ -4,7 +4,8 @@ The format is chosen by the file extension. Every format stores the exact values
 dtype conversion ever happens silently (``.npy`` refuses dtypes numpy cannot hold,
 such as ``bfloat16``, instead of widening them). A file is written under a temporary name
 beside its final one and renamed into place when complete, so a write that fails (disk
-full, a file size limit) leaves nothing behind, not a truncated file under the final name.
+full, a file size limit) or is interrupted (Ctrl-C) leaves nothing behind, not a truncated
+file under the final name.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def export_tensor(tensor: torch.Tensor, path: str | os.PathLike[str], *, name: s
     represent exactly, or a path that cannot be written (no such directory, a directory,
     no permission): checked before anything is written, so every format fails the same way.
     Raises ``ExportError`` (an ``OSError``) when writing fails part-way (disk full, a file
-    size limit): the partial file is removed and ``path`` is left as it was.
+    size limit): the partial file is removed and ``path`` is left as it was. Whatever else
+    stops the write (Ctrl-C, a bug) removes the partial file too, and is raised as it is.
     """
     out = os.fspath(path)
     ext = os.path.splitext(out)[1].lower()
@@ -46,9 +48,12 @@ def export_tensor(tensor: torch.Tensor, path: str | os.PathLike[str], *, name: s
         with handle:
             _writer(tensor, ext, name=name)(handle)
         os.replace(temp, out)
-    except OSError as exc:
+    except BaseException as exc:
         _remove(temp)
-        raise ExportError(f"could not write {out} ({exc.strerror or exc}); nothing was written") from exc
+        if isinstance(exc, OSError):
+            raise ExportError(f"could not write {out} ({exc.strerror or exc}); nothing was written: "
+                              "make room there (or lift the file size limit) or export elsewhere") from exc
+        raise
     return ext
 
 
@@ -94,4 +99,21 @@ def _writer(tensor: torch.Tensor, ext: str, *, name: str) -> Callable[[BinaryIO]
         import numpy as np
 
         return lambda handle: np.save(handle, tensor.numpy(), allow_pickle=False)
-    return lambda handle: torch.save(tensor, handle)
+    return lambda handle: _torch_save(tensor, handle)
+
+
+def _torch_save(tensor: torch.Tensor, handle: BinaryIO) -> None:
+    """``torch.save`` into ``handle``, raising what stopped the write itself.
+
+    torch reports a failed ``handle.write`` (disk full, Ctrl-C) as a ``RuntimeError``
+    (``[enforce fail at inline_container.cc:...] unexpected pos``) whose context is the
+    write's own exception; that exception is raised instead (from the ``RuntimeError``), so
+    that a full disk becomes ``ExportError`` and Ctrl-C stays ``KeyboardInterrupt``. A
+    ``RuntimeError`` without such a context (not the write's) is raised as it is."""
+    try:
+        torch.save(tensor, handle)
+    except RuntimeError as exc:
+        cause = exc.__context__
+        if isinstance(cause, OSError) or (cause is not None and not isinstance(cause, Exception)):
+            raise cause from exc
+        raise

@@ -89,6 +89,31 @@ class _Item:
     dropped_rows: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class _Position:
+    """Where a loader stands: its epoch, each worker's cursor and the next worker in turn.
+
+    One immutable value, replaced whole in one assignment, so that ``state_dict()`` called
+    from another thread (a checkpointing thread, a signal handler) sees one position or the
+    next, never a new epoch with the old epoch's cursors or one worker's new cursor with the
+    old turn."""
+
+    epoch: int
+    cursors: tuple[tuple[int, int], ...]
+    turn: int
+
+    @classmethod
+    def start(cls, epoch: int, slots: int) -> _Position:
+        """The beginning of ``epoch`` for ``slots`` workers."""
+        return cls(epoch, ((0, 0),) * slots, 0)
+
+    def after(self, item: _Item, slots: int) -> _Position:
+        """The position once ``item`` (of worker ``item.slot``) is consumed: that worker's
+        cursor moves, the turn passes to the next worker."""
+        cursors = self.cursors[:item.slot] + (item.cursor,) + self.cursors[item.slot + 1:]
+        return _Position(self.epoch, cursors, (item.slot + 1) % slots)
+
+
 class ActivationDataset(IterableDataset):
     """The batches of one DDP rank, split over DataLoader workers (``batch_size=None``).
 
@@ -344,18 +369,28 @@ class TokenLoader:
         """Start ``epoch`` from its beginning at the next iteration."""
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise InvalidArgumentError(f"epoch must be an int >= 0, not {epoch!r}")
-        self.epoch = epoch
-        self._cursors = [(0, 0)] * self.slots_per_rank
-        self._next = 0
+        self._position = _Position.start(epoch, self.slots_per_rank)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration runs (or continues)."""
+        return self._position.epoch
+
+    @epoch.setter
+    def epoch(self, value: Any) -> None:
+        """Refused: assigning the epoch alone would keep the old epoch's positions."""
+        raise InvalidArgumentError(f"epoch is read-only (not set to {value!r}): set_epoch(n) starts epoch n "
+                                   "from its beginning, load_state_dict(state) continues a saved position")
 
     @property
     def dataset(self) -> ActivationDataset:
         """The IterableDataset under this loader, from its current position, for your own
         ``DataLoader(dataset, batch_size=None, num_workers=loader.num_workers)``; positions
         consumed that way are not tracked by ``state_dict()``."""
-        return ActivationDataset(self.plan, self.packs, self.config, epoch=self.epoch, rank=self.rank,
+        at = self._position
+        return ActivationDataset(self.plan, self.packs, self.config, epoch=at.epoch, rank=self.rank,
                                  world_size=self.world_size, num_workers=self.num_workers,
-                                 cursors=tuple(self._cursors), rotation=self._next)
+                                 cursors=at.cursors, rotation=at.turn)
 
     def __len__(self) -> int:
         n_slots, batch = self.world_size * self.slots_per_rank, self.config.batch_size
@@ -365,9 +400,10 @@ class TokenLoader:
         return sum(-(-(hi - lo) // batch) for lo, hi in shares)
 
     def __iter__(self) -> Iterator[Any]:
-        dataset = ActivationDataset(self.plan, self.packs, self.config, epoch=self.epoch, rank=self.rank,
+        at = self._position
+        dataset = ActivationDataset(self.plan, self.packs, self.config, epoch=at.epoch, rank=self.rank,
                                     world_size=self.world_size, num_workers=self.num_workers,
-                                    cursors=tuple(self._cursors), rotation=self._next, bookkeeping=True,
+                                    cursors=at.cursors, rotation=at.turn, bookkeeping=True,
                                     memory=self._memory)
         if self.num_workers == 0:
             items = iter(dataset)
@@ -375,9 +411,7 @@ class TokenLoader:
             items = iter(DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
                                     multiprocessing_context=self.multiprocessing_context))
         for item in items:
-            local = item.slot
-            self._cursors[local] = item.cursor
-            self._next = (local + 1) % self.slots_per_rank
+            self._position = self._position.after(item, self.slots_per_rank)
             self.damaged_records.extend(item.damaged)
             self.skipped_rows += item.skipped_rows
             self.dropped_rows += item.dropped_rows
@@ -386,9 +420,13 @@ class TokenLoader:
         self.set_epoch(self.epoch + 1)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this rank stands: epoch, each worker's position, the next worker in turn."""
-        return {"version": STATE_VERSION, "epoch": self.epoch, "cursors": [list(c) for c in self._cursors],
-                "next": self._next, "fingerprint": self._fingerprint()}
+        """Where this rank stands: epoch, each worker's position, the next worker in turn.
+
+        Safe to call from another thread while the loader is iterated: the three are read
+        from one position (see ``_Position``), never from one half-updated."""
+        at = self._position
+        return {"version": STATE_VERSION, "epoch": at.epoch, "cursors": [list(c) for c in at.cursors],
+                "next": at.turn, "fingerprint": self._fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: the next batches are those the saving run would have yielded.
@@ -407,7 +445,7 @@ class TokenLoader:
         epoch, cursors, turn = _state_int(state, "epoch"), self._state_cursors(state), _state_int(state, "next")
         if turn >= self.slots_per_rank:
             raise InvalidArgumentError(f"state next={turn} names no worker of {self.slots_per_rank}")
-        self.epoch, self._cursors, self._next = epoch, cursors, turn
+        self._position = _Position(epoch, tuple(cursors), turn)
 
     def _check_fingerprint(self, theirs: Any, version: int) -> None:
         """Refuse a state of another loader; warn for one too old to hold the selection's digest."""

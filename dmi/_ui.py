@@ -93,6 +93,8 @@ class UIServer:
     stores: _StoreHolder = field(repr=False)
 
     def close(self) -> None:
+        """Stop serving, then close the store: after the endpoint running, if any, finishes;
+        a request still in flight that needs the store afterwards is answered 503."""
         self.httpd.shutdown()
         self.httpd.server_close()
         self.thread.join()
@@ -105,24 +107,36 @@ class _StoreHolder:
 
     Not one per request: each store open and close starts and stops chDB's embedded server,
     and chDB keeps threads and descriptors from every start (``bench/bench_chdb_sessions.py``),
-    so a page browsed for a while would run the process out of descriptors."""
+    so a page browsed for a while would run the process out of descriptors.
+
+    Request threads are daemons the server's close does not wait for, so a request can still
+    be in flight when the holder closes: it finishes with the store it holds, and none asks
+    for a store afterwards (503), as that would reopen one nobody closes."""
 
     def __init__(self, open_store: Any):
         self._open = open_store
         self._store = None
+        self._closed = False
         self._lock = threading.Lock()
 
     def get(self):
+        """The store, opened on first use; ``_Refused`` (503) once the holder is closed."""
         with self._lock:
+            if self._closed:
+                raise _Refused(HTTPStatus.SERVICE_UNAVAILABLE, "dmi ui is shutting down: start it again to browse")
             if self._store is None:
                 self._store = self._open()
             return self._store
 
     def close(self) -> None:
+        """Refuse every later ``get``, then close the store once the endpoint running (which
+        may be using it) has finished: endpoints hold the endpoint lock while they run."""
         with self._lock:
+            self._closed = True
             store, self._store = self._store, None
         if store is not None:
-            store.close()
+            with _ONE_AT_A_TIME:
+                store.close()
 
 
 def start_server(config: UIConfig, host: str = "127.0.0.1", port: int = 0, *, scan: int = 0) -> UIServer:
