@@ -7,6 +7,11 @@ identifiers, ownership) *before* it touches the model, then installs one PyTorch
 slot is drained, the open pack sealed and published, the publisher lease released, and the
 model's ownership given back. A second attach while the model is owned raises
 :class:`AttachError` and changes nothing.
+
+A session runs one call at a time (:class:`_SessionGate`): its ``generate``/``forward``, a
+``model.generate`` called directly, and every forward of the model hold it from start to end,
+and closing waits for the holder, so no close removes hooks under a running forward or seals
+half a call.
 """
 
 from __future__ import annotations
@@ -109,6 +114,98 @@ class _Call:
     call_id: int = 0
 
 
+HOLDER_CHECK_SECONDS = 1.0
+"""How often a thread waiting for the session checks that its holder's thread still runs."""
+
+
+def _live_threads() -> set[int]:
+    return {t.ident for t in threading.enumerate()}
+
+
+class _SessionGate:
+    """The session's lock: one thread at a time holds it, as often as it likes (a call, the
+    forwards inside it, a flush from one of its hooks), ``with`` or ``acquire``/``release``.
+    Unlike an ``RLock`` it can leave work to its holder: :meth:`run_alone` runs an action (the
+    close) once no other thread holds it, and where that cannot happen now — the caller holds
+    it itself, or the wait is interrupted — the holder runs the action as it lets go, so that
+    the action is neither run under a holder's feet nor lost."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._holder: int | None = None
+        self._depth = 0
+        self._then = None  # the action the holder runs as it lets go
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        """Hold the gate, once no other thread does."""
+        me = threading.get_ident()
+        with self._cond:
+            while self._holder not in (None, me):
+                self._wait()
+            self._holder = me
+            self._depth += 1
+
+    def _wait(self) -> None:
+        """Wait for the holder to let go (under the condition). A holder whose thread has ended
+        never will (its forward ended without its post-hook): the gate is then free, and an
+        action left to it (a close) is left to the next holder."""
+        if not self._cond.wait(HOLDER_CHECK_SECONDS) and self._holder not in _live_threads():
+            self._holder, self._depth = None, 0
+
+    def release(self) -> None:
+        """Let go of one hold; the last one first runs the action left to the holder, if any."""
+        with self._cond:
+            then = self._then if self._depth == 1 else None
+            if then is None:
+                self._depth -= 1
+                if not self._depth:
+                    self._holder = None
+                    self._cond.notify_all()
+                return
+            self._then = None
+        try:
+            then()  # still held: nothing else starts meanwhile
+        finally:
+            self.release()
+
+    def run_alone(self, action) -> None:
+        """Run ``action`` holding the gate, as soon as no other thread holds it. Where this thread
+        holds it already (asked from inside its own call), ``action`` runs as that hold ends; where
+        the wait is interrupted, as the other thread's hold ends (:meth:`_wait_free`)."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._holder == me:
+                self._then = action
+                return
+            interrupted = self._wait_free(action)
+            self._holder, self._depth, self._then = me, 1, action
+        self.release()
+        if interrupted is not None:
+            raise interrupted
+
+    def _wait_free(self, action) -> BaseException | None:
+        """Wait (under the condition) until no thread holds the gate; None. Interrupted
+        (``KeyboardInterrupt``) while a thread holds it: leave ``action`` to that thread, which
+        runs it as it lets go, and raise; interrupted as the gate came free: return the
+        interruption, to raise once ``action`` ran."""
+        try:
+            while self._holder is not None:
+                self._wait()
+        except BaseException as exc:
+            if self._holder is not None:
+                self._then = action
+                raise
+            return exc
+        return None
+
+
 class CaptureSession:
     """A model under capture. Made by :func:`attach`; use its methods inside the ``with``."""
 
@@ -147,7 +244,9 @@ class CaptureSession:
         self._staging: Staging | None = None
         self._hooks_guarded = False  # this session turned dynamo's hook guards on (compiled)
         self.compiled = compiled
-        self._lock = threading.RLock()
+        self._lock = _SessionGate()  # held by each call and forward, by flush and close
+        self._calls = 0  # session calls the gate's holder is inside (only the holder changes it)
+        self._forward_thread: int | None = None  # the thread whose forward holds the gate
         self.published: list = []
 
     # -- public ---------------------------------------------------------------------------------
@@ -161,35 +260,42 @@ class CaptureSession:
         its ``attention_mask``) or a list of prompts' token ids (left-padded for you). Returns
         the request ids (one per returned sequence: ``b × num_return_sequences``, sequence ``j``
         of prompt ``i`` at ``i * n + j``) and ``model.generate``'s output unchanged. Beam search
-        is refused before the model runs (:class:`UnsupportedGenerationError`)."""
-        ids, mask = self._batch(input_ids, attention_mask)
-        per_prompt = sequences_per_prompt(getattr(self.model, "generation_config", None), generate_kwargs)
-        call = self._open_call(ids, mask, request_ids, "prefill", per_prompt)
-        try:
-            out = self.model.generate(input_ids=ids, attention_mask=mask, **generate_kwargs)
-        finally:
-            self._close_call()
+        is refused before the model runs (:class:`UnsupportedGenerationError`). Holds the
+        session for the call: one made on another thread meanwhile waits for it."""
+        with self._calling():
+            ids, mask = self._batch(input_ids, attention_mask)
+            config = getattr(self.model, "generation_config", None)
+            per_prompt = sequences_per_prompt(config, generate_kwargs)
+            call = self._open_call(ids, mask, request_ids, "prefill", per_prompt)
+            try:
+                out = self.model.generate(input_ids=ids, attention_mask=mask, **generate_kwargs)
+            finally:
+                self._close_call()
         return CaptureResult(tuple(call.request_ids), out)
 
     def forward(self, input_ids, attention_mask=None, *, request_ids=None, **forward_kwargs) -> CaptureResult:
         """One scoring pass (phase ``"forward"``) with capture; returns request ids and the
-        model's output."""
-        ids, mask = self._batch(input_ids, attention_mask)
-        call = self._open_call(ids, mask, request_ids, "forward")
-        forward_kwargs.setdefault("use_cache", False)
-        try:
-            out = self.model(input_ids=ids, attention_mask=mask, **forward_kwargs)
-        finally:
-            self._close_call()
+        model's output. Holds the session for the call, as ``generate`` does."""
+        with self._calling():
+            ids, mask = self._batch(input_ids, attention_mask)
+            call = self._open_call(ids, mask, request_ids, "forward")
+            forward_kwargs.setdefault("use_cache", False)
+            try:
+                out = self.model(input_ids=ids, attention_mask=mask, **forward_kwargs)
+            finally:
+                self._close_call()
         return CaptureResult(tuple(call.request_ids), out)
 
     def flush(self, timeout: float | None = None) -> list:
         """Drain every copied tensor, seal the open pack, publish; re-raise any drain error.
-        Returns the pack descriptors published since the previous flush."""
-        self._refuse_closed()  # before the drain: its thread ends with the session
-        self.ring.submit()
-        out = self.drain.flush(timeout)
-        self.published.extend(out)
+        Returns the pack descriptors published since the previous flush. From another thread
+        it waits for the call in progress (the ring has one producer: the thread holding the
+        session)."""
+        with self._lock:
+            self._refuse_closed()  # before the drain: its thread ends with the session
+            self.ring.submit()
+            out = self.drain.flush(timeout)
+            self.published.extend(out)
         return out
 
     @property
@@ -221,6 +327,49 @@ class CaptureSession:
             "drain_nice": self.drain.nice,
             "drain_torch_threads": self.drain.torch_threads,
         }
+
+    # -- one call at a time ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _calling(self):
+        """Hold the session for one call (``generate``, ``forward``, a direct ``model.generate``):
+        a close or flush on another thread waits until it ends, so its records are complete."""
+        with self._lock:
+            self._calls += 1
+            try:
+                yield
+            finally:
+                self._calls -= 1
+                self._drop_stale_forward()
+
+    def _enter_forward(self) -> bool:
+        """At a forward's start (the model's pre-hook): hold the session until its post-hook, so
+        that a close on another thread waits for the forward instead of removing hooks under
+        it. False when the session closed while this forward waited: it runs uncaptured. The
+        top module's forwards do not nest, so a hold this thread still has is one a forward left
+        without its post-hook (PyTorch skips it on ``KeyboardInterrupt``, and when a compiled
+        forward raises): it carries over to this forward."""
+        if self._holds_forward():
+            return True
+        self._lock.acquire()
+        if self._closed:
+            self._lock.release()
+            return False
+        self._forward_thread = threading.get_ident()
+        return True
+
+    def _holds_forward(self) -> bool:
+        return self._forward_thread == threading.get_ident()
+
+    def _leave_forward(self) -> None:
+        self._forward_thread = None
+        self._lock.release()
+
+    def _drop_stale_forward(self) -> None:
+        """Outside every session call, a forward hold of this thread is one a forward left without
+        its post-hook (or, for a close, the hold of the forward a hook of the user's closes
+        from): let go of it, so that the session is not held for ever."""
+        if not self._calls and self._holds_forward():
+            self._leave_forward()
 
     # -- calls ----------------------------------------------------------------------------------
     def _batch(self, input_ids, attention_mask):
@@ -300,7 +449,7 @@ class CaptureSession:
         self._handles.append(m.register_forward_pre_hook(outside_graph(self._on_model_pre), with_kwargs=True))
         self._handles.append(m.register_forward_hook(outside_graph(self._on_model_post), always_call=True))
         if callable(getattr(m, "generate", None)):
-            self._handles.append(_GenerateGuard(m, eager=not self.compiled))
+            self._handles.append(_GenerateGuard(m, eager=not self.compiled, hold=self._calling))
         if self.compiled:
             self._install_compiled()
             return
@@ -372,7 +521,12 @@ class CaptureSession:
 
         return hook
 
-    def _on_model_pre(self, module, args, kwargs):
+    def _on_model_pre(self, module, args, kwargs=None):
+        """Hold the session for the forward, then plan its step. ``kwargs`` is None when PyTorch
+        calls the hook after the session removed it (it reads the hook's kwargs flag after taking
+        the list of hooks): the session closed as the forward started, which runs uncaptured."""
+        if kwargs is None or not self._enter_forward():
+            return None
         t0 = perf_counter()
         try:
             self._begin_step(args, kwargs)
@@ -436,12 +590,19 @@ class CaptureSession:
         return None
 
     def _on_model_post(self, module, args, output):
-        t0 = perf_counter()
-        if self._staging is not None and self._plan is not None and output is not None:
-            self._commit_compiled(output)  # output None: the forward raised, its staging is partial
-        self._plan = None
-        self.ring.end_step()
-        self._hook_seconds += perf_counter() - t0
+        """End the step, then let go of the session (nothing where this forward did not take it:
+        a pre-hook before the session's raised, or the session closed as it started)."""
+        if not self._holds_forward():
+            return None
+        try:
+            t0 = perf_counter()
+            if self._staging is not None and self._plan is not None and output is not None:
+                self._commit_compiled(output)  # output None: the forward raised, its staging is partial
+            self._plan = None
+            self.ring.end_step()
+            self._hook_seconds += perf_counter() - t0
+        finally:
+            self._leave_forward()
         return None
 
     def _commit_compiled(self, output) -> None:
@@ -558,7 +719,23 @@ class CaptureSession:
         return None if side is None else cuda_event_for_submission(side)
 
     # -- close ----------------------------------------------------------------------------------
-    def _close(self) -> None:
+    def _close(self, release) -> None:
+        """Close the session, then ``release()`` (the model's ownership). A call or forward on
+        another thread holds the session: the close waits for it to end, so its records are
+        complete. Asked for inside one of the session's own calls on the thread running it (a
+        hook, a stopping criterion), it runs as that call returns (waiting there would never
+        end), as it does when the wait is interrupted (see :meth:`_SessionGate.run_alone`); its
+        errors then raise from that call."""
+        self._drop_stale_forward()
+        self._lock.run_alone(functools.partial(self._close_then, release))
+
+    def _close_then(self, release) -> None:
+        try:
+            self._close_now()
+        finally:
+            release()
+
+    def _close_now(self) -> None:
         if self._closed:
             return
         self._closed = True
@@ -595,21 +772,23 @@ class _GenerateGuard:
     step. In an eager session (``eager``) it also turns off the compilation transformers
     starts by itself (``disable_compile=True``; it compiles the decode steps with CUDA graphs
     when a static cache is used on a GPU), unless the caller configured compilation: eager
-    hooks must run as Python, between kernels launched one by one. Installed as an instance
+    hooks must run as Python, between kernels launched one by one. It holds the session for
+    the call (``hold()``), as the session's own ``generate`` does. Installed as an instance
     attribute over the class's ``generate`` (or over one the user set on the instance);
     ``remove()`` restores what was there."""
 
-    def __init__(self, model, *, eager: bool):
+    def __init__(self, model, *, eager: bool, hold):
         self._model = model
         self._own = vars(model).get("generate", _NOT_SET)  # a generate set on the instance, kept
         original = model.generate
 
         @functools.wraps(original)
         def generate(*args, **kwargs):
-            sequences_per_prompt(getattr(model, "generation_config", None), kwargs)
-            if eager and not _compilation_configured(model, kwargs):
-                kwargs["disable_compile"] = True
-            return original(*args, **kwargs)
+            with hold():  # the session, for the whole call: a close waits for its last step
+                sequences_per_prompt(getattr(model, "generation_config", None), kwargs)
+                if eager and not _compilation_configured(model, kwargs):
+                    kwargs["disable_compile"] = True
+                return original(*args, **kwargs)
 
         self._guard = generate
         model.generate = generate
@@ -880,15 +1059,18 @@ def owned_session(owner_key, model_name: str, ctx: KeyContext, options: _Pipelin
         failed = True
         raise
     finally:
-        try:
-            if failed:
-                with contextlib.suppress(Exception):
-                    session._close()
-            else:
-                session._close()
-        finally:
-            with _OWNERS_LOCK:
-                _OWNERS.pop(owner_key, None)
+        release = functools.partial(_disown, owner_key)
+        if failed:
+            with contextlib.suppress(Exception):
+                session._close(release)
+        else:
+            session._close(release)
+
+
+def _disown(owner_key) -> None:
+    """Give ``owner_key`` back (its session closed): the model can be attached again."""
+    with _OWNERS_LOCK:
+        _OWNERS.pop(owner_key, None)
 
 
 def _undo_attach(session, drain, own_writer, publisher) -> None:
