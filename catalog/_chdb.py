@@ -55,6 +55,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import resource
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -361,9 +362,11 @@ class _EmbeddedSession:
 
 
 def _chdb_error(message: str) -> ServerError:
-    """chDB's error as a :class:`ServerError`; out of descriptors, with what causes it here."""
+    """chDB's error as a :class:`ServerError`; out of descriptors, with what causes it here.
+    chDB does not always say so (a server that cannot start reports ``BAD_ARGUMENTS``), so the
+    process's own count is looked at too."""
     error = server_error_from_message(message)
-    if "Too many open files" not in message:
+    if "Too many open files" not in message and not _near_descriptor_limit():
         return error
     return ServerError(
         f"{error}. The process ran out of file descriptors: each start of chDB's embedded server keeps "
@@ -372,6 +375,16 @@ def _chdb_error(message: str) -> ServerError:
         "and pass it to every call (dmi.capture(..., store=store)), or raise the limit (ulimit -n).",
         code=error.code, name=error.name,
     )
+
+
+def _near_descriptor_limit() -> bool:
+    """Whether this process holds nearly as many descriptors as it may (9/10 of the soft limit)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        held = len(os.listdir("/proc/self/fd"))
+    except OSError:  # no /proc: chDB's own message has to say it
+        return False
+    return soft != resource.RLIM_INFINITY and held >= soft * 9 // 10
 
 
 _INHERITED_SESSIONS: list = []

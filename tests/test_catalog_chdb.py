@@ -285,7 +285,8 @@ def test_running_out_of_descriptors_says_why_and_what_to_do(tmp_path):
     """chDB keeps threads and descriptors from every start of its server, and a catalog opened
     after the last one was closed starts it again: a process that opens and closes a store per
     call runs out of descriptors. Under a low limit (a real one, in a child process) the error
-    says that, and how to avoid it, instead of chDB's bare timer_fd message."""
+    says that, and how to avoid it, whichever of its errors chDB gives (a timer it cannot
+    create, or a server it cannot start)."""
     out = _python(f"""
         import resource
         resource.setrlimit(resource.RLIMIT_NOFILE, (160, 160))
@@ -302,8 +303,26 @@ def test_running_out_of_descriptors_says_why_and_what_to_do(tmp_path):
             print("NO ERROR")
     """)
     assert out.stdout.startswith("ERROR "), out.stdout + out.stderr
-    assert "Too many open files" in out.stdout
     assert "The process ran out of file descriptors" in out.stdout and "Keep one store open (dmi.open())" in out.stdout
+
+
+def test_a_chdb_error_near_the_descriptor_limit_says_why_whatever_its_text():
+    """chDB may report running out of descriptors as a server it could not start
+    (``BAD_ARGUMENTS``, no errno): near the limit the error still says why. Far from it, the
+    same error is chDB's own."""
+    out = _python("""
+        import os, resource
+        from dmi.catalog import _chdb
+        message = "Code: 36. DB::Exception: Error initializing EmbeddedServer: . (BAD_ARGUMENTS)"
+        print("FAR", "ran out of file descriptors" in str(_chdb._chdb_error(message)))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        held = []
+        while len(os.listdir("/proc/self/fd")) < 60:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        error = _chdb._chdb_error(message)
+        print("NEAR", error.code, error.name, "ran out of file descriptors" in str(error))
+    """)
+    assert out.stdout.split("\n")[:2] == ["FAR False", "NEAR 36 BAD_ARGUMENTS True"], out.stdout + out.stderr
 
 
 def test_an_idle_holder_gives_its_session_up_when_another_process_waits(tmp_path):
