@@ -156,7 +156,8 @@ class Drain:
         self._codec: str | None = None  # the fallback while behind, else None (the writer's codec)
         self._hook_codecs = dict(hook_codecs or {})  # attach(codec={hook: codec}): these hooks' codec
         self.error: BaseException | None = None
-        self.published: list = []
+        self.published: list = []  # descriptors published since the last flush (when keep_published)
+        self.keep_published = True  # False: a session living for ever (a vLLM engine) keeps only counts
         self.lost_keys: list[RecordKey] = []
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._publish_interval = publish_interval  # seal_soon seals at most this often (seconds)
@@ -412,7 +413,8 @@ class Drain:
         if self._publish is not None:
             self._publish(batch)
             self.stats.packs_published += len(batch)
-        self.published.extend(batch)
+        if self.keep_published:
+            self.published.extend(batch)
 
     def _lose(self, lost: LostRecords) -> None:
         """Count the records a dropped tensor would have made: one per span, and for a dropped

@@ -209,6 +209,11 @@ class _SessionGate:
 class CaptureSession:
     """A model under capture. Made by :func:`attach`; use its methods inside the ``with``."""
 
+    keeps_published = True
+    """Whether :attr:`published` and ``flush()`` hold the descriptors of the packs published (a
+    descriptor holds an entry per record); a session that may live for ever (a vLLM engine's)
+    keeps only their count, ``stats["packs_published"]``."""
+
     def __init__(self, model, arch: Architecture, selection: Selection, geometry: ModelGeometry,
                  *, model_id: str, run_id: str, schedule: Schedule, ring: Ring, drain: Drain,
                  publisher=None, tp_rank: int = 0, tp_size: int = 1, capture_enabled: bool = True,
@@ -1043,6 +1048,7 @@ def owned_session(owner_key, model_name: str, ctx: KeyContext, options: _Pipelin
                       texts=o.texts, hook_codecs=o.hook_codecs, encode_threads=o.encode_threads,
                       nice=o.drain_nice, publish_interval=o.publish_interval)
         session = make_session(ring, drain, publisher)
+        drain.keep_published = session.keeps_published
         ring.connect(drain.submit, stamp=session._copies_done)
         with _OWNERS_LOCK:
             _OWNERS[owner_key] = session

@@ -25,16 +25,31 @@ request that finished meanwhile: while the engine is busy, one pack and one cata
 per interval at most, not one per engine step. A served engine that goes idle publishes at
 once (:meth:`VLLMCaptureSession.publish_buffered`), and the session's ``generate`` flushes
 before it returns, so every request it returns can be read.
+
+**A failing capture never breaks the engine.** DMI's hooks run inside vLLM's step, where an
+exception would leave the interrupted requests in its scheduler (a later ``generate`` never
+returns) or, served, kill the engine. So a failure there — the drain's (a publish that raised:
+the catalog unreachable), a ring timeout (:class:`RingFullError`), any other — stops the capture
+for the rest of the session instead: no slot is reserved and no tensor copied any more, the
+engine runs on exactly as without capture, and what it no longer captures is counted
+(``stats``: ``capture_stopped``, ``steps_not_captured``, ``requests_not_captured``,
+``records_not_captured``; a drain still running also counts those records in
+``records_lost`` and the catalog's losses, as dropped ones). The failure is logged once, and
+raised where a caller can take it with the engine idle: by ``generate`` once vLLM returned (its
+outputs on the error, as ``outputs``), by ``flush`` and at detach (a served engine's executor
+logs it at shutdown).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
 from time import perf_counter
 
-from dmi.storage.errors import (CaptureError, HookSelectionError, InvalidArgumentError, RequestExistsError,
-                               VLLMConfigError)
+from dmi.storage.errors import (CaptureError, DMIError, DrainError, HookSelectionError, InvalidArgumentError,
+                               RequestExistsError, VLLMConfigError)
 from dmi.storage.records import GLOBAL_LAYER
 
 from ._codec_choice import resolve_codecs
@@ -49,6 +64,8 @@ from ._vllm_arch import MUTATED_IN_PLACE, resolve_vllm_architecture
 from ._vllm_plan import BatchView, VLLMPlanner
 
 __all__ = ["attach_vllm", "VLLMCaptureSession", "check_engine_config", "engine_in_this_process", "VLLM_WRITER_PREFIX"]
+
+logger = logging.getLogger(__name__)
 
 VLLM_WRITER_PREFIX = "vllm-"
 """How the writer id of every pack a vLLM capture seals begins (``vllm-<run id>``)."""
@@ -153,6 +170,8 @@ def _worker_runner(worker):
 class VLLMCaptureSession(CaptureSession):
     """A vLLM engine under capture. Made by :func:`attach_vllm`; use it inside the ``with``."""
 
+    keeps_published = False  # an engine's session may live for ever: it counts packs, keeps no descriptor
+
     def __init__(self, llm, runner, planner: VLLMPlanner, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.llm = llm
@@ -162,17 +181,39 @@ class VLLMCaptureSession(CaptureSession):
         self._live: set[str] = set()
         self._logits_calls_ignored = 0
         self._logits_taken = False  # the current step's logits were seen (its first logits call)
-        self._buffered = False  # a step was captured since the last seal
+        self._buffered = False  # a step ran since the last seal: its records (or losses) wait for one
+        self._failure: Exception | None = None  # what stopped the capture inside a step (see _stop)
+        self._step_lost = False  # the current step lost a record (counted in steps_not_captured)
+        self._steps_not_captured = 0
+        self._requests_not_captured = 0
+        self._records_not_captured = 0
+        self._losing: set[str] = set()  # requests in the engine that lost a record (counted once each)
 
     def generate(self, *args, **kwargs):
         """``llm.generate`` with capture; flushes before returning, so every request in its
-        output is published (read it back by ``output.request_id``). Returns vLLM's output."""
-        self._check_open()
+        output is published (read it back by ``output.request_id``). Returns vLLM's output.
+        A capture that failed while vLLM ran (it stopped: :meth:`_stop`), or whose flush failed,
+        raises once vLLM returned, the engine idle and every request run to its end: vLLM's
+        output is on the error, as ``outputs``. Once stopped, it raises before vLLM runs."""
+        self._refuse_closed()
+        self._raise_if_stopped()
+        self.drain.check()
         if self.llm is None:
             raise CaptureError("this session captures a served engine; send it requests (docs/vllm.md)")
         out = self.llm.generate(*args, **kwargs)
-        self.flush()
+        try:
+            self.flush()
+        except DMIError as exc:
+            exc.outputs = out
+            raise
         return out
+
+    def flush(self, timeout: float | None = None) -> list:
+        """``CaptureSession.flush``. Once the capture stopped (:meth:`_stop`), what it captured
+        before is still published, then the stop is raised."""
+        if self._failure is None:
+            return super().flush(timeout)
+        self._then_raise_stop(super().flush, timeout)
 
     @contextlib.contextmanager
     def stepping(self):
@@ -203,20 +244,119 @@ class VLLMCaptureSession(CaptureSession):
         return {**super().stats, "requests": self.planner.requests_seen,
                 "recomputed_tokens_skipped": self.planner.recomputed_tokens,
                 "duplicate_request_ids": self.planner.duplicate_request_ids,
-                "logits_calls_ignored": self._logits_calls_ignored}
+                "logits_calls_ignored": self._logits_calls_ignored,
+                "capture_stopped": self._failure is not None,
+                "steps_not_captured": self._steps_not_captured,
+                "requests_not_captured": self._requests_not_captured,
+                "records_not_captured": self._records_not_captured}
+
+    # -- a failure inside the engine's step ------------------------------------------------------
+    def _stop(self, exc: Exception) -> None:
+        """Stop capturing for the rest of the session — raising inside vLLM's step would leave
+        the interrupted requests in its scheduler, or kill a served engine: from now on no slot
+        is reserved and no tensor copied, and every record a step would have made is counted
+        (:meth:`_count_lost`). Logged once; raised by :meth:`_raise_if_stopped` where a caller
+        can take it, outside the step. Only the first failure is kept: after it only planning
+        and counting run."""
+        if self._failure is not None:
+            return
+        self._failure = exc
+        logger.error("DMI stopped capturing from this vLLM engine: %s. The engine goes on without capture; "
+                     "what it does not capture is counted in the session's stats, and the error is raised "
+                     "by generate, flush and the detach", exc, exc_info=exc)
+
+    def _raise_if_stopped(self) -> None:
+        """Raise what stopped the capture (:meth:`_stop`) — as its own class if a capture error
+        (``DrainError``, ``RingFullError``, ...), else as ``CaptureError`` — saying what was not
+        captured; nothing if it did not stop."""
+        failure = self._failure
+        if failure is None:
+            return
+        cls = type(failure) if isinstance(failure, CaptureError) else CaptureError
+        raise cls(
+            f"DMI stopped capturing inside the vLLM engine ({failure}); the engine ran on without capture, its "
+            f"outputs whole: {self._steps_not_captured} step(s), {self._requests_not_captured} request(s) and "
+            f"{self._records_not_captured} record(s) not captured (session stats). What was captured before is "
+            "in the store (`dmi recover` publishes a pack sealed but left unpublished); remove the cause, then "
+            "capture in a new session"
+        ) from failure
+
+    def _then_raise_stop(self, action, *args) -> None:
+        """``action(*args)`` (a flush, the detach), then the stop raised — with the error
+        ``action`` raised itself, if any, as its context."""
+        try:
+            action(*args)
+        except DMIError:
+            self._raise_if_stopped()
+        self._raise_if_stopped()
+
+    def _close_now(self) -> None:
+        """Detach (drain, seal, publish, release the lease); then raise the stop, if any."""
+        if self._closed or self._failure is None:
+            super()._close_now()
+            return
+        self._then_raise_stop(super()._close_now)
+
+    def _unfailing(self, hook):
+        """``hook`` as it runs inside vLLM's step: an exception stops the capture (:meth:`_stop`)
+        instead of leaving the hook."""
+
+        @functools.wraps(hook)
+        def run(*args):
+            try:
+                return hook(*args)
+            except Exception as exc:  # noqa: BLE001 - kept, logged and raised outside the step (_stop)
+                self._stop(exc)
+                return None
+
+        return run
+
+    def _check_drain(self) -> None:
+        """A failed drain stops the capture at the first step that sees it, before its copies
+        (the open slot may have room: they would go to a drain that no longer takes them)."""
+        if self._failure is None:
+            try:
+                self.drain.check()
+            except DrainError as exc:
+                self._stop(exc)
+
+    def _emit_or_count(self, hook: str, layer: int, x, plan) -> None:
+        """Copy ``x``'s rows of ``plan`` into the ring; once the capture stopped — or if this
+        copy fails, which stops it — count its records as not captured instead."""
+        if self._failure is None:
+            try:
+                self._emit(hook, layer, x, "flat", plan)
+                return
+            except Exception as exc:  # noqa: BLE001 - kept, logged and raised outside the step (_stop)
+                self._stop(exc)
+        self._count_lost(hook, layer, plan)
+
+    def _count_lost(self, hook: str, layer: int, plan) -> None:
+        """One record per request of ``plan`` not captured for ``hook`` at ``layer``: counted
+        with its step and request, and handed to the drain, which — where it has not failed (a
+        ring timeout stopped the capture) — counts it in ``records_lost`` and the catalog's losses."""
+        if not self._step_lost:
+            self._step_lost = True
+            self._steps_not_captured += 1
+        self._records_not_captured += len(plan.spans)
+        for span in plan.spans:
+            if span.request_id not in self._losing:
+                self._losing.add(span.request_id)
+                self._requests_not_captured += 1
+        self.drain.note_loss(hook, layer, plan)
 
     # -- hooks ----------------------------------------------------------------------------------
     def _install(self) -> None:
         m = self.arch.model
-        self._handles.append(m.register_forward_pre_hook(self._on_model_pre, with_kwargs=True))
-        self._handles.append(m.register_forward_hook(self._on_model_post, always_call=True))
+        self._handles.append(m.register_forward_pre_hook(self._unfailing(self._on_model_pre), with_kwargs=True))
+        self._handles.append(m.register_forward_hook(self._unfailing(self._on_model_post), always_call=True))
         if "logits" in self._emitted:
-            self._handles.append(m.logits_processor.register_forward_hook(self._on_logits))
+            self._handles.append(m.logits_processor.register_forward_hook(self._unfailing(self._on_logits)))
         self._install_taps(self.arch.taps(self._emitted))
 
     def _emitter(self, tap):
         emissions = tap.emissions
-        emit = self._emit
+        emit = self._emit_or_count
 
         def run(args, kwargs, output):
             step = self._step
@@ -224,14 +364,16 @@ class VLLMCaptureSession(CaptureSession):
                 return
             t0 = perf_counter()
             for em in emissions:
-                x = em.extract(args, kwargs, output)
-                if x is not None and x.device.type == "cuda" and em.hook in MUTATED_IN_PLACE:
-                    x = x.clone()  # vLLM adds into this buffer in place before a side-stream copy could read it
+                x = None
+                if self._failure is None:  # stopped: nothing read, nothing copied
+                    x = em.extract(args, kwargs, output)
+                    if x is not None and x.device.type == "cuda" and em.hook in MUTATED_IN_PLACE:
+                        x = x.clone()  # vLLM adds into this buffer in place before a side-stream copy could read it
                 for plan in step.token_plans:
-                    emit(em.hook, em.layer, x, "flat", plan)
+                    emit(em.hook, em.layer, x, plan)
             self._hook_seconds += perf_counter() - t0
 
-        return run
+        return self._unfailing(run)
 
     def _on_model_pre(self, module, args, kwargs):
         t0 = perf_counter()
@@ -254,14 +396,14 @@ class VLLMCaptureSession(CaptureSession):
             self._forwards += 1
             if step is None:
                 return None
-            self.drain.check()
-            self._step = step
+            self._step, self._step_lost = step, False
+            self._check_drain()
             self._buffered = True
             if "token_ids" in self._emitted:
-                if ids.device.type == "cuda":
+                if self._failure is None and ids.device.type == "cuda":
                     ids = ids.clone()  # vLLM refills this input buffer for the next step before a side-stream copy
                 for plan in step.token_plans:
-                    self._emit("token_ids", GLOBAL_LAYER, ids, "flat", plan)
+                    self._emit_or_count("token_ids", GLOBAL_LAYER, ids, plan)
             return None
         finally:
             self._hook_seconds += perf_counter() - t0
@@ -283,7 +425,7 @@ class VLLMCaptureSession(CaptureSession):
             self._logits_calls_ignored += 1
         else:
             for plan in step.logits_plans:
-                self._emit("logits", GLOBAL_LAYER, output, "flat", plan)
+                self._emit_or_count("logits", GLOBAL_LAYER, output, plan)
         self._hook_seconds += perf_counter() - t0
         return None
 
@@ -296,6 +438,7 @@ class VLLMCaptureSession(CaptureSession):
         if gone:
             finished = [self.planner.request_ids[rid] for rid in gone if rid in self.planner.request_ids]
             self.planner.forget(gone)
+            self._losing.difference_update(finished)
             self._buffered = False
             self.ring.submit()
             self.drain.seal_soon(finished)

@@ -40,12 +40,18 @@ Common to both:
   workers in other processes the idle publish is a ``dmi_publish_buffered`` call to every
   worker, queued behind the steps already sent: each worker runs its calls one at a time, in
   order, so the publish never runs inside a step.
+* **Failures**: a capture that fails inside a step stops and lets the engine serve on
+  (``dmi.capture._vllm``); an idle publish that fails is logged and the publisher goes on. Both
+  are logged again at shutdown, which no caller receives: the executor's ``shutdown`` logs what
+  DMI's part of it raised and goes on with vLLM's own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import logging
 import os
 import threading
 import time
@@ -54,10 +60,12 @@ from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
 from dmi.storage import errors
-from dmi.storage.errors import AttachError, DMIError, InvalidArgumentError, VLLMConfigError
+from dmi.storage.errors import AttachError, CaptureError, DMIError, InvalidArgumentError, VLLMConfigError
 
 __all__ = ["CaptureExecutor", "CaptureMultiprocExecutor", "CaptureWorkerExtension", "WorkerCapture", "CAPTURE_ENV",
            "IDLE_PUBLISH_SECONDS"]
+
+logger = logging.getLogger(__name__)
 
 CAPTURE_ENV = "DMI_VLLM_CAPTURE"
 """The environment variable holding the served capture's ``attach_vllm`` keywords (JSON)."""
@@ -130,9 +138,9 @@ class CaptureExecutor(UniProcExecutor):
     def shutdown(self) -> None:
         try:
             if getattr(self, "_dmi_idle", None) is not None:
-                self._dmi_idle.stop()
-            if getattr(self, "_dmi_stack", None) is not None:
-                self._dmi_stack.close()  # detach: drain, seal, publish, release the lease
+                _logged("stopping the idle publisher", self._dmi_idle.stop)
+            if getattr(self, "_dmi_stack", None) is not None:  # detach: drain, seal, publish, release the lease
+                _logged("detaching the capture", self._dmi_stack.close)
         finally:
             super().shutdown()
 
@@ -190,11 +198,22 @@ class CaptureMultiprocExecutor(MultiprocExecutor):
     def shutdown(self) -> None:
         try:
             if getattr(self, "_dmi_idle", None) is not None:
-                self._dmi_idle.stop()
+                _logged("stopping the idle publisher", self._dmi_idle.stop)
             if self.__dict__.pop("_dmi_attached", False) and not self.is_failed:
-                self.collective_rpc("dmi_detach")  # every worker: drain, seal, publish, release its lease
+                # every worker: drain, seal, publish, release its lease
+                _logged("detaching the workers' capture", functools.partial(self.collective_rpc, "dmi_detach"))
         finally:
             super().shutdown()
+
+
+def _logged(what: str, action) -> None:
+    """``action()``, DMI's part of a served engine's shutdown: what it raises is logged with its
+    traceback, not raised — no caller receives it there, and vLLM's own teardown, which an
+    exception from the executor's ``shutdown`` would skip, must still run."""
+    try:
+        action()
+    except Exception:  # noqa: BLE001 - logged: see above
+        logger.exception("DMI: %s failed as the vLLM engine shut down", what)
 
 
 def _qualname(cls) -> str:
@@ -375,13 +394,17 @@ def _plain(options: dict) -> dict:
 
 class _IdlePublisher:
     """A thread that calls ``publish()`` once no step has run for ``idle`` seconds, once per
-    stretch of steps (an idle engine is not published again and again)."""
+    stretch of steps (an idle engine is not published again and again). A publish that fails is
+    logged and the thread goes on, so that the requests finished later are still published while
+    the engine idles; the first failure is raised by :meth:`stop`."""
 
     def __init__(self, publish, idle: float):
         self._publish = publish
         self._idle = idle
         self._last_step = time.monotonic()
         self._stepped = False  # a step ran since the last publish
+        self.failures = 0  # publishes that raised
+        self._first_failure: Exception | None = None  # raised by stop()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dmi-vllm-idle", daemon=True)
         self._thread.start()
@@ -399,8 +422,30 @@ class _IdlePublisher:
         while not self._stop.wait(self._idle):
             if self._stepped and time.monotonic() - self._last_step >= self._idle:
                 self._stepped = False
-                self._publish()
+                self._publish_or_log()
+
+    def _publish_or_log(self) -> None:
+        """``publish()``; what it raises is logged and kept (the first), not raised: it would end
+        the thread for good. A publish only asks for a seal, so what was buffered stays buffered,
+        for a later publish or the detach."""
+        try:
+            self._publish()
+        except Exception as exc:  # noqa: BLE001 - logged here, raised by stop()
+            self.failures += 1
+            self._first_failure = self._first_failure or exc
+            logger.exception("DMI: the idle publish of this vLLM engine's capture failed (%d time(s) so far); what "
+                             "it would have published stays buffered for the next publish or the detach",
+                             self.failures)
 
     def stop(self) -> None:
+        """Stop the thread; then raise the first publish that failed, if any (once), as
+        :class:`CaptureError` with that failure as its cause."""
         self._stop.set()
         self._thread.join()
+        failure, self._first_failure = self._first_failure, None
+        if failure is not None:
+            raise CaptureError(
+                f"the idle publish of this vLLM engine's capture failed {self.failures} time(s), first with "
+                f"{failure!r} (each was logged); what it would have published stayed buffered for a later "
+                "publish or the detach"
+            ) from failure

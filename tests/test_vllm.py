@@ -191,7 +191,7 @@ def test_preempted_requests_are_recorded_once(model_dir, tmp_path):
 def test_a_finished_request_is_published_while_others_run(llm, model_dir, store):
     """Driven step by step through the engine: once the short request finishes and the engine
     steps on with the long one, the short request's records (its last token included) are in
-    the catalog — without any flush."""
+    the catalog — without any flush. The session keeps only a count of the packs it published."""
     engine = llm.llm_engine
     with store.capture_vllm(llm, hooks="token_ids,resid_post", layers=[0]) as cap:
         engine.add_request("short", PROMPTS[0], _sampling(2))
@@ -209,7 +209,10 @@ def test_a_finished_request_is_published_while_others_run(llm, model_dir, store)
         assert tokens == _fed_tokens(finished["short"])
         while engine.has_unfinished_requests():
             engine.step()
-        cap.flush()
+        assert cap.flush() == []
+        # an engine's session keeps no descriptors (an entry per record, for the life of a server)
+        assert cap.published == [] and cap.drain.published == []
+        assert cap.stats["packs_published"] >= 2
 
 
 def _published(store, model_id, request_id) -> bool:
