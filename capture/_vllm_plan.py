@@ -75,8 +75,8 @@ class IdDigests:
     most ``len(digests) / 2**64`` (two digests equal by chance: that any of a session's first ten
     million requests meets one is below 3e-6), which stores that fresh request under its engine
     id and counts it as a duplicate: kept apart, never lost. Ids added since the last merge wait
-    in a set (:data:`RECENT_IDS_MIN`), so an addition never copies the array (measured: 9 bytes
-    per id retained, 18 at the peak of a merge)."""
+    in a set (:data:`RECENT_IDS_MIN`, at most a 64th of the array), so an addition never copies
+    the array: 8 bytes per merged id, and a merge briefly holds the array twice."""
 
     __slots__ = ("_sorted", "_recent")
 
