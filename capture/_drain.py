@@ -71,7 +71,7 @@ from ._hooks import HOOKS, ModelGeometry
 from ._omp import one_openmp_thread
 from ._token_text import PROMPT_TEXT, TOKEN_TEXT
 
-__all__ = ["Drain", "DrainStats", "LostRecords"]
+__all__ = ["CAPTURE_STOPPED", "Drain", "DrainStats", "LostRecords", "RING_FULL"]
 
 
 @dataclass(slots=True)
@@ -91,13 +91,20 @@ class DrainStats:
     start_seconds: float | None = None  # how long ``start`` (the lease) took; None until it succeeded
 
 
+RING_FULL = "ring full"
+"""The losses' reason for a tensor ``drop_policy="drop"`` dropped: its bytes fit in no slot."""
+CAPTURE_STOPPED = "capture stopped"
+"""The losses' reason for what a stopped capture (vLLM's, after a failure in the step) no longer copied."""
+
+
 @dataclass(slots=True)
 class LostRecords:
-    """Records that an explicit drop policy dropped (turned into keys on the drain thread)."""
+    """Records not captured (turned into keys on the drain thread), and why."""
 
     hook: str
     layer: int
     plan: object
+    reason: str = RING_FULL
 
 
 _IDLE = object()
@@ -140,7 +147,7 @@ class Drain:
         self.writer = writer
         self.ctx = ctx
         self._publish = publish  # callable(list[PackDescriptor]) or None
-        self._record_losses = record_losses  # callable(list[RecordKey]) or None
+        self._record_losses = record_losses  # callable(list[(RecordKey, reason)]) or None
         self._tick = tick  # called at least every tick_seconds (publisher lease keep-alive)
         self._tick_seconds = tick_seconds
         self._last_tick = time.monotonic()
@@ -158,7 +165,7 @@ class Drain:
         self.error: BaseException | None = None
         self.published: list = []  # descriptors published since the last flush (when keep_published)
         self.keep_published = True  # False: a session living for ever (a vLLM engine) keeps only counts
-        self.lost_keys: list[RecordKey] = []
+        self.lost_keys: list[tuple[RecordKey, str]] = []  # each lost record's key and reason
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._publish_interval = publish_interval  # seal_soon seals at most this often (seconds)
         self._last_seal = float("-inf")  # when seal_soon last sealed (time.monotonic())
@@ -181,8 +188,8 @@ class Drain:
     def submit(self, slot) -> None:
         self._q.put(slot)
 
-    def note_loss(self, hook: str, layer: int, plan) -> None:
-        self._q.put(LostRecords(hook, layer, plan))
+    def note_loss(self, hook: str, layer: int, plan, reason: str = RING_FULL) -> None:
+        self._q.put(LostRecords(hook, layer, plan, reason))
 
     def check(self) -> None:
         """Raise :class:`DrainError` if the thread has failed."""
@@ -423,7 +430,7 @@ class Drain:
         keys = [self._key(lost.hook, lost.layer, lost.plan, s) for s in lost.plan.spans]
         if self.texts is not None and lost.hook == "token_ids":
             keys += [replace(key, hook=hook) for key in keys for hook in self._text_hooks(key)]
-        self.lost_keys.extend(keys)
+        self.lost_keys.extend((key, lost.reason) for key in keys)
         self.stats.records_lost += len(keys)
 
     @staticmethod
@@ -434,8 +441,8 @@ class Drain:
 
     def _flush_losses(self) -> None:
         if self._record_losses is not None and self.lost_keys:
-            keys, self.lost_keys = self.lost_keys, []
-            self._record_losses(keys)
+            lost, self.lost_keys = self.lost_keys, []
+            self._record_losses(lost)
 
     def _key(self, hook, layer, plan, span, n_tokens=None) -> RecordKey:
         """The record's key; ``n_tokens``: its length where it covers more than ``span``'s step."""

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import Counter
 from time import perf_counter
 from dataclasses import dataclass, field
 
@@ -1246,13 +1247,13 @@ class _Publishing:
     def publish(self, descriptors) -> None:
         self.publisher.publish(list(descriptors))
 
-    def record_losses(self, keys) -> None:
-        counts: dict[tuple[str, str, int], int] = {}
-        for k in keys:
-            counts[(k.request_id, k.hook, k.layer)] = counts.get((k.request_id, k.hook, k.layer), 0) + 1
-        for (request_id, hook, layer), count in counts.items():
+    def record_losses(self, lost) -> None:
+        """One losses row per request, hook, layer and reason of ``lost`` (``(key, reason)`` pairs)."""
+        counts: Counter[tuple[str, str, int, str]] = Counter(
+            (key.request_id, key.hook, key.layer, reason) for key, reason in lost)
+        for (request_id, hook, layer, reason), count in counts.items():
             self.catalog.record_losses(self.model_id, self.run_id, request_id, hook, layer, count,
-                                       "ring full", recorded_by="dmi.capture")
+                                       reason, recorded_by="dmi.capture")
 
     def close(self) -> None:
         self.publisher.release()

@@ -34,7 +34,7 @@ for the rest of the session instead: no slot is reserved and no tensor copied an
 engine runs on exactly as without capture, and what it no longer captures is counted
 (``stats``: ``capture_stopped``, ``steps_not_captured``, ``requests_not_captured``,
 ``records_not_captured``; a drain still running also counts those records in
-``records_lost`` and the catalog's losses, as dropped ones). The failure is logged once, and
+``records_lost`` and the catalog's losses, reason ``"capture stopped"``). The failure is logged once, and
 raised where a caller can take it with the engine idle: by ``generate`` once vLLM returned (its
 outputs on the error, as ``outputs``), by ``flush`` and at detach (a served engine's executor
 logs it at shutdown).
@@ -53,7 +53,7 @@ from dmi.storage.errors import (CaptureError, DMIError, DrainError, HookSelectio
 from dmi.storage.records import GLOBAL_LAYER
 
 from ._codec_choice import resolve_codecs
-from ._drain import KeyContext
+from ._drain import CAPTURE_STOPPED, KeyContext
 from ._hooks import ModelGeometry
 from ._schedule import Schedule
 from ._selection import select
@@ -343,7 +343,7 @@ class VLLMCaptureSession(CaptureSession):
             if span.request_id not in self._losing:
                 self._losing.add(span.request_id)
                 self._requests_not_captured += 1
-        self.drain.note_loss(hook, layer, plan)
+        self.drain.note_loss(hook, layer, plan, CAPTURE_STOPPED)
 
     # -- hooks ----------------------------------------------------------------------------------
     def _install(self) -> None:

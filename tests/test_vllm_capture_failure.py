@@ -198,6 +198,7 @@ def test_a_ring_timeout_stops_the_capture_and_its_losses_are_recorded(llm, store
     assert stats["records_not_captured"] == 3 * 2 * LAYERS
     assert stats["records_lost"] == stats["records_not_captured"]  # the drain counted each one too
     assert _count(store, "SELECT sum(count) FROM {losses}") == stats["records_not_captured"]
+    assert _count(store, "SELECT count() FROM {losses} WHERE reason != 'capture stopped'") == 0
     assert _count(store, "SELECT count() FROM {records}") == 2 * LAYERS  # the first step's, published
     assert _tokens(_bounded(llm.generate, prompts, params)) == expected
 
