@@ -11,7 +11,7 @@ import torch
 
 from dmi.storage.errors import InvalidArgumentError, UnsupportedGenerationError
 
-__all__ = ["CaptureResult", "prepare_batch", "left_pads", "sequences_per_prompt"]
+__all__ = ["CaptureResult", "cached_tokens", "eos_token_ids", "prepare_batch", "left_pads", "sequences_per_prompt"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,8 +155,10 @@ def sequences_per_prompt(model_config, generate_kwargs: dict) -> int:
     rows afterwards, so each returned sequence is captured as its own request. Beam search
     (``num_beams > 1``) reorders and forks its rows at every step — a batch row is not one
     sequence — so it is refused here, before the model runs, with
-    :class:`UnsupportedGenerationError`. ``model_config`` is the model's
-    ``generation_config``; ``generate_kwargs`` override it as they do in ``generate``.
+    :class:`UnsupportedGenerationError`; so are assisted generation, a cache that already
+    holds tokens, and ``use_cache=False`` (:func:`_refuse_unfollowable_steps`).
+    ``model_config`` is the model's ``generation_config``; ``generate_kwargs`` override it as
+    they do in ``generate``.
     """
     config = generate_kwargs.get("generation_config") or model_config
     beams = _setting(config, generate_kwargs, "num_beams")
@@ -166,7 +168,70 @@ def sequences_per_prompt(model_config, generate_kwargs: dict) -> int:
             "every step, so no batch row is one sequence. Capture sampling or greedy generation "
             "(num_beams=1), or capture the returned sequences with session.forward(...)"
         )
+    _refuse_unfollowable_steps(config, generate_kwargs)
     return _setting(config, generate_kwargs, "num_return_sequences")
+
+
+_CANDIDATE_SETTINGS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+"""Generation settings that verify guessed tokens with the model (assisted / speculative
+decoding): a keyword, or (all but ``assistant_model``) a generation-config field."""
+
+
+def _refuse_unfollowable_steps(config, generate_kwargs: dict) -> None:
+    """Refuse, with :class:`UnsupportedGenerationError`, generation whose forwards are not one
+    prompt then one new token per step, which capture's positions assume:
+
+    * assisted / speculative decoding feeds guessed tokens and drops the rejected ones from
+      the cache, so guesses would be stored as tokens of the sequence and every later
+      position shifted;
+    * a cache that already holds tokens (``cache=`` / ``past_key_values=``, continuing an
+      earlier generation) makes the first forward feed only the tokens after them, which
+      would be stored as the request's first positions;
+    * ``use_cache=False`` feeds the whole sequence, padding included, at every decode step,
+      so each step would be stored as that many new tokens at the wrong positions."""
+    given = [name for name in _CANDIDATE_SETTINGS
+             if generate_kwargs.get(name, getattr(config, name, None)) is not None]
+    if given:
+        raise UnsupportedGenerationError(
+            f"assisted generation ({', '.join(given)}) cannot be captured: the model verifies guessed "
+            "tokens and drops the rejected ones, so guesses would be stored as tokens of the sequence. "
+            "Generate without it, or capture the returned sequences with session.forward(...)"
+        )
+    cached = cached_tokens(generate_kwargs)
+    if cached:
+        raise UnsupportedGenerationError(
+            f"generate from a cache that already holds {cached} token(s) cannot be captured: the model is fed "
+            "only the tokens after them, which would be stored as the request's first positions. Pass a "
+            "fresh cache (or none), or capture the whole sequence with session.forward(...)"
+        )
+    if generate_kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
+        raise UnsupportedGenerationError(
+            "generate with use_cache=False cannot be captured: every decode step re-feeds the whole "
+            "sequence, so its tokens would be stored as new ones at the wrong positions. Generate with "
+            "the cache (use_cache=True, the default), or capture the returned sequences with "
+            "session.forward(...)"
+        )
+
+
+def cached_tokens(generate_kwargs: dict) -> int:
+    """Tokens a cache given to ``generate`` (``cache=`` or ``past_key_values=``) already holds."""
+    cache = generate_kwargs.get("cache", generate_kwargs.get("past_key_values"))
+    if cache is None or not hasattr(cache, "get_seq_length"):
+        return 0
+    return int(cache.get_seq_length())
+
+
+def eos_token_ids(model_config, generate_kwargs: dict) -> frozenset[int]:
+    """The token ids that end a sequence in this ``generate`` call: ``eos_token_id`` given as a
+    keyword, else the generation config's (``generation_config=`` or the model's); an int, a
+    list or a tensor of them. Empty where none is set (the sequences run to the call's end)."""
+    config = generate_kwargs.get("generation_config") or model_config
+    value = generate_kwargs.get("eos_token_id", getattr(config, "eos_token_id", None))
+    if value is None:
+        return frozenset()
+    if isinstance(value, torch.Tensor):
+        value = value.flatten().tolist()
+    return frozenset(int(v) for v in (value if isinstance(value, (list, tuple, set, frozenset)) else [value]))
 
 
 def _setting(config, generate_kwargs: dict, name: str) -> int:

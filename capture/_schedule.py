@@ -19,7 +19,7 @@ __all__ = ["Schedule"]
 class Schedule:
     """When to capture.
 
-    * ``phases``: any of ``"prefill"``, ``"decode"``, ``"forward"`` (scoring passes).
+    * ``phases``: any of ``"prefill"``, ``"decode"``, ``"forward"`` (scoring passes), each once.
     * ``step_stride``: capture decode step ``d`` (1-based) when ``(d - 1) % step_stride == 0``
       — the first decode step is always captured; prefill is not affected.
     * ``request_stride``: capture the ``n``-th request of the session (0-based, counted over
@@ -44,11 +44,7 @@ class Schedule:
     positions: tuple[int, int | None] | None = None
 
     def __post_init__(self):
-        phases = _phases(self.phases)
-        bad = [p for p in phases if p not in PHASES]
-        if bad or not phases:
-            raise InvalidArgumentError(f"schedule phases {bad or phases!r} invalid; choose from {PHASES}")
-        object.__setattr__(self, "phases", phases)
+        object.__setattr__(self, "phases", _phases(self.phases))
         for name in ("step_stride", "request_stride"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -115,14 +111,24 @@ class Schedule:
 
 
 def _phases(value) -> tuple:
-    """``phases`` as a tuple: one phase name, or an iterable of them (each checked by the caller)."""
+    """``phases`` as a tuple of distinct phase names: one name, or an iterable of them. A phase
+    listed twice is refused, as the CLI and plan files refuse it: most likely a typo for another
+    phase, which a silent dedupe would hide."""
     if isinstance(value, str):
-        return (value,)
+        value = (value,)
     try:
-        return tuple(value)
+        phases = tuple(value)
     except TypeError as exc:
         raise InvalidArgumentError(
             f"schedule phases must be a phase name or several of {PHASES}, got {value!r}") from exc
+    bad = [p for p in phases if p not in PHASES]
+    if bad or not phases:
+        raise InvalidArgumentError(f"schedule phases {bad or phases!r} invalid; choose from {PHASES}")
+    repeated = sorted({p for p in phases if phases.count(p) > 1})
+    if repeated:
+        raise InvalidArgumentError(
+            f"schedule phases {phases!r} lists {', '.join(map(repr, repeated))} more than once; name each phase once")
+    return phases
 
 
 def _window(value) -> tuple[int, int | None]:

@@ -44,6 +44,7 @@ from dmi.storage.errors import (
     InvalidArgumentError,
     InvalidIdentifierError,
     RequestExistsError,
+    UnsupportedGenerationError,
 )
 from dmi.storage.records import GLOBAL_LAYER
 
@@ -52,7 +53,7 @@ from ._codec_choice import resolve_codecs
 from ._compiled import (Staging, check_compiled_selection, compiled_form, guard_hooks, inner_model,
                         install_compiled_taps, outside_graph, unguard_hooks)
 from ._drain import Drain, KeyContext, cuda_event_for_submission
-from ._generate import CaptureResult, left_pads, prepare_batch, sequences_per_prompt
+from ._generate import CaptureResult, cached_tokens, eos_token_ids, left_pads, prepare_batch, sequences_per_prompt
 from ._hooks import HOOKS, ModelGeometry
 from ._plan import StepPlan
 from ._ring import Entry, Ring
@@ -113,6 +114,7 @@ class _Call:
     n_real: list[int] = field(default_factory=list)
     step: int = -1
     call_id: int = 0
+    ended: set[int] = field(default_factory=set)  # rows fed an end-of-sequence token: their sequence is over
 
 
 HOLDER_CHECK_SECONDS = 1.0
@@ -239,6 +241,7 @@ class CaptureSession:
         self._plan: StepPlan | None = None
         self._call: _Call | None = None
         self._implicit: _Call | None = None
+        self._eos: torch.Tensor | None = None  # the end-of-sequence ids of the generate call running, if any
         self._forwards = 0
         # request ids this run already holds (published earlier under this scope, or used here)
         self._used_request_ids = set(taken_request_ids or ())
@@ -283,6 +286,12 @@ class CaptureSession:
         """One scoring pass (phase ``"forward"``) with capture; returns request ids and the
         model's output. Holds the session for the call, as ``generate`` does."""
         with self._calling():
+            cached = cached_tokens(forward_kwargs)
+            if cached:
+                raise UnsupportedGenerationError(
+                    f"a forward from a cache that already holds {cached} token(s) cannot be "
+                    "captured: the tokens fed would be stored as the request's first positions. Pass the whole "
+                    "sequence without a cache")
             ids, mask = self._batch(input_ids, attention_mask)
             call = self._open_call(ids, mask, request_ids, "forward")
             forward_kwargs.setdefault("use_cache", False)
@@ -456,7 +465,8 @@ class CaptureSession:
         self._handles.append(m.register_forward_pre_hook(outside_graph(self._on_model_pre), with_kwargs=True))
         self._handles.append(m.register_forward_hook(outside_graph(self._on_model_post), always_call=True))
         if callable(getattr(m, "generate", None)):
-            self._handles.append(_GenerateGuard(m, eager=not self.compiled, hold=self._calling))
+            self._handles.append(_GenerateGuard(m, eager=not self.compiled, hold=self._calling,
+                                                ending_at=self._ending_at))
         if self.compiled:
             self._install_compiled()
             return
@@ -575,9 +585,12 @@ class CaptureSession:
             call.n_real[i] += t - first_cols[i]
         forward_index = self._forwards
         self._forwards += 1
+        ended = frozenset(call.ended)  # before this step: the step feeding a row its end token records it
+        if phase == "decode" and self._eos is not None and ids is not None:
+            call.ended.update(self._rows_fed_eos(ids))
         if not self._capture_enabled or not self.schedule.admits_step(forward_index, phase, call.step):
             return None  # refused: nothing dispatched, nothing reserved
-        rows = [i for i in range(b) if call.admitted[i]]
+        rows = [i for i in range(b) if call.admitted[i] and i not in ended]
         if not rows:
             return None
         self.drain.check()  # the open slot may have room: a failed drain must stop the copies here
@@ -633,6 +646,23 @@ class CaptureSession:
         side = self._cuda_side_stream
         if side is not None:
             torch.cuda.current_stream(side.device).wait_stream(side)
+
+    @contextlib.contextmanager
+    def _ending_at(self, eos_ids: frozenset[int]):
+        """For one ``generate`` call: a decode step that feeds a row one of ``eos_ids`` ends that
+        row's sequence. transformers runs such a row on to the call's end, fed padding, and those
+        steps are no part of its sequence: they are not recorded."""
+        self._eos = torch.tensor(sorted(eos_ids), dtype=torch.long) if eos_ids else None
+        try:
+            yield
+        finally:
+            self._eos = None
+
+    def _rows_fed_eos(self, ids: torch.Tensor) -> list[int]:
+        """The rows whose last fed token ends a sequence. The ids are the previous step's sampled
+        tokens, which transformers has already read back to test its stopping criteria."""
+        fed = ids[:, -1]
+        return torch.isin(fed, self._eos.to(fed.device)).nonzero().flatten().tolist()
 
     def _implicit_call(self, b: int, kwargs) -> _Call:
         """A forward that did not come through ``generate``/``forward`` (e.g. the user called
@@ -784,15 +814,17 @@ class _GenerateGuard:
     attribute over the class's ``generate`` (or over one the user set on the instance);
     ``remove()`` restores what was there."""
 
-    def __init__(self, model, *, eager: bool, hold):
+    def __init__(self, model, *, eager: bool, hold, ending_at):
         self._model = model
         self._own = vars(model).get("generate", _NOT_SET)  # a generate set on the instance, kept
         original = model.generate
 
         @functools.wraps(original)
         def generate(*args, **kwargs):
-            with hold():  # the session, for the whole call: a close waits for its last step
-                sequences_per_prompt(getattr(model, "generation_config", None), kwargs)
+            config = getattr(model, "generation_config", None)
+            # the session, for the whole call: a close waits for its last step
+            with hold(), ending_at(eos_token_ids(config, kwargs)):
+                sequences_per_prompt(config, kwargs)
                 if eager and not _compilation_configured(model, kwargs):
                     kwargs["disable_compile"] = True
                 return original(*args, **kwargs)

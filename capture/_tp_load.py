@@ -26,8 +26,15 @@ def replicated_kv_plan(config, tp_size: int) -> dict[str, str] | None:
     Between one head and ``tp_size`` (2 kv heads on 4 ranks) neither works: cut, a rank has
     no whole kv head; replicated, each rank would hold every kv head while its query heads
     need only one of them, and attention pairs them wrongly (a wrong model, captured as
-    right). Refused with :class:`InvalidArgumentError`."""
+    right). So do kv heads that ``tp_size`` does not divide (3 on 2 ranks): transformers
+    cuts the k/v projections mid-head and attention fails with a bare shape error. Both are
+    refused with :class:`InvalidArgumentError`."""
     n_kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 1)
+    if n_kv >= tp_size and n_kv % tp_size:
+        raise InvalidArgumentError(
+            f"{n_kv} key/value heads cannot be split evenly over {tp_size} ranks: a rank would hold part of a "
+            f"kv head and the model fails in attention; use a tp_size that divides {n_kv}"
+        )
     if n_kv >= tp_size:
         return None
     if n_kv > 1:
@@ -42,7 +49,8 @@ def load_tensor_parallel(path, tp_size: int, **from_pretrained_kwargs):
     """``AutoModelForCausalLM.from_pretrained(path)`` sharded ``tp_size`` ways by transformers
     (``torch.distributed`` must be initialised, one process per rank), with k/v replicated
     and ``num_key_value_groups`` fixed for a single kv head; more kv heads than one but fewer
-    than ``tp_size`` are refused (:func:`replicated_kv_plan`)."""
+    than ``tp_size``, and kv heads ``tp_size`` does not divide, are refused
+    (:func:`replicated_kv_plan`)."""
     import transformers
     from transformers.distributed import DistributedConfig
 
