@@ -45,7 +45,11 @@ class PackFooter:
 
 
 def load_footer(store: PackStore, pack_id: str, *, cache: FooterCache | None = None, source: PackInput | None = None) -> PackFooter:
-    """The pack's index, from ``cache`` when present there (refreshing its recency)."""
+    """The pack's index, from ``cache`` when present there (refreshing its recency).
+
+    With ``source`` (the pack, opened), a cached index of a file of another size is reloaded
+    from ``source``: the file under that name was replaced since it was cached, and its old
+    index would refuse every record of the new one as stale or corrupt."""
 
     def load() -> tuple[PackFooter, int]:
         if source is not None:
@@ -61,12 +65,22 @@ def load_footer(store: PackStore, pack_id: str, *, cache: FooterCache | None = N
 
     if cache is None:
         return load()[0]
-    return cache.get_or_load((store.uri, pack_id), load)
+    key = (store.uri, pack_id)
+    footer = cache.get_or_load(key, load)
+    if source is not None and footer.descriptor.size != source.size:
+        footer, nbytes = load()
+        cache.put(key, footer, nbytes)
+    return footer
 
 
 def find_record(store: PackStore, pack_id: str, key: RecordKey, *, cache: FooterCache | None = None) -> RecordEntry:
     """The entry for ``key`` in pack ``pack_id``, from the pack's own index."""
-    found = load_footer(store, pack_id, cache=cache).by_key.get(key, ())
+    return _only_record(load_footer(store, pack_id, cache=cache), pack_id, key)
+
+
+def _only_record(footer: PackFooter, pack_id: str, key: RecordKey) -> RecordEntry:
+    """The one entry of ``footer`` with ``key``."""
+    found = footer.by_key.get(key, ())
     if not found:
         raise RecordNotFoundError(f"pack {pack_id} has no record {key.describe()}")
     if len(found) > 1:
@@ -75,9 +89,9 @@ def find_record(store: PackStore, pack_id: str, key: RecordKey, *, cache: Footer
 
 
 def read_by_key(store: PackStore, pack_id: str, key: RecordKey, *, cache: FooterCache | None = None) -> torch.Tensor:
-    """Locate ``key`` through the (cached) footer, then one range read."""
-    entry = find_record(store, pack_id, key, cache=cache)
+    """Locate ``key`` through the (cached) footer of the file opened, then one range read."""
     with store.open_input(pack_id) as source:
+        entry = _only_record(load_footer(store, pack_id, cache=cache, source=source), pack_id, key)
         return _read_single(source, entry)
 
 
@@ -148,7 +162,14 @@ def _new_bytes(nbytes: int) -> torch.Tensor:
 
 
 def _read_range(source: PackInput, rng, entries: list[RecordEntry], memory: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """``rng``'s bytes in a buffer from ``memory``; a range past the file's end is refused
+    before that buffer is taken (a damaged length could ask for gigabytes)."""
     try:
+        if rng.end > source.size:
+            raise PackTruncatedError(
+                f"pack {source.pack_id}: file ends at byte {source.size}, before byte {rng.end} "
+                f"(range {rng}); the pack is truncated or the catalog row is wrong: run `dmi verify`"
+            )
         if source.alignment:
             return _read_range_direct(source, rng, memory)
         buffer = memory(rng.length)
@@ -178,7 +199,7 @@ def _decode(entry: RecordEntry, stored: torch.Tensor, memory: Callable[[int], to
     if checksum(stored_np) != meta.checksum:
         raise PackCorruptError(f"pack {entry.pack_id}: record {entry.meta.key.describe()} fails its checksum")
     dtype = torch_dtype(meta.dtype)
-    if math.prod(meta.shape) * dtype.itemsize != meta.raw_size:
+    if min(meta.shape, default=0) < 0 or math.prod(meta.shape) * dtype.itemsize != meta.raw_size:
         raise PackCorruptError(
             f"pack {entry.pack_id}: record {entry.meta.key.describe()} claims shape {meta.shape} {meta.dtype} "
             f"but {meta.raw_size} raw bytes"
@@ -186,12 +207,29 @@ def _decode(entry: RecordEntry, stored: torch.Tensor, memory: Callable[[int], to
     if meta.codec == "raw" and stored.storage_offset() % max(dtype.itemsize, 1) == 0 and stored.numel() == meta.raw_size:
         raw = stored
     else:
-        raw = memory(meta.raw_size)
+        taken = _Sized(meta.raw_size, memory)
         try:
-            decode(meta.codec, stored_np, raw.numpy(), dtype.itemsize)
+            decode(meta.codec, stored_np, taken, dtype.itemsize)
         except CodecError as exc:
             raise PackCorruptError(f"pack {entry.pack_id}: record {entry.meta.key.describe()} cannot be decoded: {exc}") from exc
+        raw = taken.buffer
     return raw.view(dtype).reshape(meta.shape)
+
+
+class _Sized:
+    """The decode buffer of a record of ``raw_size`` bytes, taken from ``memory`` only when the
+    payload's headers say it decodes to that size: a damaged size must not ask for gigabytes."""
+
+    def __init__(self, raw_size: int, memory: Callable[[int], torch.Tensor]):
+        self.raw_size = raw_size
+        self.memory = memory
+        self.buffer: torch.Tensor | None = None
+
+    def __call__(self, nbytes: int):
+        if nbytes != self.raw_size:
+            raise CodecError(f"its payload decodes to {nbytes} bytes, its row says {self.raw_size}")
+        self.buffer = self.memory(nbytes)
+        return self.buffer.numpy()
 
 
 def _check_against_footer(store: PackStore, entries: list[RecordEntry], cache: FooterCache, source: PackInput) -> None:

@@ -123,12 +123,17 @@ def encode(codec: str, raw: np.ndarray, itemsize: int):
     raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
 
 
-def decode(codec: str, stored, out: np.ndarray, itemsize: int) -> None:
-    """Decode ``stored`` into the writable uint8 array ``out`` (exactly the raw size).
+def decode(codec: str, stored, out, itemsize: int) -> np.ndarray:
+    """Decode ``stored`` into ``out`` and return it: the writable uint8 array of exactly the raw
+    size, or a function ``out(nbytes)`` giving one, called once the payload's headers have said
+    how many bytes it decodes to — so that a reader checks that size against the record's
+    before taking a buffer of it (a damaged size could ask for gigabytes).
 
     Raises :class:`CodecError` when the payload cannot produce exactly ``out.nbytes``.
     """
     try:
+        if callable(out):
+            out = out(_decoded_size(codec, memoryview(stored).cast("B"), itemsize))
         if codec == "raw":
             _copy_exact(stored, out)
         elif codec == "zstd":
@@ -141,6 +146,26 @@ def decode(codec: str, stored, out: np.ndarray, itemsize: int) -> None:
             raise CodecError(f"unknown codec {codec!r}")
     except zstandard.ZstdError as exc:
         raise CodecError(f"zstd: {exc}") from exc
+    return out
+
+
+def _decoded_size(codec: str, view: memoryview, itemsize: int) -> int:
+    """The raw bytes the payload ``view`` decodes to, from its headers alone."""
+    if codec == "raw":
+        return len(view)
+    if codec == "zstd":
+        return _frame_size(view)
+    if codec == "split-zstd":
+        return sum(len(chunk) if kind == _PLANE_RAW else _frame_size(chunk) for kind, chunk in _split_table(view, itemsize))
+    if codec in LOSSY_CODECS:
+        dtype, rows, row_len = _lossy_header(codec, view, itemsize)
+        return rows * row_len * dtype.itemsize
+    raise CodecError(f"unknown codec {codec!r}")
+
+
+def _frame_size(frame) -> int:
+    """The content size a zstd frame's header declares."""
+    return zstandard.get_frame_parameters(frame).content_size
 
 
 def _plane_count(itemsize: int) -> int:
@@ -175,39 +200,48 @@ def _worth_compressing(compressor, plane: np.ndarray) -> bool:
     return len(compressor.compress(sample)) < _SAMPLE_MIN_GAIN * _SAMPLE
 
 
-def _decode_split(stored, out: np.ndarray, itemsize: int) -> None:
-    view = memoryview(stored).cast("B")
+def _split_table(view: memoryview, itemsize: int) -> list[tuple[int, memoryview]]:
+    """A split payload's planes as ``(kind, stored bytes)``, its header and plane table checked."""
     if len(view) < _HEADER.size:
         raise CodecError("split payload shorter than its header")
     tag, width = _HEADER.unpack_from(view, 0)
     if tag != _SPLIT_TAG or width != _plane_count(itemsize):
         raise CodecError(f"split header tag={tag} planes={width} does not fit itemsize {itemsize}")
-    if out.nbytes % width:
-        raise CodecError("raw size is not a whole number of elements")
     entries_end = _HEADER.size + width * _PLANE_ENTRY.size
     if len(view) < entries_end:
         raise CodecError("split payload shorter than its plane table")
     pos = entries_end
-    plane_len = out.nbytes // width
     planes = []
     for p in range(width):
         kind, length = _PLANE_ENTRY.unpack_from(view, _HEADER.size + p * _PLANE_ENTRY.size)
         chunk = view[pos : pos + length]
         if len(chunk) != length:
             raise CodecError(f"plane {p} runs past the end of the payload")
+        if kind not in (_PLANE_RAW, _PLANE_ZSTD):
+            raise CodecError(f"plane {p} has unknown codec {kind}")
         pos += length
+        planes.append((kind, chunk))
+    if pos != len(view):
+        raise CodecError(f"{len(view) - pos} trailing bytes after the last plane")
+    return planes
+
+
+def _decode_split(stored, out: np.ndarray, itemsize: int) -> None:
+    table = _split_table(memoryview(stored).cast("B"), itemsize)
+    width = len(table)
+    if out.nbytes % width:
+        raise CodecError("raw size is not a whole number of elements")
+    plane_len = out.nbytes // width
+    planes = []
+    for p, (kind, chunk) in enumerate(table):
         if kind == _PLANE_RAW:
-            if length != plane_len:
-                raise CodecError(f"raw plane {p} holds {length} bytes, expected {plane_len}")
+            if len(chunk) != plane_len:
+                raise CodecError(f"raw plane {p} holds {len(chunk)} bytes, expected {plane_len}")
             planes.append(np.frombuffer(chunk, dtype=np.uint8))
-        elif kind == _PLANE_ZSTD:
+        else:
             target = out if width == 1 else np.empty(plane_len, np.uint8)
             _zstd_into(chunk, target)
             planes.append(target)
-        else:
-            raise CodecError(f"plane {p} has unknown codec {kind}")
-    if pos != len(view):
-        raise CodecError(f"{len(view) - pos} trailing bytes after the last plane")
     join_planes(planes, out)
 
 
@@ -220,9 +254,9 @@ def _copy_exact(stored, out: np.ndarray) -> None:
 
 def _zstd_into(stored, out: np.ndarray) -> None:
     """Decompress one zstd frame straight into ``out``; refuse a size mismatch."""
-    params = zstandard.get_frame_parameters(stored)
-    if params.content_size != out.nbytes:
-        raise CodecError(f"zstd frame holds {params.content_size} bytes, expected {out.nbytes}")
+    content_size = _frame_size(stored)
+    if content_size != out.nbytes:
+        raise CodecError(f"zstd frame holds {content_size} bytes, expected {out.nbytes}")
     reader = zstandard.ZstdDecompressor().stream_reader(stored, read_across_frames=False)
     view = memoryview(out).cast("B") if out.nbytes else memoryview(bytearray(0))
     filled = 0
@@ -296,10 +330,10 @@ def _plane_bytes(plane: np.ndarray) -> bytes:
     return _PLANE_ENTRY.pack(_PLANE_RAW, plane.nbytes) + plane.tobytes()
 
 
-def _decode_lossy(codec: str, stored, out: np.ndarray, itemsize: int) -> None:
+def _lossy_header(codec: str, view: memoryview, itemsize: int):
+    """``(dtype, rows, row length)`` from a lossy payload's header, checked against ``itemsize``."""
     import torch
 
-    view = memoryview(stored).cast("B")
     if len(view) < _LOSSY_HEADER.size + _PLANE_ENTRY.size:
         raise CodecError(f"{codec} payload shorter than its header")
     tag, dtype_code, rows, row_len = _LOSSY_HEADER.unpack_from(view, 0)
@@ -308,6 +342,14 @@ def _decode_lossy(codec: str, stored, out: np.ndarray, itemsize: int) -> None:
     dtype = getattr(torch, _LOSSY_DTYPES[dtype_code - 1])
     if dtype.itemsize != itemsize:
         raise CodecError(f"{codec} payload holds {dtype}, not elements of {itemsize} bytes")
+    return dtype, rows, row_len
+
+
+def _decode_lossy(codec: str, stored, out: np.ndarray, itemsize: int) -> None:
+    import torch
+
+    view = memoryview(stored).cast("B")
+    dtype, rows, row_len = _lossy_header(codec, view, itemsize)
     if rows * row_len * dtype.itemsize != out.nbytes:
         raise CodecError(f"{codec} payload holds {rows}x{row_len} {dtype}, not {out.nbytes} raw bytes")
     pos = _LOSSY_HEADER.size

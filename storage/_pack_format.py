@@ -148,8 +148,6 @@ def _text(raw: bytes) -> str:
 # implementation; the zstd frame carries a content checksum so a damaged index is
 # refused, never misread.
 
-_PAYLOAD_NAMES = tuple(name for name, _, _ in PAYLOAD_FIELDS)
-
 
 def encode_index(entries: list[RecordEntry], sealed_at: float, writer_id: str) -> dict[bytes, bytes]:
     """Custom metadata of the index batch for ``entries`` (all of one pack).
@@ -175,10 +173,60 @@ def decode_index(metadata, pack_id: str, version: int = FORMAT_VERSION) -> tuple
         if version == 1:
             cols = decode_v1_columns(cols, n)
         add_legacy_columns(cols, n, version)
-        if any(len(cols[name]) != n for name in [*(f.name for f in RECORD_FIELDS), *_PAYLOAD_NAMES]):
-            raise ValueError(f"index columns do not all hold {n} records")
+        _check_columns(cols, n)
         entries = entries_from_columns(cols, [pack_id] * n)
         writer_id = doc["writer_id"]
+        if type(writer_id) is not str:
+            raise ValueError(f"writer id {writer_id!r} is not a string")
     except (KeyError, ValueError, TypeError, IndexError, zstandard.ZstdError) as exc:
-        raise PackCorruptError(f"pack {pack_id}: unreadable record index ({exc})") from exc
+        raise PackCorruptError(f"pack {pack_id}: unreadable record index ({exc}); no record of it can be trusted: restore the pack from a copy or recapture it") from exc
     return entries, sealed_at, writer_id
+
+
+_INDEX_COLUMNS = (
+    *((f.name, f.arrow, f.nullable) for f in RECORD_FIELDS),
+    *((name, arrow, False) for name, arrow, _ in PAYLOAD_FIELDS),
+)
+"""Every column of a decoded index: its name, the Arrow type its values must fit, nullability."""
+
+_INTEGER_RANGES = {pa.int32(): (-(2**31), 2**31 - 1), pa.int64(): (-(2**63), 2**63 - 1), pa.uint64(): (0, 2**64 - 1)}
+
+_SIZES = ("shape", "full_shape")
+"""List columns of dimension sizes, which cannot be negative."""
+
+
+def _check_columns(cols: dict, n: int) -> None:
+    """Refuse (``ValueError``) an index column that does not hold ``n`` values of its type.
+
+    The zstd checksum proves the index is the one written, not that a DMI writer wrote it: a
+    crafted index could hold a list where a name goes (unhashable), a float or negative shape,
+    or an offset past 2**64, each failing later as a raw ``TypeError``/``OverflowError`` in the
+    reader, or be published by catalog recovery. A few C-level passes per column, so a 10,000
+    record index stays cheap to check."""
+    for name, arrow, nullable in _INDEX_COLUMNS:
+        values = cols[name]
+        if len(values) != n:
+            raise ValueError(f"index column {name} holds {len(values)} values for {n} records")
+        present = [v for v in values if v is not None] if nullable else values
+        sizes = name in _SIZES
+        if not _fits(present, arrow, sizes=sizes):
+            misfit = next(v for v in present if not _fits([v], arrow, sizes=sizes))
+            raise ValueError(f"index column {name} holds {misfit!r}, not a value of type {arrow}")
+
+
+def _fits(values: list, arrow: pa.DataType, *, sizes: bool) -> bool:
+    """Whether every one of ``values`` is a value of ``arrow``; with ``sizes``, a list of
+    dimension sizes, none negative."""
+    if pa.types.is_string(arrow):
+        return all(type(v) is str for v in values)
+    if pa.types.is_floating(arrow):
+        return all(type(v) is float or type(v) is int for v in values)
+    if pa.types.is_list(arrow):
+        low, high = _INTEGER_RANGES[arrow.value_type]
+        return all(type(v) is list for v in values) and _ints_in([i for v in values for i in v], 0 if sizes else low, high)
+    return _ints_in(values, *_INTEGER_RANGES[arrow])
+
+
+def _ints_in(values: list, low: int, high: int) -> bool:
+    """Whether ``values`` are all ``int`` (not ``bool``) in ``[low, high]``."""
+    return all(type(v) is int for v in values) and (not values or (low <= min(values) and max(values) <= high))

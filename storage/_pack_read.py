@@ -44,6 +44,7 @@ def read_pack_index(source: PackInput, location: str) -> PackDescriptor:
     entries, sealed_at, indexed_writer = decode_index(metadata, pack_id, version)
     if indexed_writer != writer_id:
         raise PackCorruptError(f"pack {pack_id}: schema says writer {writer_id!r}, index says {indexed_writer!r}")
+    _check_ranges(pack_id, entries, size)
     return PackDescriptor(
         pack_id=pack_id,
         location=location,
@@ -53,6 +54,17 @@ def read_pack_index(source: PackInput, location: str) -> PackDescriptor:
         sealed_at=sealed_at,
         records=tuple(entries),
     )
+
+
+def _check_ranges(pack_id: str, entries: list[RecordEntry], size: int) -> None:
+    """Refuse an index whose payload ranges leave the file: a reader would size its buffer from
+    such a length (gigabytes, from a crafted index) before finding the file too short."""
+    for entry in entries:
+        if entry.payload.end > size:
+            raise PackCorruptError(
+                f"pack {pack_id}: index puts record {entry.meta.key.describe()} at {entry.payload}, past the "
+                f"file's {size} bytes; no record of it can be trusted: restore the pack from a copy or recapture it"
+            )
 
 
 def verify_pack(store: PackStore, pack_id: str) -> PackDescriptor:
