@@ -780,9 +780,11 @@ class Catalog:
         The expression is checked to be one expression (no ``;``, no comments, parentheses
         balanced outside quotes, no ``INTO OUTFILE`` or ``FORMAT`` clause even in a subquery)
         so it cannot end or leave the ``SELECT`` it runs in: it can only read. Parameter names
-        starting with ``dmi_`` are reserved. Ordered by run, request, hook, layer, start token,
-        shard rank. Raises ``InvalidArgumentError`` for a malformed selection or fragment,
-        ``ServerError`` when ClickHouse refuses the filter.
+        starting with ``dmi_`` are reserved; a binding problem (a stray ``%``, a missing
+        parameter, a value with no SQL literal) is an ``InvalidArgumentError`` on both backends.
+        Ordered by run, request, hook, layer, start token, shard rank. Raises
+        ``InvalidArgumentError`` for a malformed selection or fragment, ``ServerError`` when
+        ClickHouse refuses the filter.
         """
         conditions = ["model_id = %(dmi_model_id)s"]
         values: dict[str, object] = {"dmi_model_id": validate_value_id(model_id, "model id")}
@@ -806,6 +808,12 @@ class Catalog:
             if reserved:
                 raise InvalidArgumentError(f"parameter names starting with dmi_ are reserved: {reserved}")
             values.update(params)
+        if where is not None:
+            # Every binding problem of the caller's filter (a stray '%', a parameter params lacks, a
+            # value with no literal) surfaces here, at its place in ``where``, the same on both
+            # backends: the server's driver raised a bare TypeError or KeyError, or sent bytes on
+            # as broken SQL.
+            bind(where, values)
         columns = ", ".join(_schema.RECORD_COLUMNS)
         table = self._backend.query(
             f"SELECT {columns} FROM {self._tables['records_published']} WHERE {' AND '.join(conditions)} "

@@ -259,9 +259,11 @@ def single_statement(sql: str) -> str:
 
     Semicolons inside strings, quoted identifiers and comments do not count. Used for user
     SQL (:meth:`dmi.catalog.Catalog.sql`): chDB would otherwise run every statement and
-    return only the last result, the server would refuse with a syntax error.
+    return only the last result, the server would refuse with a syntax error. Text with no
+    statement at all (empty, blank, only comments or ``;``) is refused too: chDB answered it
+    with an empty table, as if a query had matched nothing, the server with a syntax error.
     """
-    end_of_first = None
+    end_of_first, statement = None, False
     for position, token in _tokens(sql):
         if token == ";":
             end_of_first = position if end_of_first is None else end_of_first
@@ -270,6 +272,13 @@ def single_statement(sql: str) -> str:
                 "one statement per call: the text holds a second statement after the ';' at character "
                 f"{end_of_first}; run each statement in its own call"
             )
+        else:
+            statement = True
+    if not statement:
+        raise InvalidArgumentError(
+            f"one statement per call: the text {_describe(sql)} holds no statement (it is empty, blank, "
+            "or only comments and ';'); pass the query to run"
+        )
     return sql
 
 
@@ -301,20 +310,38 @@ def no_output_clause(sql: str) -> str:
     return sql
 
 
+#: Keywords that follow an expression (a clause, an operator, a sort order, an alias's ``AS``).
+#: After ``format`` they make it a column or alias (``SELECT format FROM t``, ``WHERE format IN
+#: (...)``), never a FORMAT clause: no ClickHouse output format has one of these names
+#: (``tests/test_h48_inputs_where.py`` checks them against ``system.formats``).
+_KEYWORDS_AFTER_AN_EXPRESSION = frozenset({
+    "FROM", "WHERE", "PREWHERE", "GROUP", "ORDER", "HAVING", "LIMIT", "OFFSET", "SETTINGS", "UNION",
+    "EXCEPT", "INTERSECT", "JOIN", "INNER", "LEFT", "RIGHT", "FULL", "CROSS", "ARRAY", "GLOBAL", "ON",
+    "USING", "WINDOW", "QUALIFY", "AND", "OR", "NOT", "IN", "IS", "LIKE", "ILIKE", "BETWEEN", "AS", "ASC",
+    "DESC", "NULLS", "COLLATE", "THEN", "ELSE", "END", "WHEN",
+})
+
+
 def output_clause(sql: str) -> str | None:
     """The first output clause of ``sql``, at any depth (a subquery's too): ``"INTO OUTFILE"``,
     ``"FORMAT <name>"``, or ``None``. Keywords count only outside strings, quoted identifiers
-    and comments; ``format(...)`` (the function) and a column or alias named ``format`` are
-    no clause."""
+    and comments; ``format(...)`` (the function) and a column or alias named ``format`` (after
+    ``AS`` or ``.``, or followed by a keyword such as ``FROM``, ``AND``, ``IN``) are no clause."""
     tokens = [token for _, token in _tokens(sql)]
     for i, token in enumerate(tokens):
         following = tokens[i + 1] if i + 1 < len(tokens) else ""
         previous = tokens[i - 1].upper() if i else ""
         if token.upper() == "INTO" and following.upper() == "OUTFILE":
             return "INTO OUTFILE"
-        if token.upper() == "FORMAT" and following and _is_name(following) and previous not in ("AS", "."):
+        if token.upper() == "FORMAT" and _is_format_name(following) and previous not in ("AS", "."):
             return f"FORMAT {following}"
     return None
+
+
+def _is_format_name(token: str) -> bool:
+    """Whether ``token``, after ``FORMAT``, names an output format: a name that is not a
+    keyword which follows an expression (those make ``format`` a column)."""
+    return bool(token) and _is_name(token) and token.upper() not in _KEYWORDS_AFTER_AN_EXPRESSION
 
 
 def utf8_text(text: str, what: str) -> str:

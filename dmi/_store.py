@@ -18,6 +18,7 @@ import os
 import shlex
 import socket
 import threading
+import unicodedata
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -77,9 +78,12 @@ def open(catalog: str | None = None, packs: str | None = None, *, home: str | os
     Raises ``CatalogLockedError`` (another process held the chDB directory for one unit of
     work past the wait), ``CatalogReadOnlyError`` (the chDB directory is read-only),
     ``CatalogUnavailableError`` (server unreachable), ``BackendNotInstalledError``,
-    ``SchemaVersionError``, ``InvalidArgumentError`` (malformed URI: refused before anything,
-    catalog or packs directory, is created).
+    ``SchemaVersionError``, ``InvalidArgumentError`` (malformed URI, or a ``catalog``,
+    ``packs`` or ``home`` that is empty, not text or holds a control character: refused
+    before anything, catalog or packs directory, is created).
     """
+    for value, what in ((catalog, "catalog"), (packs, "packs"), (home, "home")):
+        _check_location(value, what)
     if home is None:
         home_dir = default_home()
         catalog = catalog or default_catalog_uri()
@@ -90,6 +94,26 @@ def open(catalog: str | None = None, packs: str | None = None, *, home: str | os
         packs = packs or str(Path(home_dir) / "packs")
     opened_catalog, pack_store = _open_parts(catalog, packs)
     return Store(opened_catalog, pack_store, home=home_dir)
+
+
+def _check_location(value: Any, what: str) -> None:
+    """Refuse a ``catalog``/``packs``/``home`` argument that names no place, before anything
+    is created: not a str or path, empty or blank (it used to mean the default, and ``home=""``
+    the working directory), a control character (the URI parser drops a newline or tab, so
+    another directory was opened) or a NUL, or a lone surrogate. ``None`` means not given."""
+    if value is None:
+        return
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(text, str):
+        raise InvalidArgumentError(f"{what} must be a str or a path, not {type(value).__name__}")
+    if not text.strip():
+        raise InvalidArgumentError(f"{what} is {text!r}: name a directory or URI, or leave {what} out for the default")
+    for char in text:
+        if unicodedata.category(char) in ("Cc", "Cs"):
+            raise InvalidArgumentError(
+                f"{what} {text!r} contains the character U+{ord(char):04X} (a control character or lone "
+                "surrogate), which no directory or URI DMI opens may hold; check how the value was built"
+            )
 
 
 def _open_parts(catalog: str | os.PathLike[str], packs: str | os.PathLike[str]) -> tuple[Any, PackStore]:
@@ -376,7 +400,8 @@ class Store:
         (``tp_layout``, see :func:`tp_layout_text`), tokens, dtype, bytes; and
         the records capture dropped under an explicit drop policy (``losses``; never silent).
 
-        Raises ``RecordNotFoundError`` (unknown model, request or run) and
+        Raises ``InvalidIdentifierError`` (an id that is not text, or empty, or holds a control
+        character), ``RecordNotFoundError`` (unknown model, request or run) and
         ``DuplicateChunkError`` when the request id exists in several runs and ``run_id`` is
         not given.
         """
@@ -553,7 +578,12 @@ class Store:
         return _select_layers(entries, layers, f"request {request_id!r} hook {hook!r}")
 
     def _resolve_run(self, model_id: str, request_id: str, run_id: str | None) -> str:
-        """The one run holding ``request_id``; refuses to guess between several."""
+        """The one run holding ``request_id``; refuses to guess between several. A ``run_id``
+        that is not an id is an ``InvalidIdentifierError`` (not a run the model lacks)."""
+        from dmi.catalog import validate_value_id
+
+        if run_id is not None:
+            validate_value_id(run_id, "run id")
         runs = self.catalog.request_runs(model_id, request_id)
         if run_id is not None:
             if run_id not in runs:
@@ -610,9 +640,15 @@ class Store:
         every bad record by pack and key (``kind`` ``"corrupt"``), every missing pack
         (``"missing"``), and sealed packs on disk the catalog does not fully show — never
         published, or index rows lost (run ``recover``).
-        Raises only for catalog errors; bad packs are reported, not raised.
-        ``progress(total_records)`` may return a context manager with ``update(n)``.
+        Raises only for catalog errors, a ``model_id`` that is not an id
+        (``InvalidIdentifierError``) and an unknown one (``RecordNotFoundError``); bad packs
+        are reported, not raised. ``progress(total_records)`` may return a context manager
+        with ``update(n)``.
         """
+        from dmi.catalog import validate_value_id
+
+        if model_id is not None:
+            validate_value_id(model_id, "model id")  # not text: an argument error, not a model the catalog lacks
         models = [model_id] if model_id is not None else self.catalog.models()
         if model_id is not None and model_id not in self.catalog.models():
             self._diagnose(model_id, None, None)

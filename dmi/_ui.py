@@ -193,13 +193,17 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         self._serve("GET")
 
+    def do_HEAD(self) -> None:  # noqa: N802
+        """A GET's status and headers without its body (a link checker, ``curl -I``)."""
+        self._serve("GET", head=True)
+
     def do_POST(self) -> None:  # noqa: N802
         self._serve("POST")
 
-    def _serve(self, method: str) -> None:
+    def _serve(self, method: str, *, head: bool = False) -> None:
         url = urlsplit(self.path)
-        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         try:
+            query = _query(self.path, url.query)
             self._check_request(method, query)
             route = _ROUTES.get((method, url.path))
             if route is None:
@@ -222,11 +226,11 @@ class _Handler(BaseHTTPRequestHandler):
             status, ctype, body = HTTPStatus.INTERNAL_SERVER_ERROR, "application/json", _json(
                 {"error": f"internal error: {type(exc).__name__}: {exc}", "field": None})
         try:
-            self._send(status, ctype, body)
+            self._send(status, ctype, body, head=head)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the browser left (navigated away, or a timeout): nobody is waiting for the answer
 
-    def _send(self, status: HTTPStatus, ctype: str, body: bytes) -> None:
+    def _send(self, status: HTTPStatus, ctype: str, body: bytes, *, head: bool = False) -> None:
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
@@ -235,7 +239,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Security-Policy", "default-src 'self'; img-src 'self'; "
                                                     "style-src 'unsafe-inline'; script-src 'unsafe-inline'")
         self.end_headers()
-        self.wfile.write(body)
+        if not head:
+            self.wfile.write(body)
 
     def _check_request(self, method: str, query: dict[str, str]) -> None:
         """Token, Host and Origin checks; JSON bodies only."""
@@ -286,6 +291,20 @@ class _Handler(BaseHTTPRequestHandler):
         if not isinstance(value, dict):
             raise _Refused(HTTPStatus.BAD_REQUEST, "body must be a JSON object")
         return value
+
+
+def _query(target: str, text: str) -> dict[str, str]:
+    """The query parameters of a request target (the last value of each name), percent-decoded
+    as UTF-8. Raw non-ASCII bytes in the target, or an escape that is not UTF-8 (``%ff``), are
+    400: decoded leniently they became other ids (``U+FFFD``, ``ÿ``), answered as unknown."""
+    if not target.isascii():
+        raise _Refused(HTTPStatus.BAD_REQUEST, "the URL holds bytes that are not ASCII: percent-encode it as UTF-8")
+    try:
+        pairs = parse_qs(text, errors="strict")
+    except UnicodeDecodeError as exc:
+        raise _Refused(HTTPStatus.BAD_REQUEST,
+                       f"a query parameter is not UTF-8 ({exc.reason}): percent-encode text as UTF-8") from None
+    return {name: values[-1] for name, values in pairs.items()}
 
 
 def _json(value: Any) -> bytes:
