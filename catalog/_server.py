@@ -5,10 +5,16 @@ client and substitutes ``%(name)s``; this is why ``%`` is refused in identifiers
 are columnar native blocks built from the Arrow table. One connection per catalog, one
 statement at a time (a lock), reconnecting on the next call after a failure.
 
-Before a statement on a closed connection, the connection is established separately, so a
-failure there is known not to have reached the server (``outcome_unknown=False``); a
-failure once the statement is under way is ``outcome_unknown=True`` (conservative: it also
-covers a stale connection that fails its ping and cannot reconnect).
+Before a statement the connection is checked and, where it is closed or fails its ping
+(a server killed or restarted since the last statement), established again, separately, so
+a failure there is known not to have reached the server (``outcome_unknown=False``); a
+failure once the statement is under way is ``outcome_unknown=True``.
+
+Waits are bounded by the two timeouts, each where it belongs: the ping by the driver's 5 s,
+establishing a connection — the TCP connect *and* the handshake — by ``connect_timeout``
+(a server that is stopped, not dead, accepts the TCP connection and never answers: the
+driver alone would wait ``send_receive_timeout`` for its hello), a statement's answer by
+``send_receive_timeout``. A timeout is named as one, with the setting that bounded it.
 """
 
 from __future__ import annotations
@@ -94,6 +100,9 @@ class ServerBackend(CatalogBackend):
         )
         self._lock = threading.RLock()
         self._closed = False
+        # establishing a connection, its handshake included, waits this long at most
+        self._connect_timeout = min(connect_timeout, send_receive_timeout)
+        self._send_receive_timeout = send_receive_timeout
         self._client = driver.Client(
             host,
             port=self.port,
@@ -116,13 +125,12 @@ class ServerBackend(CatalogBackend):
             raise CatalogError(f"the catalog at {self.where} is closed")
         with self._lock:
             try:
-                connection = self._client.connection
-                if not connection.connected:
-                    connection.connect()
+                self._ensure_connected()
             except self._network_errors as exc:
                 self._client.disconnect()
                 raise unavailable(
-                    f"cannot reach ClickHouse at {self.host}:{self.port}: {exc}", outcome_unknown=False
+                    f"cannot reach ClickHouse at {self.host}:{self.port}: {self._describe(exc, 'connect_timeout')}; "
+                    "check that the server is running and reachable", outcome_unknown=False
                 ) from exc
             except self._errors.ServerException as exc:  # e.g. authentication failed
                 self._client.disconnect()
@@ -135,9 +143,30 @@ class ServerBackend(CatalogBackend):
                 self._client.disconnect()
                 raise unavailable(
                     f"connection to ClickHouse at {self.host}:{self.port} broke during a statement; "
-                    f"whether it took effect is unknown: {exc}",
+                    f"whether it took effect is unknown: {self._describe(exc, 'send_receive_timeout')}",
                     outcome_unknown=True,
                 ) from exc
+
+    def _ensure_connected(self) -> None:
+        """A live connection before a statement: made if there is none, made again if the open
+        one fails its ping (the server went away since the last statement). Establishing it
+        waits ``connect_timeout`` at most, the handshake included (see the module docstring)."""
+        connection = self._client.connection
+        if connection.connected and connection.ping():
+            return
+        connection.send_receive_timeout = self._connect_timeout
+        try:
+            connection.connect()
+        finally:
+            connection.send_receive_timeout = self._send_receive_timeout
+        connection.socket.settimeout(self._send_receive_timeout)
+
+    def _describe(self, exc: BaseException, setting: str) -> str:
+        """``exc`` in words; a timeout (the driver says only "Code: 209") names the setting that bounded it."""
+        if not isinstance(exc, self._errors.SocketTimeoutError):
+            return str(exc)
+        seconds = self._connect_timeout if setting == "connect_timeout" else self._send_receive_timeout
+        return f"no answer within {seconds:g} s ({setting}; a server stopped or overloaded answers nothing): {exc}"
 
     def _name(self, code: int | None) -> str | None:
         if code is None:

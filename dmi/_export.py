@@ -10,6 +10,7 @@ file under the final name.
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from collections.abc import Callable
@@ -19,9 +20,13 @@ import torch
 
 from dmi.storage.errors import InvalidArgumentError, ExportError
 
-__all__ = ["EXPORT_FORMATS", "check_format", "export_tensor"]
+__all__ = ["EXPORT_FORMATS", "check_format", "export_tensor", "write_file"]
 
 EXPORT_FORMATS = (".safetensors", ".npy", ".pt")
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+"""Errors of a file that cannot even be created because its disk (or quota) is full: not a
+bad path, but the condition a write that fails part-way reports (:class:`ExportError`)."""
 
 
 def export_tensor(tensor: torch.Tensor, path: str | os.PathLike[str], *, name: str) -> str:
@@ -43,18 +48,34 @@ def export_tensor(tensor: torch.Tensor, path: str | os.PathLike[str], *, name: s
     check_format(tensor.dtype, ext)
     if os.path.isdir(out):
         raise InvalidArgumentError(f"cannot write {out}: Is a directory")
+    write_file(out, _writer(tensor, ext, name=name))
+    return ext
+
+
+def write_file(out: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> None:
+    """Write the file ``out`` with ``write(handle)``: under a temporary name beside it, renamed
+    into place when complete, so no failed or interrupted write leaves a partial file under
+    ``out``. A file that cannot be started raises ``InvalidArgumentError`` (no such directory,
+    no permission) or ``ExportError`` (a full disk); a write that fails part-way raises
+    ``ExportError`` (an ``OSError``) and removes the partial file; whatever else stops the
+    write (Ctrl-C, a bug) removes it too and is raised as it is."""
+    out = os.fspath(out)
     handle, temp = _open_temp(out)
     try:
         with handle:
-            _writer(tensor, ext, name=name)(handle)
+            write(handle)
         os.replace(temp, out)
     except BaseException as exc:
         _remove(temp)
         if isinstance(exc, OSError):
-            raise ExportError(f"could not write {out} ({exc.strerror or exc}); nothing was written: "
-                              "make room there (or lift the file size limit) or export elsewhere") from exc
+            raise _export_error(out, exc) from exc
         raise
-    return ext
+
+
+def _export_error(out: str, exc: OSError) -> ExportError:
+    """The :class:`ExportError` of ``out`` not written because of ``exc`` (a full disk, a file size limit)."""
+    return ExportError(f"could not write {out} ({exc.strerror or exc}); nothing was written: "
+                       "make room there (or lift the file size limit) or export elsewhere")
 
 
 def check_format(dtype: torch.dtype, ext: str) -> None:
@@ -77,6 +98,8 @@ def _open_temp(out: str) -> tuple[BinaryIO, str]:
     try:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except OSError as exc:
+        if exc.errno in _NO_SPACE:
+            raise _export_error(out, exc) from exc
         raise InvalidArgumentError(f"cannot write {out}: {exc.strerror or exc}") from exc
     return os.fdopen(fd, "wb"), temp
 

@@ -6,7 +6,9 @@ Each batch becomes one shard (``shard-00000.safetensors``, ``.npy`` or ``.pt``, 
 ``manifest.json`` records the selection's features, dtype, order, shard list and what
 ``on_error="skip"`` (``skipped_rows``, ``damaged_records``) and ``drop_last``
 (``dropped_rows``) left out. The manifest is written last: a directory without one holds
-an export that did not finish.
+an export that did not finish. Every file, the manifest and the index included, is written
+under a temporary name and renamed into place when complete (:func:`dmi._export.write_file`),
+so a full disk leaves no partial file, and never an empty manifest, and raises ``ExportError``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from dmi._export import EXPORT_FORMATS, check_format, export_tensor
+from dmi._export import EXPORT_FORMATS, check_format, export_tensor, write_file
 from dmi.storage import torch_dtype
 from dmi.storage.errors import InvalidArgumentError
 
@@ -33,21 +35,22 @@ def export_epoch(loader: Any, directory: str | os.PathLike[str], *, suffix: str 
     manifest's path. ``on_shard`` is called with each shard's manifest entry once its file is
     written (progress). Raises ``InvalidArgumentError`` for an unknown suffix, a directory that
     cannot be made or is not empty, or a dtype the format cannot hold exactly (all checked
-    before a batch is read), what writing a shard raises, and what iterating the loader
-    raises. An export that raises leaves the loader where it stood (position and counts), so
+    before a batch is read), what writing a shard, the token index or the manifest raises
+    (``ExportError`` for a full disk), and what iterating the loader raises. An export that raises leaves the loader where it stood (position and counts), so
     no batch is consumed by an export that did not finish."""
     if suffix not in EXPORT_FORMATS:
         raise InvalidArgumentError(f"suffix must be one of {', '.join(EXPORT_FORMATS)}, not {suffix!r}")
     check_format(_torch_dtype(loader), suffix)
     root = _empty_directory(Path(directory))
     before = _Position.of(loader)
+    path = root / "manifest.json"
     try:
         manifest = _write_shards(loader, root, suffix, on_shard, before)
+        text = json.dumps(manifest, indent=1).encode()
+        write_file(path, lambda handle: handle.write(text))
     except BaseException:
         before.restore(loader)
         raise
-    path = root / "manifest.json"
-    path.write_text(json.dumps(manifest, indent=1))
     return path
 
 
@@ -94,7 +97,8 @@ def _write_shards(loader: Any, root: Path, suffix: str, on_shard: Callable[[dict
     if loader.config.with_tokens:
         columns = list(zip(*index)) if index else [[], [], [], [], []]
         names = ["shard", "row", "run_id", "request_id", "position"]
-        pq.write_table(pa.table(dict(zip(names, columns))), root / "tokens.parquet")
+        table = pa.table(dict(zip(names, columns)))
+        write_file(root / "tokens.parquet", lambda handle: pq.write_table(table, handle))
     return {"features": list(loader.features), "dtype": _dtype(loader), "rows": rows,
             "epoch": epoch, "seed": loader.config.seed, "shuffle": loader.config.shuffle,
             "scales": loader.scales, "rank": loader.rank, "world_size": loader.world_size,

@@ -54,7 +54,8 @@ from dmi.storage.errors import (
     PackTruncatedError,
 )
 
-__all__ = ["PackStore", "LocalPackStore", "FileSystemPackStore", "PackInput", "PackSink", "DIRECT_ALIGNMENT"]
+__all__ = ["PackStore", "LocalPackStore", "FileSystemPackStore", "PackInput", "PackSink", "DIRECT_ALIGNMENT",
+           "full_disk_advice"]
 
 
 def _check_pack_id(pack_id: str) -> None:
@@ -64,6 +65,20 @@ def _check_pack_id(pack_id: str) -> None:
 
 def _is_missing(exc: BaseException) -> bool:
     return isinstance(exc, FileNotFoundError) or getattr(exc, "errno", None) == errno.ENOENT
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def full_disk_advice(exc: BaseException, where: str) -> str:
+    """What to do about ``exc``, as the end of an error message, where it is a full disk (or
+    quota) under the store ``where``; "" for any other failure. A full disk is the one write
+    failure a user fixes, so the message says how: the errno alone does not name the store."""
+    if getattr(exc, "errno", None) not in _NO_SPACE:
+        return ""
+    return (f"; the disk holding {where} is full: free space there (or give the store a larger disk) "
+            "and run again; packs sealed before this one are complete, and any not yet published are "
+            "found by `dmi recover`")
 
 
 class PackInput:
@@ -242,7 +257,8 @@ class _FileSystemPackSink(PackSink):
         except OSError as exc:
             left = self.abort()  # a failed upload may have left part of the file under the pack's name
             raise PackSealError(
-                f"pack {self.pack_id}: could not complete the upload: {exc}" + (f"; {left}" if left else "")
+                f"pack {self.pack_id}: could not complete the upload: {exc}"
+                + full_disk_advice(exc, self.store.uri) + (f"; {left}" if left else "")
             ) from exc
         return size
 
@@ -270,7 +286,9 @@ class _LocalPackSink(PackSink):
             direct = open_direct(self.temp_path) if store.direct_writes else None
             self.stream = pa.OSFile(self.temp_path, "wb") if direct is None else direct
         except OSError as exc:
-            raise PackSealError(f"pack {pack_id}: cannot create {self.temp_path}: {exc}") from exc
+            raise PackSealError(
+                f"pack {pack_id}: cannot create {self.temp_path}: {exc}" + full_disk_advice(exc, store.root)
+            ) from exc
         # None: nothing to start early (a direct write is on its way to disk already, or this
         # file cannot take an early writeback)
         self._writeback_from: int | None = 0 if direct is None else None
@@ -294,7 +312,8 @@ class _LocalPackSink(PackSink):
         except OSError as exc:
             left = self.abort()
             raise PackSealError(
-                f"pack {self.pack_id}: sealing failed, nothing published: {exc}" + (f"; {left}" if left else "")
+                f"pack {self.pack_id}: sealing failed, nothing published: {exc}"
+                + full_disk_advice(exc, self.store.root) + (f"; {left}" if left else "")
             ) from exc
         try:
             self._fsync_dir()

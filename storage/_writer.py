@@ -30,7 +30,7 @@ from dmi.storage._codecs import CODECS, DEFAULT_CODEC, LOSSY_CODECS, checksum, e
 from dmi.storage._native import moments
 from dmi.storage.record_schema import _text_problem, field_columns, unstorable
 from dmi.storage._pack_format import PACK_ROW_SCHEMA, FORMAT_VERSION, dtype_name, encode_index, schema_with_metadata, torch_dtype
-from dmi.storage._store import PackSink, PackStore
+from dmi.storage._store import PackSink, PackStore, full_disk_advice
 from dmi.storage.errors import InvalidArgumentError, LossyCodecError, PackError, PackSealError, UnsupportedDtypeError
 from dmi.storage.records import ByteRange, PackDescriptor, RecordEntry, RecordKey, RecordMeta, RecordStats, ShardGeometry
 
@@ -401,7 +401,8 @@ class _OpenPack:
             finally:
                 on_failure()
             raise PackSealError(
-                f"pack {self.pack_id}: write failed ({exc}); the pack was discarded with its {lost} records{left}"
+                f"pack {self.pack_id}: write failed ({exc}); the pack was discarded with its {lost} records"
+                f"{full_disk_advice(exc, self.store.uri)}{left}"
             ) from exc
         self.stored_bytes += encoded.length
 
@@ -416,7 +417,7 @@ class _OpenPack:
             left = self.abort()
             raise PackSealError(
                 f"pack {self.pack_id}: could not finish the file ({exc}); nothing published, "
-                f"its {self.count} records lost{left}"
+                f"its {self.count} records lost{full_disk_advice(exc, self.store.uri)}{left}"
             ) from exc
         size = self.sink.seal()
         return PackDescriptor(
