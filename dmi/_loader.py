@@ -239,7 +239,7 @@ def _slot_batches(ds: ActivationDataset, local: int) -> Iterator[_Item]:
                     built.append(gathers.submit(batch.cut(_cursor(w, pos, len(window)))))
                     if len(built) > BATCHES_AHEAD:
                         yield built.popleft().result()
-        if batch.rows and not cfg.drop_last:
+        if batch.rows:  # a partial batch: only without drop_last, whose shares hold whole batches
             built.append(gathers.submit(batch.cut((last, 0))))
         while built:
             yield built.popleft().result()
@@ -272,13 +272,16 @@ def _rows_past_whole_batches(total: int, slot: int, n_slots: int, whole: int | N
 
 
 class _BatchBuilder:
-    """Collects rows from consecutive windows into batches of ``batch_size``; each batch is cut
-    (its rows fixed) in order and gathered later, on the loader's batch thread."""
+    """Collects positions from consecutive windows into batches of ``batch_size`` positions;
+    each batch is cut (its rows fixed) in order and gathered later, on the loader's batch
+    thread. A batch holds the kept rows of its positions: fewer where ``on_error="skip"`` left
+    rows out, so that a share yields as many batches whatever its damage (equal step counts
+    across DDP ranks with ``drop_last``); one whose rows were all damaged comes with none."""
 
     def __init__(self, plan: Plan, cfg: LoaderConfig, local: int, memory: WindowMemory):
         self.plan, self.cfg, self.local, self.memory = plan, cfg, local, memory
         self.parts: list[tuple[Window, int, int]] = []
-        self.rows = 0
+        self.rows = 0  # positions taken, skipped rows included
         self.damaged: list[str] = []
         self.skipped = 0
 
@@ -297,32 +300,33 @@ class _BatchBuilder:
         return end
 
     def end_report(self, cursor: tuple[int, int], *, beyond: int) -> _Item | None:
-        """The share's end: the rows of a batch left partial (only ``drop_last`` leaves one
-        uncut) and the ``beyond`` rows ``drop_last`` never read count as dropped; with the
+        """The share's end: the ``beyond`` rows ``drop_last`` never read count as dropped (its
+        share is cut to whole batches of positions, so no batch is left partial); with the
         damage no batch carried, a report without rows, or ``None`` when nothing is left out."""
-        dropped = self.rows + beyond
-        if not (dropped or self.damaged or self.skipped):
+        if not (beyond or self.damaged or self.skipped):
             return None
-        item = _Item(None, None, self.local, cursor, tuple(self.damaged), self.skipped, dropped)
-        self.parts, self.rows, self.damaged, self.skipped = [], 0, [], 0
+        item = _Item(None, None, self.local, cursor, tuple(self.damaged), self.skipped, beyond)
+        self.damaged, self.skipped = [], 0
         return item
 
     def cut(self, cursor: tuple[int, int]) -> Callable[[], _Item]:
         """Close the batch of the rows taken so far; returns what gathers it (on any thread)."""
-        parts, rows, damaged, skipped = self.parts, self.rows, tuple(self.damaged), self.skipped
+        parts, damaged, skipped = self.parts, tuple(self.damaged), self.skipped
         self.parts, self.rows, self.damaged, self.skipped = [], 0, [], 0
+        counts = [w.count(a, b) for w, a, b in parts]
 
         def gather() -> _Item:
-            x, places = new_batch(self.plan.features, self.cfg.fmt, rows, self.memory)
+            x, places = new_batch(self.plan.features, self.cfg.fmt, sum(counts), self.memory)
             at = 0
-            for w, a, b in parts:
-                w.fill(a, b, [place[at : at + b - a] for place in places], self.cfg.fmt)
-                at += b - a
+            for (w, a, b), n in zip(parts, counts):
+                w.fill(a, b, [place[at : at + n] for place in places], self.cfg.fmt)
+                at += n
             tokens = None
             if self.cfg.with_tokens:
                 units = self.plan.units
                 tokens = tuple((units[u].run_id, units[u].request_id, units[u].start + int(r))
-                               for w, a, b in parts for u, r in zip(w.units[a:b], w.rows[a:b]))
+                               for w, a, b in parts
+                               for u, r in zip(w.units[w.kept_rows(a, b)], w.rows[w.kept_rows(a, b)]))
             return _Item(x, tokens, self.local, cursor, damaged, skipped)
 
         return gather
@@ -333,12 +337,13 @@ class TokenLoader:
 
     Iterate it for one epoch (the next iteration is the next epoch, reshuffled; an
     iteration broken off resumes where it stopped). ``state_dict()`` / ``load_state_dict()``
-    resume exactly; ``len()`` is this rank's batch count per epoch (without damage);
+    resume exactly; ``len()`` is this rank's batch count per epoch (skipped damage shortens
+    batches, never removes one);
     ``features`` names the feature axis; ``scales`` holds the normalisation factors;
     ``damaged_records`` / ``skipped_rows`` count what ``on_error="skip"`` left out, and
-    ``dropped_rows`` what ``drop_last`` left out (each share's rows past its whole batches,
-    and a last batch left partial by skipped rows): per epoch and rank, yielded rows +
-    ``skipped_rows`` + ``dropped_rows`` = the rank's share of ``n_tokens``.
+    ``dropped_rows`` what ``drop_last`` left out (each share's rows past its whole batches):
+    per epoch and rank, yielded rows + ``skipped_rows`` + ``dropped_rows`` = the rank's share
+    of ``n_tokens``.
     """
 
     def __init__(self, plan: Plan, packs: PackStore, config: LoaderConfig, *, rank: int, world_size: int,
@@ -528,7 +533,7 @@ class TokenLoader:
         return shuffle_quality(self.plan, self.config.batch_size, self.config.shuffle_buffer, seed=self.config.seed,
                                epoch=self.epoch if epoch is None else epoch, shuffle=self.config.shuffle,
                                slot=self.rank * self.slots_per_rank, n_slots=self.world_size * self.slots_per_rank,
-                               batches=batches)
+                               batches=batches, drop_last=self.config.drop_last)
 
     def __repr__(self) -> str:
         return (f"<dmi.TokenLoader {self.plan.n_tokens} tokens x {len(self.features)} features, "

@@ -43,12 +43,14 @@ class ShuffleQuality:
 
 
 def shuffle_quality(plan: Plan, batch_size: int, window: int, *, seed: int, epoch: int, shuffle: bool,
-                    slot: int, n_slots: int, batches: int) -> ShuffleQuality:
-    """Measure the first ``batches`` full batches of consumer ``slot`` (see the module doc)."""
+                    slot: int, n_slots: int, batches: int, drop_last: bool = False) -> ShuffleQuality:
+    """Measure the first ``batches`` full batches of consumer ``slot`` (see the module doc);
+    ``drop_last``: the share is cut to whole batches, as the loader cuts it (its last window
+    is shorter, and permuted otherwise)."""
     request_of = np.array(_group_ids([(u.run_id, u.request_id) for u in plan.units]))
     pack_of = np.array(_group_ids([u.records[0][0].pack_id for u in plan.units]))
     units = _slot_rows(plan, batch_size * batches, window, seed=seed, epoch=epoch, shuffle=shuffle,
-                       slot=slot, n_slots=n_slots)
+                       slot=slot, n_slots=n_slots, whole_batches=batch_size if drop_last else None)
     full = len(units) // batch_size
     if full == 0:
         from dmi.storage.errors import InvalidArgumentError
@@ -73,12 +75,12 @@ def _group_ids(keys: list) -> list[int]:
 
 
 def _slot_rows(plan: Plan, limit: int, window: int, *, seed: int, epoch: int, shuffle: bool, slot: int,
-               n_slots: int) -> np.ndarray:
+               n_slots: int, whole_batches: int | None) -> np.ndarray:
     """Unit index of each of the first ``limit`` rows the slot emits (no damage assumed)."""
     order = EpochOrder(plan, seed=seed, epoch=epoch, shuffle=shuffle)
     parts, have = [], 0
-    for w in range(n_windows(order.total, slot, n_slots, window)):
-        units, _ = slice_rows(window_slices(order, slot, n_slots, window, w))
+    for w in range(n_windows(order.total, slot, n_slots, window, whole_batches=whole_batches)):
+        units, _ = slice_rows(window_slices(order, slot, n_slots, window, w, whole_batches=whole_batches))
         parts.append(units[window_permutation(len(units), seed=seed, epoch=epoch, slot=slot, w=w, shuffle=shuffle)])
         have += len(units)
         if have >= limit:

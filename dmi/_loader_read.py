@@ -5,7 +5,9 @@ A window's records are grouped by pack and each group is read with
 verified, decode in the thread that read it; zstd decoding releases the GIL) on a thread
 pool. A damaged record raises its named ``PackError`` — or, with ``on_error="skip"``, its
 unit's rows are left out of the window and the damage is counted (the record listed once
-per share, by the window where its unit's rows begin).
+per share, by the window where its unit's rows begin). The rows left out keep their
+positions: a window is as long, and permuted the same, as it would be undamaged, so every
+batch is cut at the same positions and a share yields as many batches whatever its damage.
 """
 
 from __future__ import annotations
@@ -41,35 +43,68 @@ class RowFormat:
 @dataclass(frozen=True, slots=True)
 class Window:
     """A window's rows in emission order, left in the records they were read into: per feature,
-    those record tensors (``sources``) and each row's (source, row) in them (``picks``); the
-    rows' (unit, row) origin; what was skipped. Batches copy their rows out (:meth:`fill`),
-    so the window holds no copy of its own."""
+    those record tensors (``sources``) and each kept row's (source, row) in them (``picks``);
+    the kept rows' (unit, row) origin; what was skipped. Positions count every row of the
+    window, skipped ones included: the kept rows at positions ``[lo, hi)`` are kept rows
+    ``[kept[lo], kept[hi])`` (``kept``: how many rows before each position are kept). Batches
+    copy their rows out (:meth:`fill`), so the window holds no copy of its own."""
 
     sources: tuple[tuple[torch.Tensor, ...], ...]
     picks: tuple[np.ndarray, ...]
     units: np.ndarray
     rows: np.ndarray
+    kept: np.ndarray
     damaged: tuple[str, ...]
     skipped_rows: int
 
     def __len__(self) -> int:
-        return len(self.units)
+        """The window's positions (its rows before any was skipped)."""
+        return len(self.kept) - 1
+
+    def count(self, lo: int, hi: int) -> int:
+        """How many rows at positions ``[lo, hi)`` are kept."""
+        return int(self.kept[hi] - self.kept[lo])
+
+    def kept_rows(self, lo: int, hi: int) -> slice:
+        """The kept rows at positions ``[lo, hi)``, as a slice of ``picks``, ``units`` and ``rows``."""
+        return slice(int(self.kept[lo]), int(self.kept[hi]))
 
     def fill(self, lo: int, hi: int, places: list[torch.Tensor], fmt: RowFormat) -> None:
-        """Copy rows ``[lo, hi)`` into ``places`` (one ``[hi - lo, width]`` view per feature),
-        converted to the places' dtype and scaled by ``fmt``: one gather per feature, in the
-        stored dtype straight into its place when nothing converts."""
+        """Copy the kept rows at positions ``[lo, hi)`` into ``places`` (one ``[rows, width]``
+        view per feature), converted to the places' dtype and scaled by ``fmt``: one gather per
+        feature, in the stored dtype straight into its place when nothing converts."""
+        kept = self.kept_rows(lo, hi)
         for f, place in enumerate(places):
-            sources, picks = self.sources[f], self.picks[f][lo:hi]
+            sources, picks = self.sources[f], self.picks[f][kept]
             stored = sources[0].dtype if sources else place.dtype
             if fmt.scales is None and stored == place.dtype:
                 gather_rows(sources, picks, place)
                 continue
-            rows = torch.empty(hi - lo, place.shape[1], dtype=stored)
+            rows = torch.empty(place.shape[0], place.shape[1], dtype=stored)
             gather_rows(sources, picks, rows)
             if fmt.scales is not None:
                 rows = rows.to(torch.float32).mul_(fmt.scales[f])
             place.copy_(rows)  # converted to the batch's dtype as it is copied in
+
+
+@dataclass(frozen=True, slots=True)
+class _KeptOrder:
+    """The emission order of a window's kept rows: ``rows`` indexes all its rows in stream
+    order, ``stream`` the kept ones alone; ``kept[p]`` counts the kept rows before position ``p``."""
+
+    rows: np.ndarray
+    stream: np.ndarray
+    kept: np.ndarray
+
+
+def _kept_order(keep: np.ndarray, order: np.ndarray | None) -> _KeptOrder:
+    """The kept rows (``keep``: a mask over every row in stream order) in the order ``order``
+    gives every row (``None``: stream order), each still at its position among all rows."""
+    order = np.arange(len(keep)) if order is None else order
+    emitted = keep[order]
+    kept_index = np.cumsum(keep) - 1  # a kept row's index among the kept rows in stream order
+    return _KeptOrder(order[emitted], kept_index[order[emitted]],
+                      np.concatenate([[0], np.cumsum(emitted)]).astype(np.int64))
 
 
 def new_batch(features, fmt: RowFormat, n: int, memory: WindowMemory) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -103,8 +138,9 @@ class WindowReader:
 
     def read(self, slices: list[Slice], permutation: Callable[[int], np.ndarray] | None, *,
              opens_share: bool = True) -> Window:
-        """The rows of ``slices``, damaged units left out (skip mode), in the order of
-        ``permutation(n_rows)`` (``None``: stream order). A damaged record is listed by the
+        """The rows of ``slices`` in the order of ``permutation(n_rows)`` (``None``: stream
+        order), damaged units left out (skip mode) where they stood: the permutation is that of
+        every row, so the kept rows keep their positions. A damaged record is listed by the
         window where its unit's rows in the share begin (its first row, or the share's first
         window: ``opens_share``), so a unit spread over several windows lists it once."""
         tensors, bad = self._read_records([e for s in slices for group in self.plan.units[s.unit].records for e in group])
@@ -114,16 +150,16 @@ class WindowReader:
                                                                for g in self.plan.units[u].records))
         kept = [s for s in slices if s.unit not in damaged_units]
         skipped = sum(s.hi - s.lo for s in slices) - sum(s.hi - s.lo for s in kept)
-        units, rows = slice_rows(kept)
-        order = permutation(len(units)) if permutation is not None and len(units) else None
+        units, rows = slice_rows(slices)
+        picked = _kept_order(np.isin(units, list(damaged_units), invert=True),
+                             permutation(len(units)) if permutation is not None and len(units) else None)
         sources, picks = [], []
         for f, feature in enumerate(self.plan.features):
             feature_sources, feature_picks = self._picks(f, feature.width, kept, tensors)
             sources.append(tuple(feature_sources))
-            picks.append(feature_picks if order is None else feature_picks[order])
-        if order is not None:
-            units, rows = units[order], rows[order]
-        return Window(tuple(sources), tuple(picks), units, rows, tuple(listed), skipped)
+            picks.append(feature_picks[picked.stream])
+        return Window(tuple(sources), tuple(picks), units[picked.rows], rows[picked.rows], picked.kept,
+                      tuple(listed), skipped)
 
     def _read_records(self, entries: list[RecordEntry]) -> tuple[dict[RecordEntry, torch.Tensor], dict[RecordEntry, str]]:
         by_pack: dict[str, list[RecordEntry]] = defaultdict(list)

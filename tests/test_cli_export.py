@@ -244,21 +244,22 @@ def test_skip_mode_says_and_records_what_it_left_out(ran, damaged_packs):
 
 
 def test_skip_mode_records_damage_after_the_last_batch_and_what_drop_last_left_out(ran, damaged_packs):
-    """Unshuffled, in windows of 10 rows, drop_last reads 90 of the 93 rows: one batch of 45
-    is cut before the damaged record's window (rows 80-89); the 41 rows after it form no whole
-    batch. Its damage must still be recorded, and the rows drop_last left out counted."""
+    """Unshuffled, in windows of 10 rows, drop_last reads 90 of the 93 rows: two batches of 45
+    places, the damaged record's rows (in the window of rows 80-89) skipped in their places, so
+    the second batch is shorter by them. Its damage must still be recorded, and the 3 rows
+    drop_last left out counted."""
     _, pack_id, n_tokens = damaged_packs
     result = _ok(ran["damaged_skip_drop_last"])
     summary = json.loads(result["stdout"])
-    assert (summary["rows"], summary["skipped_rows"], summary["dropped_rows"]) == (45, n_tokens, 41 + 3)
+    assert (summary["rows"], summary["skipped_rows"], summary["dropped_rows"]) == (90 - n_tokens, n_tokens, 3)
     assert summary["rows"] + summary["skipped_rows"] + summary["dropped_rows"] == len(ALL)
     [damage] = summary["damaged_records"]
     assert pack_id in damage
     manifest = json.loads(Path(summary["manifest"]).read_text())
-    assert (manifest["skipped_rows"], manifest["dropped_rows"], manifest["damaged_records"]) == (n_tokens, 44, [damage])
+    assert (manifest["skipped_rows"], manifest["dropped_rows"], manifest["damaged_records"]) == (n_tokens, 3, [damage])
     assert result["stderr"].startswith(f"dmi: skipped {n_tokens} rows of 1 damaged record")
     said = _ok(ran["damaged_skip_drop_last_text"])["stdout"]
-    assert "exported 45 rows" in said and "left out 44 rows that did not fill a whole batch (--drop-last)" in said
+    assert f"exported {90 - n_tokens} rows" in said and "left out 3 rows that did not fill a whole batch (--drop-last)" in said
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
