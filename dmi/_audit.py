@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import random
 import secrets
+import shlex
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -485,6 +486,7 @@ def choose_requests(catalog: Any, model_id: str, run_id: str | None, requests: i
     else:
         token_entries = catalog.find_records(model_id, hook="token_ids", run_id=run_id)
         if not token_entries:
+            _require_known(catalog, model_id, run_id)
             raise AuditError(f"model {model_id!r}{'' if run_id is None else f' run {run_id!r}'} has no requests "
                              "with token_ids records to audit (capture with the token_ids hook)")
         chosen = sample_requests(token_entries, 8 if requests is None else requests, seed)
@@ -535,6 +537,18 @@ def audit_rows(report: AuditReport) -> list[dict[str, Any]]:
             row["detail"] = f"TP rank {c.shard_rank}" + (f": {c.detail}" if c.detail else "")
         rows.append(row)
     return rows
+
+
+def _require_known(catalog: Any, model_id: str, run_id: str | None) -> None:
+    """Raise ``RecordNotFoundError`` for a model, or a run of it, the catalog does not hold:
+    a typo is not a capture without ``token_ids``."""
+    models = catalog.models()
+    if model_id not in models:
+        known = ", ".join(models[:10]) + (" ..." if len(models) > 10 else "") if models else "none yet"
+        raise RecordNotFoundError(f"no model {model_id!r} in the catalog (models: {known})")
+    if run_id is not None and run_id not in catalog.runs(model_id):
+        raise RecordNotFoundError(f"model {model_id!r} has no run {run_id!r} "
+                                  f"(list runs with `dmi runs {shlex.quote(model_id)}`)")
 
 
 def _named(catalog: Any, model_id: str, run_id: str | None, request_ids: list[str]) -> list[tuple[str, str]]:

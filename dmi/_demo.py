@@ -109,6 +109,7 @@ def run_demo(
     import os
 
     started = time.perf_counter()
+    out = _plot_target(plot_path or os.path.join(store.home, "demo.png"))
     say(_describe_model(model))
     with status(f"loading model {model}"):
         import torch
@@ -165,8 +166,6 @@ def run_demo(
     table = store.sql(query)
     say(_indent(render_table(table.column_names, [[_fmt(v) for v in row.values()] for row in table.to_pylist()])))
 
-    out = plot_path or os.path.join(store.home, "demo.png")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     stacked = store.get_internal(model_id, request_ids[1], "resid_post", run_id=run_id)
     strings = store.tokens(model_id, request_ids[1], run_id=run_id)
     drawn = write_norm_plot(token_norms(stacked), layers, out,
@@ -196,6 +195,27 @@ def run_demo(
         stored_bytes=totals["stored_bytes"], pack_bytes=totals["pack_bytes"],
         checked_tensors=checked, checked_tokens=tokens, bit_exact=exact, plot_path=drawn.path, seconds=seconds,
     )
+
+
+def _plot_target(path: str) -> str:
+    """``path``, checked before anything is captured (a run is not stored only for its plot to
+    fail): its directory is made if missing; ``InvalidArgumentError`` when the plot cannot be
+    written there (a directory, a file in the way, no permission)."""
+    import os
+
+    from dmi.storage.errors import InvalidArgumentError
+
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise InvalidArgumentError(f"cannot write the plot {path}: cannot make the directory "
+                                   f"{exc.filename or directory}: {exc.strerror or exc}") from exc
+    if os.path.isdir(path):
+        raise InvalidArgumentError(f"cannot write the plot {path}: Is a directory")
+    if not os.access(directory, os.W_OK):
+        raise InvalidArgumentError(f"cannot write the plot {path}: Permission denied")
+    return path
 
 
 def _describe_model(model: str) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import io
 import json
 import os
@@ -36,6 +37,9 @@ EXIT_USAGE = 2
 
 SCORING_HELP = "0: no generation, one scoring pass per batch, phase forward"
 """What ``--max-new-tokens 0`` does, worded once for the help and docs/cli.md."""
+
+_UNWRITABLE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS})
+"""Errors that say an output path is wrong (an argument error, exit 2), not that writing failed."""
 
 NO_TOKENIZER = "no token strings: this request was captured without a tokenizer (dmi.capture(..., tokenizer=))"
 """What ``show`` and ``plot`` say for a request without token strings."""
@@ -68,12 +72,32 @@ def parse_layers(text: str | None) -> Any:
         ) from None
 
 
+MAX_PLOT_SIDE = 10000
+"""The widest and tallest ``dmi plot --size`` in pixels: a larger image needs gigabytes to draw."""
+
+
 def _parse_size(text: str) -> tuple[int, int]:
+    """``"1200x500"`` → ``(1200, 500)``; a side over ``MAX_PLOT_SIDE`` is refused here, one
+    under 200x150 by the plot itself."""
     try:
         width, height = (int(v) for v in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"size must be WIDTHxHEIGHT in pixels, got {text!r}") from None
+    if max(width, height) > MAX_PLOT_SIDE:
+        raise argparse.ArgumentTypeError(
+            f"size {width}x{height} is too large (at most {MAX_PLOT_SIDE}x{MAX_PLOT_SIDE} pixels)")
     return width, height
+
+
+def _parse_port(text: str) -> int:
+    """A TCP port to listen on, ``0`` (any free one) to ``65535``."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: give a number from 0 to 65535") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is out of range: give a number from 0 to 65535")
+    return port
 
 
 # ----------------------------------------------------------------------------- output helpers
@@ -436,6 +460,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     with _open_store(args) as store:
         report = store.verify(model_id=args.model_id, progress=lambda total: _progress(args, "verifying", total))
+        bad_records = _bad_records(store, report, args.model_id)
     if args.json:
         _emit_json(report.as_dict())
     else:
@@ -450,9 +475,20 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                   "run `dmi recover`", file=sys.stderr)
     if report.problems:
         packs = len({bad.pack_id for bad in report.problems})
-        print(f"dmi: error: {plural(len(report.problems), 'bad record')} in {plural(packs, 'pack')}", file=sys.stderr)
+        print(f"dmi: error: {plural(bad_records, 'bad record', human_count)} in {plural(packs, 'pack')}", file=sys.stderr)
         return EXIT_FAILURE
     return EXIT_OK
+
+
+def _bad_records(store: Any, report: Any, model_id: str | None) -> int:
+    """How many records ``verify`` found bad: each record it names, and every checked record
+    of a pack it reports whole (missing, or its index unreadable: no reader gets past it)."""
+    whole = {p.pack_id for p in report.problems if p.key is None}
+    named = {p.key for p in report.problems if p.key is not None and p.pack_id not in whole}
+    if not whole:
+        return len(named)
+    models = [model_id] if model_id is not None else store.catalog.models()
+    return len(named) + sum(e.pack_id in whole for m in models for e in store.catalog.find_records(m))
 
 
 def _cmd_recover(args: argparse.Namespace) -> int:
@@ -485,9 +521,14 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     else:
         norms = token_norms(tensor.unsqueeze(0), view.token_axis + 1)
     layers = view.layers if view.per_layer else (GLOBAL_LAYER,)
-    drawn = write_norm_plot(norms, layers, output, width=width, height=height,
-                            title=f"{args.hook} L2 norm · {args.model_id} · {args.request_id}",
-                            decode_start=view.decode_start or None, token_labels=_token_labels(tokens, view))
+    try:
+        drawn = write_norm_plot(norms, layers, output, width=width, height=height,
+                                title=f"{args.hook} L2 norm · {args.model_id} · {args.request_id}",
+                                decode_start=view.decode_start or None, token_labels=_token_labels(tokens, view))
+    except OSError as exc:
+        if exc.errno not in _UNWRITABLE:
+            raise
+        raise InvalidArgumentError(f"cannot write {output}: {exc.strerror or exc}") from exc
     if args.json:
         _emit_json({"path": drawn.path, "width": drawn.width, "height": drawn.height, "layers": drawn.layers,
                     "n_tokens": drawn.n_tokens, "mean_norm_per_layer": drawn.mean_norm_per_layer,
@@ -654,7 +695,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     def add(name: str, func, help_text: str, parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=help_text, description=help_text, parents=[common, *parents])
-        cmd.set_defaults(func=func)
+        cmd.set_defaults(func=func, command_parser=cmd)
         return cmd
 
     demo = add("demo", _cmd_demo, "build a tiny model, capture a few prompts, read back, check, plot", [tabular])
@@ -667,8 +708,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     cap = add("capture", _cmd_capture, "run prompts through a model and capture its internals", [tabular])
     cap.add_argument("--model", metavar="DIR|NAME",
-                     help="a local Hugging Face model directory, or a built-in model: tiny-llama, small-llama "
-                          "(required unless the --plan names one)")
+                     help="a local Hugging Face model directory, or a built-in model: tiny-llama, small-llama, "
+                          "smollm2 (required unless the --plan names one)")
     cap.add_argument("--plan", metavar="PLAN.yaml",
                      help="a capture plan file (hooks, layers, schedule, ids, codec, ring, store; docs/plans.md)")
     cap.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
@@ -712,7 +753,9 @@ def _build_parser() -> argparse.ArgumentParser:
     get.add_argument("request_id")
     get.add_argument("hook")
     get.add_argument("-o", "--output", required=True, metavar="FILE", help="FILE.safetensors, FILE.npy or FILE.pt")
-    get.add_argument("--layers", metavar="RANGE", help="START:STOP, N, or N,M,... (default: every stored layer)")
+    get.add_argument("--layers", metavar="RANGE",
+                     help="START:STOP, START:, N, or N,M,...; negative N counts from the last stored layer "
+                          "(default: every stored layer)")
     get.add_argument("--shard-rank", type=int, metavar="RANK", help="only this tensor-parallel rank's shard")
     get.add_argument("--merge-shards", action="store_true", help="join tensor-parallel shards into the full tensor")
 
@@ -741,7 +784,9 @@ def _build_parser() -> argparse.ArgumentParser:
     plot.add_argument("request_id")
     plot.add_argument("--hook", default="resid_post", help="which hook (default: resid_post)")
     plot.add_argument("-o", "--output", metavar="PNG", help="output file (default: REQUEST-HOOK.png)")
-    plot.add_argument("--layers", metavar="RANGE", help="START:STOP, N, or N,M,... (default: every stored layer)")
+    plot.add_argument("--layers", metavar="RANGE",
+                      help="START:STOP, START:, N, or N,M,...; negative N counts from the last stored layer "
+                           "(default: every stored layer)")
     plot.add_argument("--shard-rank", type=int, metavar="RANK", help="only this tensor-parallel rank's shard")
     plot.add_argument("--size", type=_parse_size, default=(1200, 500), metavar="WxH",
                       help="image size in pixels (default: 1200x500)")
@@ -814,7 +859,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="a model the page may describe (repeatable; the plan's and the built-in ones are offered too)")
     ui.add_argument("--host", default="127.0.0.1",
                     help="address to bind (default: 127.0.0.1; any non-loopback one requires the printed token)")
-    ui.add_argument("--port", type=int, metavar="N", help="port (default: 8765, or the next free one; 0: any free port)")
+    ui.add_argument("--port", type=_parse_port, metavar="N", help="port (default: 8765, or the next free one; 0: any free port)")
     ui.add_argument("--no-browser", action="store_true", help="do not open a browser")
     return parser
 
@@ -841,7 +886,9 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``dmi`` command line; returns the exit status (see the module docstring)."""
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the subcommand's parser, so the message points at its --help
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except BrokenPipeError:  # `dmi ... | head`: the reader left; stop quietly
