@@ -313,7 +313,7 @@ def no_output_clause(sql: str) -> str:
 #: Keywords that follow an expression (a clause, an operator, a sort order, an alias's ``AS``).
 #: After ``format`` they make it a column or alias (``SELECT format FROM t``, ``WHERE format IN
 #: (...)``), never a FORMAT clause: no ClickHouse output format has one of these names
-#: (``tests/test_h48_inputs_where.py`` checks them against ``system.formats``).
+#: (``tests/test_where_format_column.py`` checks them against ``system.formats``).
 _KEYWORDS_AFTER_AN_EXPRESSION = frozenset({
     "FROM", "WHERE", "PREWHERE", "GROUP", "ORDER", "HAVING", "LIMIT", "OFFSET", "SETTINGS", "UNION",
     "EXCEPT", "INTERSECT", "JOIN", "INNER", "LEFT", "RIGHT", "FULL", "CROSS", "ARRAY", "GLOBAL", "ON",
