@@ -106,8 +106,8 @@ time goes: time inside ``generate``, the tail of closing (last packs sealed + pu
 drain-thread busy time (wall time; at nice 19 below a CPU model mostly time spent waiting
 for a core), the drain's CPU time (its thread and its encoding threads' appends: the work
 itself), how long acquiring the publisher lease took (beside the drain; per-call
-sessions only), ring waits, and how many records the catch-up pool encoded while a flush
-waited and how many were stored ``raw`` while the drain was behind. Every round's generated tokens are compared with the
+sessions only), ring waits, and how many records were stored ``raw`` while the drain was
+behind. Every round's generated tokens are compared with the
 first round of its reference configuration (``baseline``, or the one its ratio is to); a round
 that differs is marked, counted in the last column, and makes the script exit 1 after the
 table. ``--quick`` runs a small version for a smoke test.
@@ -203,7 +203,7 @@ def run_dmi(hooks, writer_options=None, encode_threads=1, drain_nice=None, direc
                          "hook_s": s["hook_seconds"], "ring_waits": s["ring_waits"],
                          "lease_s": s["lease_seconds"],
                          "ring_wait_s": s["ring_wait_seconds"], "records": s["records"],
-                         "caught_up": s["records_caught_up"], "fallback": s["records_fallback_codec"],
+                         "fallback": s["records_fallback_codec"],
                          "packs": s["packs_published"], "bytes": s["reserved_bytes"]}
     return run
 
@@ -281,20 +281,6 @@ def lease_at_attach(run):
                 drain.stats.start_seconds = time.perf_counter() - t0
         return init_after_start
     return _drain_patched(run, "__init__", acquiring_first)
-
-
-def no_catch_up(run):
-    """``run`` with the drain encoding a flush's backlog on its own thread, as before the
-    catch-up pool (stop 48): that pool's effect, measured beside it."""
-    def wrapped(model, ids, mask, args, ctx):
-        from dmi.capture import _drain
-
-        saved, _drain._usable_cores = _drain._usable_cores, lambda: 1
-        try:
-            return run(model, ids, mask, args, ctx)
-        finally:
-            _drain._usable_cores = saved
-    return wrapped
 
 
 def sched_idle(run):
@@ -429,7 +415,7 @@ def run_session_round(cap, ids, mask, args, **extra):
                      "hook_s": delta("hook_seconds"),
                      "ring_waits": delta("ring_waits"), "ring_wait_s": delta("ring_wait_seconds"),
                      "records": delta("records"), "packs": delta("packs_published"),
-                     "caught_up": delta("records_caught_up"), "fallback": delta("records_fallback_codec"),
+                     "fallback": delta("records_fallback_codec"),
                      "bytes": delta("reserved_bytes")}
 
 
@@ -498,8 +484,6 @@ CONFIGS = {
     "dmi all_but_patterns switch 1 ms": with_switch_interval(run_dmi("all_but_patterns"), 0.001),
     "dmi resid_post buffered writes": run_dmi("resid_post", direct_writes=False),
     "dmi all_but_patterns buffered writes": run_dmi("all_but_patterns", direct_writes=False),
-    "dmi resid_post no catch-up": no_catch_up(run_dmi("resid_post")),
-    "dmi all_but_patterns no catch-up": no_catch_up(run_dmi("all_but_patterns")),
     "dmi resid_post SCHED_IDLE": sched_idle(run_dmi("resid_post")),
     "dmi all_but_patterns SCHED_IDLE": sched_idle(run_dmi("all_but_patterns")),
     "dmi resid_post drain_nice=0": run_dmi("resid_post", drain_nice=0),
@@ -618,7 +602,7 @@ def report(args, names, results):
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}\n")
     print("| configuration | tokens/s (median) | × baseline (median of per-round ratios) | "
           "per-round ratios min–max | generate s | close s | model-thread hook s | drain busy s | drain CPU s | lease s | "
-          "ring waits | records: caught up / stored raw / all | captured bytes | rounds with the reference's tokens |")
+          "ring waits | records: stored raw / all | captured bytes | rounds with the reference's tokens |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in names:
         base = [s for s, _ in results.get(RATIO_TO.get(n, "baseline"), [])]
@@ -641,9 +625,9 @@ def report(args, names, results):
 
 
 def _record_counts(med) -> str:
-    """A DMI row's records (medians over its rounds): encoded on the catch-up pool while a flush
-    waited, stored with the fallback codec (``raw``) while the drain was behind, and all of them."""
-    counts = [med(k) for k in ("caught_up", "fallback", "records")]
+    """A DMI row's records (medians over its rounds): stored with the fallback codec (``raw``)
+    while the drain was behind, and all of them."""
+    counts = [med(k) for k in ("fallback", "records")]
     return "" if None in counts else " / ".join(f"{c:.0f}" for c in counts)
 
 

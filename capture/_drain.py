@@ -22,12 +22,6 @@ each releasing the GIL — so N records encode at once); the drain thread waits 
 them before it frees the slot or seals a pack. Records then reach a pack in the order their
 encoding finished, not the order they were cut (each is found by its key, never by its place).
 
-**Catching up while the caller waits**: from the moment ``flush()`` (or ``close()``) is called
-until the thread reaches it, the model's thread is waiting for the drain, not running, so the
-backlog it left is encoded on a pool of as many threads as the process may use cores (where
-``encode_threads`` is smaller): below a model on the CPU the drain gets few cycles while it
-runs, and most of its work is done there, with the caller waiting for it.
-
 **Working before the lease is held**: ``start`` (the session's publisher lease) runs on a
 thread of its own beside the drain's, at the drain's priority, so slots are cut, encoded and
 written from the first step while the catalog answers: acquiring a lease is a few catalog
@@ -94,7 +88,6 @@ class DrainStats:
     encoder_cpu_seconds: float = 0.0  # CPU time of the appends its encoding threads ran
     codec_switches: int = 0  # times the drain went from the writer's codec to the fallback
     records_fallback: int = 0  # records stored with the fallback codec
-    records_caught_up: int = 0  # records encoded on the catch-up pool while a flush waited
     start_seconds: float | None = None  # how long ``start`` (the lease) took; None until it succeeded
 
 
@@ -188,9 +181,6 @@ class Drain:
             encode_threads, thread_name_prefix=f"{name}-encode", initializer=one_openmp_thread)
         self.torch_threads: int | None = None  # torch.get_num_threads() on the drain thread, once it runs
         self._writes: list = []  # appends handed to the encoders and not yet waited for
-        self.caller_waits = threading.Event()  # set by flush() until the thread reaches its marker
-        self._catch_up_threads = _usable_cores() if encode_threads < _usable_cores() else 1
-        self._catch_up = None  # the pool encoding while the caller waits; made on first use
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -213,7 +203,6 @@ class Drain:
         """
         self._check_running()
         marker = _Marker("flush")
-        self.caller_waits.set()
         self._q.put(marker)
         self._wait_done(marker, timeout)
         self.check()
@@ -274,9 +263,8 @@ class Drain:
         except BaseException as exc:  # noqa: BLE001 - surfaced by check()
             if self.error is None:
                 self.error = exc
-            for pool in (self._encoders, self._catch_up):
-                if pool is not None:
-                    pool.shutdown(wait=False)
+            if self._encoders is not None:
+                self._encoders.shutdown(wait=False)
 
     def _loop(self) -> None:
         self.torch_threads = one_openmp_thread()
@@ -315,9 +303,8 @@ class Drain:
                         self.error = exc
                 finally:
                     self._join_start()
-                    for pool in (self._encoders, self._catch_up):
-                        if pool is not None:
-                            pool.shutdown(wait=True)
+                    if self._encoders is not None:
+                        self._encoders.shutdown(wait=True)
                 return
             if isinstance(item, _Marker):
                 if self.error is None:
@@ -329,8 +316,6 @@ class Drain:
                     except BaseException as exc:  # noqa: BLE001 - surfaced by check()
                         self.error = exc
                 self.stats.thread_cpu_seconds = time.thread_time()  # counted before the caller reads it
-                if item.kind == "flush":
-                    self.caller_waits.clear()
                 item.done.set()
                 continue
             if isinstance(item, LostRecords):
@@ -506,22 +491,10 @@ class Drain:
 
     def _write(self, key: RecordKey, data, **options) -> None:
         """``writer.append``, here or on an encoding thread (waited for by :meth:`_wait_writes`)."""
-        pool = self._encoders or self._catch_up_pool()
-        if pool is None:
+        if self._encoders is None:
             self.writer.append(key, data, **options)
         else:
-            self._writes.append(pool.submit(_timed_append, self.writer, key, data, options))
-            if pool is self._catch_up:
-                self.stats.records_caught_up += 1
-
-    def _catch_up_pool(self) -> ThreadPoolExecutor | None:
-        """The pool that encodes while a caller waits in ``flush``, or None (nobody waits, or one core)."""
-        if self._catch_up_threads <= 1 or not self.caller_waits.is_set():
-            return None
-        if self._catch_up is None:
-            self._catch_up = ThreadPoolExecutor(self._catch_up_threads, thread_name_prefix=f"{self._thread.name}-catch-up",
-                                                initializer=one_openmp_thread)
-        return self._catch_up
+            self._writes.append(self._encoders.submit(_timed_append, self.writer, key, data, options))
 
     def _wait_writes(self) -> None:
         """Wait for every append handed to the encoders; the first failure is raised after all finished."""
@@ -716,13 +689,6 @@ class _OpenRun:
         contiguous = self.rows[-1] - first == n - 1
         index = None if contiguous else torch.tensor(self.rows, dtype=torch.long)
         return _Run(self.plan, self.span, n, first, index)
-
-
-def _usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the platform has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _timed_append(writer, key: RecordKey, data, options: dict) -> float:

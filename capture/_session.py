@@ -338,7 +338,6 @@ class CaptureSession:
             "lease_seconds": d.start_seconds,
             "codec_switches": d.codec_switches,
             "records_fallback_codec": d.records_fallback,
-            "records_caught_up": d.records_caught_up,
             "hook_seconds": self._hook_seconds,
             "drain_nice": self.drain.nice,
             "drain_torch_threads": self.drain.torch_threads,
