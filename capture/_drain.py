@@ -194,7 +194,11 @@ class Drain:
     def check(self) -> None:
         """Raise :class:`DrainError` if the thread has failed."""
         if self.error is not None:
-            raise DrainError(f"the capture drain thread failed: {self.error!r}") from self.error
+            unpublished = len(self.ctx.sealed)
+            tail = "" if not unpublished else (
+                f"; {unpublished} sealed pack(s) are not published: they stay whole in the store, and "
+                "`dmi recover` publishes them once the cause is fixed")
+            raise DrainError(f"the capture drain thread failed: {self.error!r}{tail}") from self.error
 
     def flush(self, timeout: float | None = None) -> list:
         """Seal the open pack, publish everything, surface any thread error.
@@ -303,6 +307,8 @@ class Drain:
                         self.error = exc
                 finally:
                     self._join_start()
+                    if self.error is not None:  # closing may have sealed a pack whole after the failure
+                        self._publish_after_failure()
                     if self._encoders is not None:
                         self._encoders.shutdown(wait=True)
                 return
@@ -315,6 +321,8 @@ class Drain:
                             self._seal_and_publish(item.request_ids)
                     except BaseException as exc:  # noqa: BLE001 - surfaced by check()
                         self.error = exc
+                if self.error is not None:
+                    self._publish_after_failure()
                 self.stats.thread_cpu_seconds = time.thread_time()  # counted before the caller reads it
                 item.done.set()
                 continue
@@ -420,6 +428,28 @@ class Drain:
         if self._publish is not None:
             self._publish(batch)
             self.stats.packs_published += len(batch)
+        if self.keep_published:
+            self.published.extend(batch)
+
+    def _publish_after_failure(self) -> None:
+        """Once the drain has failed, publish the packs it sealed whole before the failure, where
+        its lease is held: they are complete, and readers should see them. Where that publish
+        fails too (the catalog is what failed), they stay in ``ctx.sealed``, counted by the
+        error's message, for ``dmi recover``; the drain's first error is the one raised."""
+        sealed = self.ctx.sealed
+        if not sealed or self._publish is None:
+            return
+        self._join_start()
+        if self._started is not None and self._started.exception() is not None:
+            return
+        batch = list(sealed)
+        try:
+            self._publish(batch)
+        except BaseException:  # noqa: BLE001 - the packs stay unpublished, counted in the error raised
+            return
+        del sealed[:len(batch)]
+        self.stats.packs_sealed += len(batch)
+        self.stats.packs_published += len(batch)
         if self.keep_published:
             self.published.extend(batch)
 
