@@ -71,7 +71,7 @@ from ._hooks import HOOKS, ModelGeometry
 from ._omp import one_openmp_thread
 from ._token_text import PROMPT_TEXT, TOKEN_TEXT
 
-__all__ = ["CAPTURE_STOPPED", "Drain", "DrainStats", "LostRecords", "RING_FULL"]
+__all__ = ["CAPTURE_STOPPED", "Drain", "DrainStats", "LostRecords", "PACK_NOT_WRITTEN", "RING_FULL"]
 
 
 @dataclass(slots=True)
@@ -95,6 +95,8 @@ RING_FULL = "ring full"
 """The losses' reason for a tensor ``drop_policy="drop"`` dropped: its bytes fit in no slot."""
 CAPTURE_STOPPED = "capture stopped"
 """The losses' reason for what a stopped capture (vLLM's, after a failure in the step) no longer copied."""
+PACK_NOT_WRITTEN = "pack not written"
+"""The losses' reason for the records a failed pack write discarded (a full disk)."""
 
 
 @dataclass(slots=True)
@@ -166,6 +168,7 @@ class Drain:
         self.published: list = []  # descriptors published since the last flush (when keep_published)
         self.keep_published = True  # False: a session living for ever (a vLLM engine) keeps only counts
         self.lost_keys: list[tuple[RecordKey, str]] = []  # each lost record's key and reason
+        self._discarded_counted = False  # the records a failed pack write discarded: counted once
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._publish_interval = publish_interval  # seal_soon seals at most this often (seconds)
         self._last_seal = float("-inf")  # when seal_soon last sealed (time.monotonic())
@@ -191,10 +194,12 @@ class Drain:
     def note_loss(self, hook: str, layer: int, plan, reason: str = RING_FULL) -> None:
         self._q.put(LostRecords(hook, layer, plan, reason))
 
-    def check(self) -> None:
-        """Raise :class:`DrainError` if the thread has failed."""
+    def check(self, *, settled: bool = False) -> None:
+        """Raise :class:`DrainError` if the thread has failed. ``settled``: the thread has dealt
+        with its failure (a flush reached it, or it ended), so the packs it left unpublished are
+        known and counted in the message."""
         if self.error is not None:
-            unpublished = len(self.ctx.sealed)
+            unpublished = len(self.ctx.sealed) if settled else 0
             tail = "" if not unpublished else (
                 f"; {unpublished} sealed pack(s) are not published: they stay whole in the store, and "
                 "`dmi recover` publishes them once the cause is fixed")
@@ -209,7 +214,7 @@ class Drain:
         marker = _Marker("flush")
         self._q.put(marker)
         self._wait_done(marker, timeout)
-        self.check()
+        self.check(settled=True)
         out, self.published = self.published, []
         return out
 
@@ -249,7 +254,7 @@ class Drain:
         finally:
             self._q.put(None)
             self._thread.join(timeout)
-            self.check()  # an error closing the writer
+            self.check(settled=not self._thread.is_alive())  # an error closing the writer
 
     # -- the thread -----------------------------------------------------------------------------
     def _lower_priority(self) -> None:
@@ -308,7 +313,7 @@ class Drain:
                 finally:
                     self._join_start()
                     if self.error is not None:  # closing may have sealed a pack whole after the failure
-                        self._publish_after_failure()
+                        self._after_failure()
                     if self._encoders is not None:
                         self._encoders.shutdown(wait=True)
                 return
@@ -322,7 +327,7 @@ class Drain:
                     except BaseException as exc:  # noqa: BLE001 - surfaced by check()
                         self.error = exc
                 if self.error is not None:
-                    self._publish_after_failure()
+                    self._after_failure()
                 self.stats.thread_cpu_seconds = time.thread_time()  # counted before the caller reads it
                 item.done.set()
                 continue
@@ -430,6 +435,27 @@ class Drain:
             self.stats.packs_published += len(batch)
         if self.keep_published:
             self.published.extend(batch)
+
+    def _after_failure(self) -> None:
+        """Once the drain has failed: count what the failure discarded, then publish what it
+        sealed whole before (each at most once, whenever a flush or the close comes)."""
+        self._count_discarded()
+        self._publish_after_failure()
+
+    def _count_discarded(self) -> None:
+        """The records a failed pack write discarded with its pack (the error's ``lost_keys``),
+        counted as lost once: in ``records_lost`` and, where the catalog answers, its losses
+        (reason :data:`PACK_NOT_WRITTEN`); the error's message says how many either way."""
+        keys = getattr(self.error, "lost_keys", ())
+        if not keys or self._discarded_counted:
+            return
+        self._discarded_counted = True
+        self.lost_keys.extend((key, PACK_NOT_WRITTEN) for key in keys)
+        self.stats.records_lost += len(keys)
+        try:
+            self._flush_losses()
+        except BaseException:  # noqa: BLE001 - the catalog failed too: the error raised says what was lost
+            return
 
     def _publish_after_failure(self) -> None:
         """Once the drain has failed, publish the packs it sealed whole before the failure, where

@@ -41,6 +41,7 @@ from dmi.storage.errors import (
     AttachError,
     AttentionImplementationError,
     CaptureError,
+    DrainError,
     InvalidArgumentError,
     InvalidIdentifierError,
     RequestExistsError,
@@ -1091,19 +1092,32 @@ def owned_session(owner_key, model_name: str, ctx: KeyContext, options: _Pipelin
         with _OWNERS_LOCK:
             _OWNERS.pop(owner_key, None)
         raise
-    failed = False
+    failed = None
     try:
         yield session
-    except BaseException:
-        failed = True
+    except BaseException as exc:
+        failed = exc
         raise
     finally:
         release = functools.partial(_disown, owner_key)
-        if failed:
-            with contextlib.suppress(Exception):
-                session._close(release)
+        if failed is not None:
+            _close_after(session, release, failed)
         else:
             session._close(release)
+
+
+def _close_after(session, release, failed: BaseException) -> None:
+    """Close ``session`` after its block raised ``failed``. The close's own errors are
+    suppressed — the block's error is the one raised — except the same drain failure raised
+    again once the drain has dealt with it: its message then also counts the packs the failure
+    left unpublished, which the block's error, raised mid-step, could not know."""
+    try:
+        session._close(release)
+    except DrainError as settled:
+        if isinstance(failed, DrainError) and failed.__cause__ is not None and settled.__cause__ is failed.__cause__:
+            raise settled from failed.__cause__
+    except Exception:  # noqa: BLE001, S110 - the block's own error is the one raised
+        pass
 
 
 def _disown(owner_key) -> None:

@@ -131,14 +131,22 @@ class PackWriter:
         encoded = _with_layout(encoded, token_axis, key_axis)
         with self._lock:
             self._check_open()
-            pack = self._pack
-            if pack is not None and pack.count and pack.stored_bytes + encoded.length > self.max_bytes:
-                self._seal_locked()
-            if self._pack is None:
-                self._pack = _OpenPack(self.store, self.writer_id, self.batch_bytes)
-            self._pack.add(encoded, self._forget_pack)
-            if self._pack.count >= self.max_records or self._pack.stored_bytes >= self.max_bytes:
-                self._seal_locked()
+            try:
+                self._add_locked(encoded)
+            except PackSealError as exc:
+                if key not in exc.lost_keys:  # failed before the record joined a pack: lost with it
+                    exc.lost_keys += (key,)
+                raise
+
+    def _add_locked(self, encoded: _Encoded) -> None:
+        pack = self._pack
+        if pack is not None and pack.count and pack.stored_bytes + encoded.length > self.max_bytes:
+            self._seal_locked()
+        if self._pack is None:
+            self._pack = _OpenPack(self.store, self.writer_id, self.batch_bytes)
+        self._pack.add(encoded, self._forget_pack)
+        if self._pack.count >= self.max_records or self._pack.stored_bytes >= self.max_bytes:
+            self._seal_locked()
 
     def seal(self) -> PackDescriptor | None:
         """Seal the open pack now; ``None`` if it has no records."""
@@ -385,6 +393,10 @@ class _OpenPack:
     def count(self) -> int:
         return len(self.records) + len(self.gathered_metas)
 
+    def _keys(self) -> list[RecordKey]:
+        """The keys of the records the pack holds so far (written, and gathered to be)."""
+        return [r.meta.key for r in self.records] + [m.key for m in self.gathered_metas]
+
     def add(self, encoded: _Encoded, on_failure: Callable[[], None]) -> None:
         try:
             if encoded.length >= self.batch_bytes:
@@ -402,7 +414,7 @@ class _OpenPack:
                 on_failure()
             raise PackSealError(
                 f"pack {self.pack_id}: write failed ({exc}); the pack was discarded with its {lost} records"
-                f"{full_disk_advice(exc, self.store.uri)}{left}"
+                f"{full_disk_advice(exc, self.store.uri)}{left}", lost_keys=[*self._keys(), encoded.meta.key]
             ) from exc
         self.stored_bytes += encoded.length
 
@@ -417,9 +429,14 @@ class _OpenPack:
             left = self.abort()
             raise PackSealError(
                 f"pack {self.pack_id}: could not finish the file ({exc}); nothing published, "
-                f"its {self.count} records lost{full_disk_advice(exc, self.store.uri)}{left}"
+                f"its {self.count} records lost{full_disk_advice(exc, self.store.uri)}{left}",
+                lost_keys=self._keys(),
             ) from exc
-        size = self.sink.seal()
+        try:
+            size = self.sink.seal()
+        except PackSealError as exc:
+            exc.lost_keys = tuple(self._keys())
+            raise
         return PackDescriptor(
             pack_id=self.pack_id,
             location=self.store.location(self.pack_id),

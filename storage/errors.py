@@ -153,7 +153,13 @@ class PackFormatError(PackError):
 
 
 class PackSealError(PackError, OSError):
-    """A pack could not be made durable; no partial pack is visible."""
+    """A pack could not be made durable; no partial pack is visible. ``lost_keys``: the keys
+    of the records discarded with it (empty where the writer had none to lose), so a caller
+    can count them."""
+
+    def __init__(self, *args, lost_keys=()):
+        super().__init__(*args)
+        self.lost_keys = tuple(lost_keys)
 
 
 class PackStoreNotInstalledError(PackError, ImportError):

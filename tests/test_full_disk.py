@@ -43,8 +43,25 @@ def test_a_full_disk_at_the_seal_names_the_store_and_what_to_do(tmp_path, monkey
                                             rf"{tmp_path} {ADVICE}; .*`dmi recover`") as raised:
         writer.seal()
     assert isinstance(raised.value, OSError) and raised.value.__cause__.errno == errno.ENOSPC
+    assert raised.value.lost_keys == (KEY,)  # what a caller counts as lost
     monkeypatch.undo()
     assert os.listdir(tmp_path) == []  # the temporary file is removed
+
+
+def test_a_record_whose_append_seals_a_pack_that_fails_is_lost_with_it(tmp_path, monkeypatch):
+    """The second record does not fit the open pack: sealing it fails, and the record, which
+    never joined a pack, is lost with the pack's."""
+    writer = PackWriter(PackStore.local(tmp_path), codec="raw", max_bytes=200)  # one record of 128 bytes fits
+    writer.append(KEY, torch.zeros(4, 8))
+    second = RecordKey("m", "r", "q", "resid_post", 1, 0, 4, phase="prefill")
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(PackSealError) as raised:
+        writer.append(second, torch.zeros(4, 8))
+    assert raised.value.lost_keys == (KEY, second)
 
 
 def test_another_seal_failure_gives_no_full_disk_advice(tmp_path, monkeypatch):
@@ -79,7 +96,7 @@ def test_a_full_disk_while_a_pack_is_written_names_the_store_and_what_to_do(tmp_
     with pytest.raises(PackSealError, match=rf"discarded with its 1 records; the disk holding {store.uri} "
                                             rf"{ADVICE}") as raised:
         writer.append(KEY, torch.zeros(10_000))
-    assert raised.value.__cause__.errno == errno.ENOSPC
+    assert raised.value.__cause__.errno == errno.ENOSPC and raised.value.lost_keys == (KEY,)
     assert store.list_packs() == [] and os.listdir(tmp_path) == []
     writer.close()
 
@@ -123,6 +140,10 @@ def test_a_capture_onto_a_full_disk_fails_named_and_loses_no_sealed_pack(small_d
         assert isinstance(cause, PackSealError) and isinstance(cause, OSError)
         assert cause.__cause__.errno == errno.ENOSPC
         assert f"the disk holding {store.root} is full: free space there" in str(raised.value)
+        lost = cap.stats["records_lost"]
+        assert lost == len(cause.lost_keys) > 0  # the discarded pack's records, counted
+        losses = catalog.losses(model_id="m").to_pylist()
+        assert sum(r["count"] for r in losses) == lost and {r["reason"] for r in losses} == {"pack not written"}
         names = os.listdir(store.root)
         assert [n for n in names if not n.endswith(".arrow")] == []  # no partial file left
         sealed = store.list_packs()
