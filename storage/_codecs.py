@@ -65,6 +65,8 @@ _SPLIT_TAG = 1
 _SAMPLE_ABOVE = 64 * 1024  # planes up to this size are compressed whole, without a sample
 _SAMPLE = 8 * 1024  # the prefix of a larger plane that decides whether zstd runs on it
 _SAMPLE_MIN_GAIN = 0.90  # keep a plane raw unless its sample shrinks below 90 %
+_ZSTD_BLOCK_MAX = 128 * 1024  # zstd's Block_Maximum_Size: no block decodes to more
+_ZSTD_MIN_BLOCK = 4  # stored bytes of the cheapest block that decodes to anything (RLE)
 
 
 # Entropy-coding oriented parameters: activations have almost no long repeats, so a
@@ -164,8 +166,24 @@ def _decoded_size(codec: str, view: memoryview, itemsize: int) -> int:
 
 
 def _frame_size(frame) -> int:
-    """The content size a zstd frame's header declares."""
-    return zstandard.get_frame_parameters(frame).content_size
+    """The content size a zstd frame's header declares, refused above what a frame of its
+    length can decode to: a damaged or hostile header must not size a buffer."""
+    content_size = zstandard.get_frame_parameters(frame).content_size
+    stored_len = memoryview(frame).nbytes
+    if content_size > _frame_limit(stored_len):
+        raise CodecError(
+            f"zstd frame of {stored_len} bytes claims {content_size} bytes of content, more than a "
+            f"valid frame of that length can hold ({_frame_limit(stored_len)}); the payload is damaged"
+        )
+    return content_size
+
+
+def _frame_limit(stored_len: int) -> int:
+    """The most bytes a zstd frame of ``stored_len`` bytes can decode to. A block decodes to
+    at most 128 KiB (the format's Block_Maximum_Size) and costs at least 4 stored bytes (a
+    3-byte block header and the one byte an RLE block repeats), so no frame expands more than
+    32768-fold; libzstd's best, on zeros, is about 32,500."""
+    return stored_len // _ZSTD_MIN_BLOCK * _ZSTD_BLOCK_MAX
 
 
 def _plane_count(itemsize: int) -> int:

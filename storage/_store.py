@@ -36,6 +36,7 @@ import errno
 import importlib
 import os
 import secrets
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from contextlib import suppress
@@ -145,7 +146,7 @@ class _LocalPackInput(PackInput):
         self._fd = self._direct_fd = -1
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
         try:
-            self._fd = os.open(path, flags)
+            self._fd = _open_regular(pack_id, path, flags)
             if direct and hasattr(os, "O_DIRECT"):
                 self._open_direct(flags | os.O_DIRECT)
         except OSError as exc:
@@ -387,6 +388,7 @@ class PackStore(ABC):
         except (pa.ArrowInvalid, OSError) as exc:
             raise InvalidArgumentError(f"cannot open pack store {text!r}: {exc}") from exc
         if isinstance(filesystem, pafs.LocalFileSystem):
+            _refuse_local_uri_extras(text)
             return LocalPackStore(path)
         return FileSystemPackStore(filesystem, path, uri=text)
 
@@ -584,6 +586,43 @@ _SCHEME_STORES = {"s3": ("dmi.storage._store_s3", "S3PackStore")}
 """URI schemes served by a store of their own instead of :class:`FileSystemPackStore`: the
 module and class, imported when such a URI is first opened (their client libraries are
 optional, and the store module builds on this one)."""
+
+
+def _refuse_local_uri_extras(uri: str) -> None:
+    """A local (``file://``) store URI names a directory and nothing else: ``pyarrow.fs`` drops
+    a query or fragment without a word, so one is refused rather than silently ignored."""
+    if "?" in uri or "#" in uri:
+        raise InvalidArgumentError(
+            f"{uri!r}: a local pack store URI takes no query or fragment ('?', '#'); write "
+            "file:///absolute/path, or pass the directory as a plain path (where '?' and '#' are "
+            "part of the name)"
+        )
+
+
+def _open_regular(pack_id: str, path: str, flags: int) -> int:
+    """A blocking descriptor of ``path``, refused (:class:`PackError`, naming the path) unless it
+    is a regular file. Opened ``O_NONBLOCK`` first: opening a FIFO named like a pack would
+    otherwise wait forever for a writer; a directory opens, so both are caught by ``fstat``."""
+    fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise PackError(
+                f"pack {pack_id}: {path} is not a regular file (it is a {_file_kind(mode)}); "
+                "move it out of the pack store, or restore the pack file there"
+            )
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _file_kind(mode: int) -> str:
+    """What a non-regular file is, in words, for error messages."""
+    kinds = ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+             (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
+    return next((name for test, name in kinds if test(mode)), "special file")
 
 
 def _scheme_store(scheme: str) -> type[PackStore]:

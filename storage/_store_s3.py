@@ -85,6 +85,11 @@ class S3Location:
         parts = urlsplit(uri)
         if parts.scheme != "s3" or not parts.netloc:
             raise InvalidArgumentError(f"not an S3 URI: {uri!r} (expected s3://bucket/prefix)")
+        if "#" in uri:  # what follows is not shown: it may be the rest of a secret
+            raise InvalidArgumentError(
+                f"{_redacted(uri.split('#', 1)[0]) + '#...'!r}: an S3 pack store URI takes no fragment ('#'); "
+                "write a '#' inside a parameter value as %23"
+            )
         query = dict(parse_qsl(parts.query, keep_blank_values=True))
         unknown = sorted(set(query) - set(_QUERY_KEYS))
         if unknown:
