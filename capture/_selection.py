@@ -89,8 +89,9 @@ def layer_numbers(layers, end: int, what: str) -> tuple[int, ...] | None:
     slice's bounds too; a slice without a stop runs to ``end``. Nothing is clipped: the
     caller checks every number against the layers that exist. ``end`` is the model's layer
     count when capturing, one past the last captured layer when reading. Raises
-    ``HookSelectionError`` (naming ``what``) for anything else, a non-positive slice step,
-    or a selection of no layer.
+    ``HookSelectionError`` (naming ``what``) for anything else — a 0-d tensor or array too:
+    it claims to be iterable but is one value, and its type is not an int's (``int(t)``
+    says which layer is meant) —, a non-positive slice step, or a selection of no layer.
     """
     if layers is None:
         return None
@@ -102,7 +103,7 @@ def layer_numbers(layers, end: int, what: str) -> tuple[int, ...] | None:
         seq = _slice_numbers(layers, end, what)
     elif isinstance(layers, tuple) and len(layers) == 2 and all(type(v) is int for v in layers):
         seq = list(range(*layers))
-    elif isinstance(layers, Iterable):
+    elif isinstance(layers, Iterable) and getattr(layers, "ndim", None) != 0:
         seq = list(layers)
     else:
         raise HookSelectionError(f"layers must be an int, range, slice or list of ints, got {layers!r}; {what}")

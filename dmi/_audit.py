@@ -257,7 +257,7 @@ def plan_request(model: Any, run: str, rid: str, entries: list[RecordEntry], rea
     if problem:
         return RequestPlan(run, rid, kind, tuple(tokens), None, 0, False, dict(groups),
                            _fail(run, rid, "token_ids", -1, kind, 0.0, tokens, problem))
-    _check_model(model, groups, entries)
+    _check_model(model, entries)
     ids = torch.cat(read(tokens))
     return RequestPlan(run, rid, kind, tuple(tokens), ids,
                        sum(e.meta.key.n_tokens for e in tokens if e.meta.key.phase != "decode"),
@@ -318,20 +318,50 @@ def _one_copy(tokens: list[RecordEntry]) -> list[RecordEntry]:
     return [e for e in tokens if e.meta.key.shard_rank == first]
 
 
-def _check_model(model: Any, groups: dict, entries: list[RecordEntry]) -> None:
-    """Refuse a re-run model that cannot hold the captured hooks or computes in another dtype."""
-    from dmi.capture import resolve_architecture
+def _check_model(model: Any, entries: list[RecordEntry]) -> None:
+    """Refuse a re-run model that cannot hold the captured hooks, computes in another dtype or
+    gives a hook another per-token shape than its stored records (another size of the same
+    architecture): a model that does not match is refused, not judged record by record."""
+    from dmi.capture import TEXT_HOOKS, ModelGeometry, resolve_architecture
 
     arch = resolve_architecture(model)
-    for hook, layer in groups:
+    values = [e for e in entries if e.meta.key.hook not in ("token_ids", *TEXT_HOOKS)]
+    for hook, layer in sorted({(e.meta.key.hook, e.meta.key.layer) for e in values}):
         if layer >= arch.n_layers or not arch.available(hook):
             raise AuditError(f"the model given for the re-run ({arch.model_type}, {arch.n_layers} layers) has no "
                              f"{hook} at layer {layer}: is it the model that was captured?")
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    captured = {e.meta.dtype for e in entries if e.meta.key.hook not in ("token_ids", "router_topk")}
+    captured = {e.meta.dtype for e in values if e.meta.key.hook != "router_topk"}
     if captured and captured != {_dtype_name(dtype)}:
         raise AuditError(f"the capture holds {', '.join(sorted(captured))} values but the model given computes in "
                          f"{_dtype_name(dtype)}; load it in the captured dtype")
+    _check_shapes(values, ModelGeometry.from_config(model.config, dtype))
+
+
+def _check_shapes(entries: list[RecordEntry], geometry: Any) -> None:
+    """Refuse a model whose per-token shape of a captured hook (``HookSpec.feature_shape``)
+    is not the one its stored records hold, naming both (a wider model fails every
+    comparison on shape, which says nothing about the capture)."""
+    from dmi.capture import HOOKS
+
+    stored: dict[str, set[tuple[int, ...]]] = defaultdict(set)
+    for e in entries:
+        stored[e.meta.key.hook].add(_feature_shape(e))
+    for hook in sorted(stored, key=_hook_rank):
+        expected = tuple(HOOKS[hook].feature_shape(geometry))
+        if stored[hook] != {expected}:
+            held = " and ".join(map(str, sorted(stored[hook])))
+            raise AuditError(f"the capture's {hook} records are {held} per token but the model given for the "
+                             f"re-run ({geometry.model_type}, hidden {geometry.hidden}) gives {expected}: is it the "
+                             "model that was captured? Audit with the model (and size) the capture used")
+
+
+def _feature_shape(entry: RecordEntry) -> tuple[int, ...]:
+    """One token's shape in ``entry``: its full (unsharded) record shape without the token
+    axis and, for attention patterns, the key axis."""
+    meta = entry.meta
+    shape = meta.shard.full_shape if meta.shard is not None else meta.shape
+    return tuple(d for axis, d in enumerate(shape) if axis not in (meta.token_axis, meta.key_axis))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -466,6 +496,7 @@ def run_audit(catalog: Any, read: ReadRecords, model_id: str, model: Any, *, mod
     vllm = vllm_requests(catalog, entries)
     # every request's tolerance before any re-run: a refusal (exact=True on TP or vLLM) costs nothing
     request_kinds = {pair: request_kind(*pair, entries[pair], kind, vllm=pair in vllm) for pair in entries}
+    _check_model(model, [e for pair in entries for e in entries[pair]])  # a model that does not match: refused
     checks: list[AuditCheck] = []
     for pair in entries:
         checks.extend(audit_request(model, *pair, entries[pair], read, request_kinds[pair]))

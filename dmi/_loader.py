@@ -624,11 +624,17 @@ def _check_phases(phases: Any) -> None:
 
 
 def _hook_names(hooks: Any) -> tuple[str, ...] | None:
+    """``hooks`` as a tuple of catalogue names (``None``: every hook), each a ``str``: bytes or a
+    list of non-str values is refused rather than iterated (``b"resid_post"`` would be read as
+    the numbers of its bytes)."""
     if hooks is None:
         return None
     if not isinstance(hooks, (str, Iterable)):
         raise InvalidArgumentError(f"hooks must be a hook name or a list of them, not {hooks!r}")
     names = (hooks,) if isinstance(hooks, str) else tuple(hooks)
+    for name in names:
+        if not isinstance(name, str):
+            raise InvalidArgumentError(f"a hook is a str (a hook name), not {name!r}; hooks={hooks!r}")
     catalogue = _hook_catalogue()
     from dmi.storage.errors import HookSelectionError
 
