@@ -92,7 +92,7 @@ def _as_tuple(value, what: str, kind: type) -> tuple | None:
         return None
     if isinstance(value, kind) and not isinstance(value, bool):
         return (value,)
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or getattr(value, "ndim", None) == 0:
         raise InvalidArgumentError(f"{what} must be a {kind.__name__} or an iterable of them, not {value!r}")
     items = tuple(value)
     for item in items:

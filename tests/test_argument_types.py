@@ -42,6 +42,12 @@ def test_a_0d_tensor_or_array_is_refused_as_a_layer_selection(store, layers):
         layer_numbers(layers, 4, "4 layers")
 
 
+@pytest.mark.parametrize("layers", [torch.tensor(1), np.array(1)], ids=["tensor", "ndarray"])
+def test_the_loader_refuses_a_0d_tensor_or_array_as_layers(store, layers):
+    with pytest.raises(InvalidArgumentError, match=r"layers must be a int or an iterable of them, not"):
+        store.loader("m", layers=layers)
+
+
 def test_a_list_of_ints_still_reads_what_an_int_reads(store):
     one = store.get_internal("m", "a", "resid_post", layers=1)
     assert one.shape == (1, 4, 32)
