@@ -203,7 +203,9 @@ class Drain:
             tail = "" if not unpublished else (
                 f"; {unpublished} sealed pack(s) are not published: they stay whole in the store, and "
                 "`dmi recover` publishes them once the cause is fixed")
-            raise DrainError(f"the capture drain thread failed: {self.error!r}{tail}") from self.error
+            error = DrainError(f"the capture drain thread failed: {self.error!r}{tail}")
+            error.settled = settled  # a mid-flight one is raised again, settled, as the session closes
+            raise error from self.error
 
     def flush(self, timeout: float | None = None) -> list:
         """Seal the open pack, publish everything, surface any thread error.

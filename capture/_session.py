@@ -1110,11 +1110,13 @@ def _close_after(session, release, failed: BaseException) -> None:
     """Close ``session`` after its block raised ``failed``. The close's own errors are
     suppressed — the block's error is the one raised — except the same drain failure raised
     again once the drain has dealt with it: its message then also counts the packs the failure
-    left unpublished, which the block's error, raised mid-step, could not know."""
+    left unpublished, which the block's error, raised mid-step by the drain's check (``settled``
+    false), could not know. A drain error raised otherwise (a vLLM session's, carrying the
+    engine's outputs) stays the one raised."""
     try:
         session._close(release)
     except DrainError as settled:
-        if isinstance(failed, DrainError) and failed.__cause__ is not None and settled.__cause__ is failed.__cause__:
+        if getattr(failed, "settled", True) is False and settled.__cause__ is failed.__cause__:
             raise settled from failed.__cause__
     except Exception:  # noqa: BLE001, S110 - the block's own error is the one raised
         pass
