@@ -662,7 +662,9 @@ class CaptureSession:
         """The rows whose last fed token ends a sequence. The ids are the previous step's sampled
         tokens, which transformers has already read back to test its stopping criteria."""
         fed = ids[:, -1]
-        return torch.isin(fed, self._eos.to(fed.device)).nonzero().flatten().tolist()
+        if self._eos.device != fed.device:  # moved once per call, not at every step
+            self._eos = self._eos.to(fed.device)
+        return torch.isin(fed, self._eos).nonzero().flatten().tolist()
 
     def _implicit_call(self, b: int, kwargs) -> _Call:
         """A forward that did not come through ``generate``/``forward`` (e.g. the user called

@@ -30,15 +30,19 @@ KEY = RecordKey("m", "r", "q", "resid_post", 0, 0, 4, phase="prefill")
 ADVICE = re.escape("is full: free space there (or give the store a larger disk) and run again")
 
 
+def _failing_fsync(code: int):
+    """``os.fsync`` failing with ``code`` (a fake at the system-call boundary)."""
+    def fsync(fd):
+        raise OSError(code, os.strerror(code))
+    return fsync
+
+
 def test_a_full_disk_at_the_seal_names_the_store_and_what_to_do(tmp_path, monkeypatch):
     store = PackStore.local(tmp_path)
     writer = PackWriter(store)
     writer.append(KEY, torch.zeros(4, 8))
 
-    def no_space(fd):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(os, "fsync", no_space)
+    monkeypatch.setattr(os, "fsync", _failing_fsync(errno.ENOSPC))
     with pytest.raises(PackSealError, match=rf"nothing published: .*No space left on device; the disk holding "
                                             rf"{tmp_path} {ADVICE}; .*`dmi recover`") as raised:
         writer.seal()
@@ -55,10 +59,7 @@ def test_a_record_whose_append_seals_a_pack_that_fails_is_lost_with_it(tmp_path,
     writer.append(KEY, torch.zeros(4, 8))
     second = RecordKey("m", "r", "q", "resid_post", 1, 0, 4, phase="prefill")
 
-    def no_space(fd):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(os, "fsync", no_space)
+    monkeypatch.setattr(os, "fsync", _failing_fsync(errno.ENOSPC))
     with pytest.raises(PackSealError) as raised:
         writer.append(second, torch.zeros(4, 8))
     assert raised.value.lost_keys == (KEY, second)
@@ -69,10 +70,7 @@ def test_another_seal_failure_gives_no_full_disk_advice(tmp_path, monkeypatch):
     writer = PackWriter(store)
     writer.append(KEY, torch.zeros(4, 8))
 
-    def broken(fd):
-        raise OSError(errno.EIO, "Input/output error")
-
-    monkeypatch.setattr(os, "fsync", broken)
+    monkeypatch.setattr(os, "fsync", _failing_fsync(errno.EIO))
     with pytest.raises(PackSealError, match="Input/output error") as raised:
         writer.seal()
     assert "is full" not in str(raised.value)
