@@ -3,6 +3,8 @@ how many sequences ``generate`` runs per prompt."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +13,8 @@ import torch
 
 from dmi.storage.errors import InvalidArgumentError, UnsupportedGenerationError
 
-__all__ = ["CaptureResult", "cached_tokens", "eos_token_ids", "prepare_batch", "left_pads", "sequences_per_prompt"]
+__all__ = ["CaptureResult", "SequenceEnds", "cached_tokens", "eos_token_ids", "prepare_batch", "left_pads",
+           "sequences_per_prompt"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +235,77 @@ def eos_token_ids(model_config, generate_kwargs: dict) -> frozenset[int]:
     if isinstance(value, torch.Tensor):
         value = value.flatten().tolist()
     return frozenset(int(v) for v in (value if isinstance(value, (list, tuple, set, frozenset)) else [value]))
+
+
+class SequenceEnds:
+    """Which rows of one ``generate`` call have ended, as ``generate`` itself decides.
+
+    transformers marks a row finished whenever its stopping criteria say so — the end-of-sequence
+    token, ``stop_strings``, ``max_length``, a criterion of the caller's — then runs it on, fed
+    padding, until every row is done. :meth:`watching` shows DMI each step's verdict (the
+    criteria's per-row ``is_done``), accumulated on the device; :meth:`ended_rows` reads it
+    once per decode step. Where this transformers has no ``_get_stopping_criteria`` to watch
+    (or the call never asked it for criteria), a row ends where it is fed one of ``eos_ids``."""
+
+    def __init__(self, eos_ids: frozenset[int]):
+        self._eos = torch.tensor(sorted(eos_ids), dtype=torch.long) if eos_ids else None
+        self._done: torch.Tensor | None = None  # rows the criteria marked done so far (bool [b])
+
+    def ended_rows(self, ids: torch.Tensor | None) -> list[int]:
+        """The rows ended by the tokens this decode step feeds (and those ended before): one
+        host read, of the criteria's verdict, else of which rows ``ids`` feeds an end token."""
+        if self._done is not None:
+            return self._done.nonzero().flatten().tolist()
+        if self._eos is None or ids is None:
+            return []
+        fed = ids[:, -1]
+        if self._eos.device != fed.device:  # moved once per call, not at every step
+            self._eos = self._eos.to(fed.device)
+        return torch.isin(fed, self._eos).nonzero().flatten().tolist()
+
+    @contextlib.contextmanager
+    def watching(self, model):
+        """For the call's duration, the criteria ``model._get_stopping_criteria`` returns report
+        each verdict here (the criteria themselves, the caller's included, run as they would);
+        without that hook, nothing changes (the end-of-sequence rule holds)."""
+        own = vars(model).get("_get_stopping_criteria", _NOT_SET)
+        original = getattr(model, "_get_stopping_criteria", None)
+        if not callable(original):
+            yield
+            return
+
+        @functools.wraps(original)
+        def watched(*args, **kwargs):
+            return self._watched(original(*args, **kwargs))
+
+        model._get_stopping_criteria = watched
+        try:
+            yield
+        finally:
+            if own is _NOT_SET:
+                del model._get_stopping_criteria
+            else:
+                model._get_stopping_criteria = own
+
+    def _watched(self, criteria):
+        """``criteria`` (a ``StoppingCriteriaList``) as one of its own type whose verdicts reach
+        :meth:`_saw` (subclassed here, so that capture imports no transformers)."""
+        saw = self._saw
+
+        class Watched(type(criteria)):
+            def __call__(self, input_ids, scores, **kwargs):
+                is_done = super().__call__(input_ids, scores, **kwargs)
+                saw(is_done)
+                return is_done
+
+        return Watched(criteria)
+
+    def _saw(self, is_done: torch.Tensor) -> None:
+        """One step's verdict, or-ed into the rows done so far on the device (no host read)."""
+        self._done = is_done if self._done is None else self._done | is_done
+
+
+_NOT_SET = object()
 
 
 def _setting(config, generate_kwargs: dict, name: str) -> int:
