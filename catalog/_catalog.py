@@ -31,7 +31,7 @@ from dmi.catalog._sql import (
     validate_optional_value_id,
     validate_value_id,
 )
-from dmi.storage.errors import InvalidArgumentError, InvalidIdentifierError, SchemaVersionError, ServerError
+from dmi.storage.errors import InvalidArgumentError, InvalidIdentifierError, PackError, SchemaVersionError, ServerError
 from dmi.storage.records import PackDescriptor, RecordEntry
 
 __all__ = ["Catalog", "HookContents", "ModelTotals", "RequestTotals"]
@@ -381,7 +381,10 @@ class Catalog:
         LeaseHeldError while a live writer holds it). Run it when no writer is running, or
         for a crashed writer's scope once its lease has expired: a pack a live writer sealed
         but has not published yet would be published by recovery (harmless — readers see
-        each record once).
+        each record once). An entry named like a pack that is not a regular file (a FIFO, a
+        directory) holds no pack: it is skipped, every pack is recovered all the same, and then
+        a :class:`PackError` names the skipped entries (how many, where, what) and the packs
+        recovered.
         """
         from dmi.storage import read_pack_descriptor  # the storage layer's reader
 
@@ -390,15 +393,18 @@ class Catalog:
             return []
         with self.publisher(scope, holder=holder, lease_seconds=lease_seconds) as publisher:
             candidates = self.packs_to_recover(on_disk)  # again, now that we hold the lease
-            if not candidates:
-                return []
-            descriptors = [read_pack_descriptor(store, pid) for pid in candidates]
-            self._restore_index_rows(descriptors, scope=scope, term=publisher.term)
-            published = self.published_pack_ids()
-            unpublished = [d for d in descriptors if d.pack_id not in published]
-            if unpublished:
-                publisher.publish(unpublished)
-        return [d.pack_id for d in descriptors]
+            odd = store.not_regular_files(candidates)
+            descriptors = [read_pack_descriptor(store, pid) for pid in candidates if pid not in odd]
+            if descriptors:
+                self._restore_index_rows(descriptors, scope=scope, term=publisher.term)
+                published = self.published_pack_ids()
+                unpublished = [d for d in descriptors if d.pack_id not in published]
+                if unpublished:
+                    publisher.publish(unpublished)
+        recovered = [d.pack_id for d in descriptors]
+        if odd:
+            raise _odd_entries_error(store, odd, recovered)
+        return recovered
 
     def packs_to_recover(self, pack_ids: Iterable[str]) -> list[str]:
         """Of ``pack_ids`` (the packs on disk), those the catalog does not fully show.
@@ -899,6 +905,18 @@ class Catalog:
                 f"sql() is read-only: it runs with ClickHouse's readonly=1 setting, so it cannot change "
                 f"the catalog ({exc})", code=exc.code, name=exc.name,
             ) from exc
+
+
+def _odd_entries_error(store, odd: dict[str, str], recovered: list[str]) -> PackError:
+    """The error naming the entries recovery skipped because they are not regular files (``odd``:
+    pack id → what it is) and the packs it recovered all the same."""
+    named = "; ".join(f"{store.location(pid)} is not a regular file (it is a {kind})" for pid, kind in odd.items())
+    done = f"recovered {len(recovered)} {'pack' if len(recovered) == 1 else 'packs'} ({', '.join(recovered)})"
+    what = "entry named like a pack" if len(odd) == 1 else "entries named like packs"
+    return PackError(
+        f"{done if recovered else 'recovered no pack'}, but skipped {len(odd)} {what}: {named}; move them out of "
+        "the pack store (or restore the pack files there) and run recover again"
+    )
 
 
 def _checked_filter(fragment: str) -> str:

@@ -123,17 +123,17 @@ def _open_parts(catalog: str | os.PathLike[str], packs: str | os.PathLike[str]) 
     Opening a local pack directory creates it, and opening a chDB catalog creates its
     directory, so neither may run before the other URI is known to be good: a remote
     packs URI (``s3://``, another ``pyarrow.fs`` URI, which creates nothing when opened)
-    is opened first, then the catalog, then a local packs directory (a plain path or
-    ``file://``), and a pack store that fails to open then closes the catalog.
+    is opened first; a local one (a plain path or ``file://``) is checked first
+    (:meth:`PackStore.local_directory`) and its directory created after the catalog opened,
+    and a pack store that fails to open then closes the catalog.
     """
-    text = os.fspath(packs)
-    local = "://" not in text or text.partition("://")[0].lower() == "file"
-    pack_store = None if local else PackStore.from_uri(text)
+    directory = PackStore.local_directory(packs)
+    pack_store = PackStore.from_uri(packs) if directory is None else None
     opened = open_catalog(catalog)
     if pack_store is not None:
         return opened, pack_store
     try:
-        return opened, PackStore.from_uri(text)
+        return opened, PackStore.local(directory)
     except BaseException:
         opened.close()
         raise
@@ -709,7 +709,9 @@ class Store:
 
         Returns the packs published now (empty when there is nothing to do; running it
         twice publishes nothing the second time). Raises ``LeaseHeldError`` while another
-        recovery holds the lease, ``PackCorruptError`` for a pack whose index is unreadable.
+        recovery holds the lease, ``PackCorruptError`` for a pack whose index is unreadable, and
+        ``PackError`` naming every entry named like a pack that is not a regular file (a FIFO,
+        a directory) once every pack has been recovered around them.
         """
         ids = self.catalog.recover(self.packs)
         if not ids:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +34,12 @@ _FOOTER_BASE_COST = 4096
 
 @dataclass(frozen=True, slots=True)
 class PackFooter:
-    """A pack's parsed index, as held by the footer cache."""
+    """A pack's parsed index, as held by the footer cache, with the :attr:`PackInput.version`
+    of the file it was read from."""
 
     descriptor: PackDescriptor
     by_key: dict[RecordKey, tuple[RecordEntry, ...]]
+    version: Hashable = None
 
     @property
     def nbytes(self) -> int:
@@ -47,30 +49,37 @@ class PackFooter:
 def load_footer(store: PackStore, pack_id: str, *, cache: FooterCache | None = None, source: PackInput | None = None) -> PackFooter:
     """The pack's index, from ``cache`` when present there (refreshing its recency).
 
-    With ``source`` (the pack, opened), a cached index of a file of another size is reloaded
-    from ``source``: the file under that name was replaced since it was cached, and its old
-    index would refuse every record of the new one as stale or corrupt."""
+    With ``source`` (the pack, opened), a cached index read from another version of the file
+    (:attr:`PackInput.version`: for a local pack its size, times and inode; for an S3 pack its
+    size and ETag; for other stores its size) is reloaded from ``source``: the file under that name was replaced since it was
+    cached, and its old index would refuse every record of the new one as stale or corrupt."""
 
     def load() -> tuple[PackFooter, int]:
         if source is not None:
-            descriptor = read_pack_index(source, store.location(pack_id))
+            footer = _parse_footer(store, pack_id, source)
         else:
             with store.open_input(pack_id) as opened:
-                descriptor = read_pack_index(opened, store.location(pack_id))
-        by_key: dict[RecordKey, tuple[RecordEntry, ...]] = {}
-        for e in descriptor.records:
-            by_key[e.meta.key] = (*by_key.get(e.meta.key, ()), e)
-        footer = PackFooter(descriptor, by_key)
+                footer = _parse_footer(store, pack_id, opened)
         return footer, footer.nbytes
 
     if cache is None:
         return load()[0]
     key = (store.uri, pack_id)
     footer = cache.get_or_load(key, load)
-    if source is not None and footer.descriptor.size != source.size:
+    if source is not None and footer.version != source.version:
         footer, nbytes = load()
         cache.put(key, footer, nbytes)
     return footer
+
+
+def _parse_footer(store: PackStore, pack_id: str, source: PackInput) -> PackFooter:
+    """The index of the opened pack ``source``, by key, with the version of the file read."""
+    version = source.version
+    descriptor = read_pack_index(source, store.location(pack_id))
+    by_key: dict[RecordKey, tuple[RecordEntry, ...]] = {}
+    for e in descriptor.records:
+        by_key[e.meta.key] = (*by_key.get(e.meta.key, ()), e)
+    return PackFooter(descriptor, by_key, version)
 
 
 def find_record(store: PackStore, pack_id: str, key: RecordKey, *, cache: FooterCache | None = None) -> RecordEntry:

@@ -160,7 +160,7 @@ def _decoded_size(codec: str, view: memoryview, itemsize: int) -> int:
     if codec == "split-zstd":
         return sum(len(chunk) if kind == _PLANE_RAW else _frame_size(chunk) for kind, chunk in _split_table(view, itemsize))
     if codec in LOSSY_CODECS:
-        dtype, rows, row_len = _lossy_header(codec, view, itemsize)
+        dtype, rows, row_len, *_ = _lossy_layout(codec, view, itemsize)
         return rows * row_len * dtype.itemsize
     raise CodecError(f"unknown codec {codec!r}")
 
@@ -348,8 +348,12 @@ def _plane_bytes(plane: np.ndarray) -> bytes:
     return _PLANE_ENTRY.pack(_PLANE_RAW, plane.nbytes) + plane.tobytes()
 
 
-def _lossy_header(codec: str, view: memoryview, itemsize: int):
-    """``(dtype, rows, row length)`` from a lossy payload's header, checked against ``itemsize``."""
+def _lossy_layout(codec: str, view: memoryview, itemsize: int):
+    """``(dtype, rows, row length, scales, plane codec, plane body)`` of a lossy payload, every
+    size its header claims checked against the bytes stored: ``rows`` scales must fit, the plane
+    must hold exactly ``rows * row length`` codes (a zstd plane by its frame header, itself
+    bounded by its stored length), so that a damaged or hostile header cannot size a buffer
+    beyond what the payload can decode to."""
     import torch
 
     if len(view) < _LOSSY_HEADER.size + _PLANE_ENTRY.size:
@@ -360,33 +364,36 @@ def _lossy_header(codec: str, view: memoryview, itemsize: int):
     dtype = getattr(torch, _LOSSY_DTYPES[dtype_code - 1])
     if dtype.itemsize != itemsize:
         raise CodecError(f"{codec} payload holds {dtype}, not elements of {itemsize} bytes")
-    return dtype, rows, row_len
-
-
-def _decode_lossy(codec: str, stored, out: np.ndarray, itemsize: int) -> None:
-    import torch
-
-    view = memoryview(stored).cast("B")
-    dtype, rows, row_len = _lossy_header(codec, view, itemsize)
-    if rows * row_len * dtype.itemsize != out.nbytes:
-        raise CodecError(f"{codec} payload holds {rows}x{row_len} {dtype}, not {out.nbytes} raw bytes")
     pos = _LOSSY_HEADER.size
     if len(view) < pos + 4 * rows + _PLANE_ENTRY.size:
-        raise CodecError(f"{codec} payload shorter than its {rows} scales")
-    scales = np.frombuffer(view[pos : pos + 4 * rows], dtype=np.float32)
+        raise CodecError(f"{codec} payload of {len(view)} bytes is shorter than its {rows} scales")
+    scales = view[pos : pos + 4 * rows]
     pos += 4 * rows
     kind, length = _PLANE_ENTRY.unpack_from(view, pos)
     body = view[pos + _PLANE_ENTRY.size :]
     if len(body) != length:
         raise CodecError(f"{codec} plane holds {len(body)} bytes, its entry says {length}")
+    if kind not in (_PLANE_RAW, _PLANE_ZSTD):
+        raise CodecError(f"{codec} plane has unknown codec {kind}")
+    codes = len(body) if kind == _PLANE_RAW else _frame_size(body)
+    if codes != rows * row_len:
+        raise CodecError(f"{codec} header claims {rows}x{row_len} values but its plane holds {codes} codes")
+    return dtype, rows, row_len, scales, kind, body
+
+
+def _decode_lossy(codec: str, stored, out: np.ndarray, itemsize: int) -> None:
+    import torch
+
+    dtype, rows, row_len, scales, kind, body = _lossy_layout(codec, memoryview(stored).cast("B"), itemsize)
+    if rows * row_len * dtype.itemsize != out.nbytes:
+        raise CodecError(f"{codec} payload holds {rows}x{row_len} {dtype}, not {out.nbytes} raw bytes")
     plane = np.empty(rows * row_len, np.uint8)
     if kind == _PLANE_ZSTD:
         _zstd_into(body, plane)
-    elif kind == _PLANE_RAW:
-        _copy_exact(body, plane)
     else:
-        raise CodecError(f"{codec} plane has unknown codec {kind}")
+        _copy_exact(body, plane)
     qtype = torch.float8_e4m3fn if codec == "fp8" else torch.int8
     quantised = torch.from_numpy(plane).view(qtype).reshape(rows, row_len)
-    decoded = _dequantise(quantised, torch.from_numpy(scales.copy()).reshape(rows, 1), dtype)
+    row_scales = torch.from_numpy(np.frombuffer(scales, dtype=np.float32).copy()).reshape(rows, 1)
+    decoded = _dequantise(quantised, row_scales, dtype)
     out[...] = decoded.reshape(-1).view(torch.uint8).numpy()

@@ -38,7 +38,7 @@ import os
 import secrets
 import stat
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from contextlib import suppress
 
 import pyarrow as pa
@@ -96,6 +96,14 @@ class PackInput:
     @property
     def size(self) -> int:
         return self._file.size()
+
+    @property
+    def version(self) -> Hashable:
+        """What tells this file apart from another put under its name since: a pack replaced by
+        one of another version must not be read through the index cached for the old one. Here
+        (a ``pyarrow.fs`` store) the size alone — all this input knows without another request
+        (its modification time would take one), so a replacement of the same size goes unseen."""
+        return self.size
 
     def read_into(self, offset: int, out) -> None:
         """Fill the writable buffer ``out`` with the bytes at ``[offset, offset + len(out))``."""
@@ -168,6 +176,14 @@ class _LocalPackInput(PackInput):
     @property
     def size(self) -> int:
         return os.fstat(self._fd).st_size
+
+    @property
+    def version(self) -> Hashable:
+        """Size, modification and status-change times, inode and device, from one ``fstat``: a
+        file renamed over the pack (a restored backup, a re-sealed pack) has another inode, one
+        rewritten in place another ``st_ctime_ns`` (which no one can set back), whatever its size."""
+        st = os.fstat(self._fd)
+        return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
     def read_into(self, offset: int, out) -> None:
         view = memoryview(out).cast("B")
@@ -378,19 +394,33 @@ class PackStore(ABC):
         """A plain path or ``file://`` URI → local; ``s3://`` → :class:`~dmi.storage.S3PackStore`
         (conditional-PUT sealing); anything else ``pyarrow.fs`` understands → generic."""
         text = os.fspath(uri_or_path)
-        if "://" not in text:
-            return LocalPackStore(text)
+        directory = PackStore.local_directory(text)
+        if directory is not None:
+            return LocalPackStore(directory)
         scheme = text.split("://", 1)[0]
         if scheme in _SCHEME_STORES:
             return _scheme_store(scheme)(text)
-        try:
-            filesystem, path = pafs.FileSystem.from_uri(text)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise InvalidArgumentError(f"cannot open pack store {text!r}: {exc}") from exc
+        filesystem, path = _filesystem_of(text)
         if isinstance(filesystem, pafs.LocalFileSystem):
             _refuse_local_uri_extras(text)
             return LocalPackStore(path)
         return FileSystemPackStore(filesystem, path, uri=text)
+
+    @staticmethod
+    def local_directory(uri_or_path: str | os.PathLike) -> str | None:
+        """The directory a plain path or ``file://`` URI names, checked as :meth:`from_uri`
+        checks it (:class:`InvalidArgumentError`) but not created; ``None`` for any other URI.
+        For a caller that must refuse a bad URI before it creates anything else."""
+        text = os.fspath(uri_or_path)
+        if "://" not in text:
+            return text
+        if text.split("://", 1)[0].lower() != "file":
+            return None
+        filesystem, path = _filesystem_of(text)
+        if not isinstance(filesystem, pafs.LocalFileSystem):
+            return None
+        _refuse_local_uri_extras(text)
+        return path
 
     @property
     @abstractmethod
@@ -405,6 +435,13 @@ class PackStore(ABC):
     def list_packs(self) -> list[str]:
         """Ids of sealed packs, sorted. Temporary and foreign files are never listed."""
         return sorted(pack_id for pack_id in map(_pack_id_of, self._list_names()) if pack_id)
+
+    def not_regular_files(self, pack_ids: Iterable[str]) -> dict[str, str]:
+        """Of ``pack_ids`` (as :meth:`list_packs` gave them), those whose entry is not a regular
+        file, each with what it is in words (``"FIFO"``, ``"directory"``): no pack can be read
+        from one, so recovery skips and names them instead of stopping at the first. Stores
+        that list only files (object stores, ``pyarrow.fs``) have none."""
+        return {}
 
     def exists(self, pack_id: str) -> bool:
         """Whether a sealed pack has this id."""
@@ -501,6 +538,22 @@ class LocalPackStore(PackStore):
     def _exists(self, pack_id: str) -> bool:
         return os.path.isfile(self._path(pack_id))
 
+    def not_regular_files(self, pack_ids: Iterable[str]) -> dict[str, str]:
+        """One ``stat`` a pack id; a name that vanished since it was listed is left to the read,
+        which says it is missing."""
+        odd = {}
+        for pack_id in pack_ids:
+            _check_pack_id(pack_id)
+            try:
+                mode = os.stat(self._path(pack_id)).st_mode
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise PackError(f"pack {pack_id}: cannot stat {self._path(pack_id)}: {exc}") from exc
+            if not stat.S_ISREG(mode):
+                odd[pack_id] = _file_kind(mode)
+        return odd
+
     def _open_input(self, pack_id: str) -> PackInput:
         return _LocalPackInput(pack_id, self._path(pack_id))
 
@@ -586,6 +639,14 @@ _SCHEME_STORES = {"s3": ("dmi.storage._store_s3", "S3PackStore")}
 """URI schemes served by a store of their own instead of :class:`FileSystemPackStore`: the
 module and class, imported when such a URI is first opened (their client libraries are
 optional, and the store module builds on this one)."""
+
+
+def _filesystem_of(uri: str) -> tuple[pafs.FileSystem, str]:
+    """``pyarrow.fs``'s filesystem and path for ``uri``; a URI it refuses is an argument error."""
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise InvalidArgumentError(f"cannot open pack store {uri!r}: {exc}") from exc
 
 
 def _refuse_local_uri_extras(uri: str) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit
@@ -245,11 +245,17 @@ class _S3PackInput(PackInput):
         self.store = store
         self.pack_id = pack_id
         self._file = None
-        self._size, self._tail = self._fetch_tail()
+        self._size, self._tail, self._etag = self._fetch_tail()
 
     @property
     def size(self) -> int:
         return self._size
+
+    @property
+    def version(self) -> Hashable:
+        """Size and ETag, both from the GET that opened the pack: an object put again under the
+        pack's key (even of the same size) has another ETag."""
+        return (self._size, self._etag)
 
     def read_into(self, offset: int, out) -> None:
         view = memoryview(out).cast("B")
@@ -274,8 +280,8 @@ class _S3PackInput(PackInput):
             self._file.close()
             self._file = None
 
-    def _fetch_tail(self) -> tuple[int, bytes]:
-        """(object size, its last TAIL_BYTES or fewer): one suffix-range GET."""
+    def _fetch_tail(self) -> tuple[int, bytes, str | None]:
+        """(object size, its last TAIL_BYTES or fewer, its ETag): one suffix-range GET."""
         store = self.store
         with _translated(
             f"pack {self.pack_id}: cannot open in {store.uri}",
@@ -287,7 +293,7 @@ class _S3PackInput(PackInput):
             tail = reply["Body"].read()
         total = reply.get("ContentRange", "").rpartition("/")[2]
         size = int(total) if total.isdigit() else len(tail)
-        return size, tail
+        return size, tail, reply.get("ETag")
 
     def _get_into(self, offset: int, view: memoryview) -> None:
         """One ranged GET of exactly ``view``'s length at ``offset``, streamed into ``view``."""

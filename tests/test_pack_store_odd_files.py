@@ -85,7 +85,7 @@ def test_a_directory_named_like_a_pack_is_refused_at_open(tmp_path):
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 def test_verify_reports_a_fifo_and_recover_names_it(tmp_path):
     """Listing keeps the FIFO: ``verify`` reports it as a pack the catalog does not show,
-    and ``recover`` stops on the error that names it rather than hanging."""
+    and ``recover`` ends with the error that names it rather than hanging on it."""
     with dmi.open(home=tmp_path / "home") as store:
         path = _fifo(store.packs.root)
         report = store.verify()

@@ -5,13 +5,14 @@ into S3 packs with a chDB catalog read back bit-exact, and recovery by listing."
 from __future__ import annotations
 
 import sys
+from unittest import mock
 
 import pytest
 import torch
 
 from dmi.capture import attach
 from dmi.catalog import open_catalog
-from dmi.reader import FooterCache, assemble, load_footer, read_records
+from dmi.reader import FooterCache, assemble, load_footer, read_by_key, read_records
 from dmi.storage import (
     InvalidArgumentError,
     PackSealError,
@@ -110,6 +111,26 @@ def test_footer_is_one_get_and_cached_records_are_coalesced_ranged_gets(s3_store
     # open (the tail) + nothing for the cached footer; the 40 adjacent payloads lie inside the
     # tail here, so no further GET: every byte came from that one suffix-range read
     assert len(gets) == 1 and len(cache) == 1
+
+
+def test_a_pack_put_again_with_the_same_size_is_read_through_its_own_footer(s3_endpoint):
+    """An object put again under a pack's key (a restored backup, a re-sealed pack) with the
+    same size but other values: its ETag differs, so it is read through its own footer, not
+    the one cached for the old object (whose checksums would refuse every record)."""
+    pack_id, key = "ab" * 16, RecordKey("s3-model", "run", "req0", "resid_post", 0, 0, 3)
+    live, resealed = (PackStore.from_uri(s3_endpoint.uri(s3_endpoint.new_bucket())) for _ in range(2))
+    with mock.patch("dmi.storage._writer.secrets.token_hex", return_value=pack_id):
+        for value, store in zip((1.0, 2.0), (live, resealed)):
+            with PackWriter(store, codec="raw") as writer:
+                writer.append(key, torch.full((3, 8), value))
+    cache = FooterCache()
+    assert read_by_key(live, pack_id, key, cache=cache).tolist() == [[1.0] * 8] * 3
+    again = resealed.client.get_object(Bucket=resealed.s3.bucket, Key=resealed._key(pack_id))["Body"].read()
+    with live.open_input(pack_id) as source:
+        assert len(again) == source.size
+    live.client.put_object(Bucket=live.s3.bucket, Key=live._key(pack_id), Body=again)
+    assert read_by_key(live, pack_id, key, cache=cache).tolist() == [[2.0] * 8] * 3
+    assert cache.stats().entries == 1
 
 
 def test_a_whole_read_is_one_big_ranged_get(s3_store):
