@@ -54,7 +54,8 @@ from ._codec_choice import resolve_codecs
 from ._compiled import (Staging, check_compiled_selection, compiled_form, guard_hooks, inner_model,
                         install_compiled_taps, outside_graph, unguard_hooks)
 from ._drain import Drain, KeyContext, cuda_event_for_submission
-from ._generate import CaptureResult, cached_tokens, eos_token_ids, left_pads, prepare_batch, sequences_per_prompt
+from ._generate import (CaptureResult, SequenceEnds, cached_tokens, eos_token_ids, left_pads, prepare_batch,
+                        sequences_per_prompt)
 from ._hooks import HOOKS, ModelGeometry
 from ._plan import StepPlan
 from ._ring import Entry, Ring
@@ -66,7 +67,8 @@ from ._token_text import TokenStrings, with_token_ids
 
 __all__ = ["attach", "CaptureSession", "derive_model_id", "new_run_id"]
 
-_OWNERS: "weakref.WeakKeyDictionary[nn.Module, CaptureSession]" = weakref.WeakKeyDictionary()
+_OWNERS: "weakref.WeakKeyDictionary[nn.Module, CaptureSession | KeyContext]" = weakref.WeakKeyDictionary()
+_SCOPES: dict[tuple[str, str], str] = {}  # (catalog, publish scope) → the run capturing under it in this process
 _OWNERS_LOCK = threading.Lock()
 
 def _validate_id(kind: str, value) -> str:
@@ -115,7 +117,7 @@ class _Call:
     n_real: list[int] = field(default_factory=list)
     step: int = -1
     call_id: int = 0
-    ended: set[int] = field(default_factory=set)  # rows fed an end-of-sequence token: their sequence is over
+    ended: set[int] = field(default_factory=set)  # rows fed the token generate stopped them at: their sequence is over
 
 
 HOLDER_CHECK_SECONDS = 1.0
@@ -242,7 +244,7 @@ class CaptureSession:
         self._plan: StepPlan | None = None
         self._call: _Call | None = None
         self._implicit: _Call | None = None
-        self._eos: torch.Tensor | None = None  # the end-of-sequence ids of the generate call running, if any
+        self._ends: SequenceEnds | None = None  # which rows of the generate call running have ended, if any
         self._forwards = 0
         # request ids this run already holds (published earlier under this scope, or used here)
         self._used_request_ids = set(taken_request_ids or ())
@@ -585,9 +587,9 @@ class CaptureSession:
             call.n_real[i] += t - first_cols[i]
         forward_index = self._forwards
         self._forwards += 1
-        ended = frozenset(call.ended)  # before this step: the step feeding a row its end token records it
-        if phase == "decode" and self._eos is not None and ids is not None:
-            call.ended.update(self._rows_fed_eos(ids))
+        ended = frozenset(call.ended)  # before this step: the step feeding a row its stopping token records it
+        if phase == "decode" and self._ends is not None:
+            call.ended.update(self._ends.ended_rows(ids))
         if not self._capture_enabled or not self.schedule.admits_step(forward_index, phase, call.step):
             return None  # refused: nothing dispatched, nothing reserved
         rows = [i for i in range(b) if call.admitted[i] and i not in ended]
@@ -649,22 +651,16 @@ class CaptureSession:
 
     @contextlib.contextmanager
     def _ending_at(self, eos_ids: frozenset[int]):
-        """For one ``generate`` call: a decode step that feeds a row one of ``eos_ids`` ends that
-        row's sequence. transformers runs such a row on to the call's end, fed padding, and those
-        steps are no part of its sequence: they are not recorded."""
-        self._eos = torch.tensor(sorted(eos_ids), dtype=torch.long) if eos_ids else None
+        """For one ``generate`` call (yields its :class:`SequenceEnds`): a decode step that feeds
+        a row the token after which generate's stopping criteria marked it done (its end token,
+        a stop string's last, ...) ends that row's sequence. transformers runs such a row on to
+        the call's end, fed padding, and those steps are no part of its sequence: they are not
+        recorded."""
+        self._ends = SequenceEnds(eos_ids)
         try:
-            yield
+            yield self._ends
         finally:
-            self._eos = None
-
-    def _rows_fed_eos(self, ids: torch.Tensor) -> list[int]:
-        """The rows whose last fed token ends a sequence. The ids are the previous step's sampled
-        tokens, which transformers has already read back to test its stopping criteria."""
-        fed = ids[:, -1]
-        if self._eos.device != fed.device:  # moved once per call, not at every step
-            self._eos = self._eos.to(fed.device)
-        return torch.isin(fed, self._eos).nonzero().flatten().tolist()
+            self._ends = None
 
     def _implicit_call(self, b: int, kwargs) -> _Call:
         """A forward that did not come through ``generate``/``forward`` (e.g. the user called
@@ -782,14 +778,28 @@ class CaptureSession:
         self._remove_hooks()
         try:
             self.ring.submit()
-            published = self.drain.close()
-            self.published.extend(published)
+            self._close_drain()
         finally:
             try:
                 if self._publisher is not None:
                     self._publisher.close()
             finally:
                 self.ring.close()
+
+    def _close_drain(self) -> None:
+        """Seal and publish what the drain holds, then stop it. :attr:`published` gets every
+        pack the drain published, also where this raises: a flush hands back what it published
+        only when it succeeds, so what the drain published on its way to a failure (the packs
+        sealed whole before it) is taken from the drain's own list. The flush before the close
+        keeps its packs here where the close then fails (closing the writer)."""
+        try:
+            self.published.extend(self.drain.flush())
+        finally:
+            try:
+                self.published.extend(self.drain.close())
+            finally:
+                self.published.extend(self.drain.published)
+                self.drain.published = []
 
 
 def _refuse_embeds(hooks: list[str]) -> None:
@@ -812,7 +822,8 @@ class _GenerateGuard:
     starts by itself (``disable_compile=True``; it compiles the decode steps with CUDA graphs
     when a static cache is used on a GPU), unless the caller configured compilation: eager
     hooks must run as Python, between kernels launched one by one. It holds the session for
-    the call (``hold()``), as the session's own ``generate`` does. Installed as an instance
+    the call (``hold()``), as the session's own ``generate`` does, and watches where its
+    stopping criteria end each row (``ending_at``, :class:`SequenceEnds`). Installed as an instance
     attribute over the class's ``generate`` (or over one the user set on the instance);
     ``remove()`` restores what was there."""
 
@@ -825,7 +836,7 @@ class _GenerateGuard:
         def generate(*args, **kwargs):
             config = getattr(model, "generation_config", None)
             # the session, for the whole call: a close waits for its last step
-            with hold(), ending_at(eos_token_ids(config, kwargs)):
+            with hold(), ending_at(eos_token_ids(config, kwargs)) as ends, ends.watching(model):
                 sequences_per_prompt(config, kwargs)
                 if eager and not _compilation_configured(model, kwargs):
                     kwargs["disable_compile"] = True
@@ -1056,17 +1067,17 @@ def owned_session(owner_key, model_name: str, ctx: KeyContext, options: _Pipelin
     """Own ``owner_key`` (a module) for the ``with`` block: build the ring, the drain thread, the
     writer and the publisher lease, ``make_session(ring, drain, publisher)``, install its hooks,
     yield it; on exit (error included) remove the hooks, drain, seal, publish, release. A second
-    session on an owned module raises :class:`AttachError` and changes nothing."""
+    session on an owned module, or under a publish scope a session of this process captures
+    under (its lease would refuse it only once the model ran, and its request ids would clash
+    with the first's), raises :class:`AttachError` and changes nothing."""
     o = options
+    scope = None if o.catalog is None else (o.catalog.where, o.publish_scope)
     with _OWNERS_LOCK:
-        if owner_key in _OWNERS:
-            holder = _OWNERS[owner_key]
-            raise AttachError(
-                f"{model_name} is already attached (run {getattr(holder, 'run_id', '?')!r}); "
-                "detach (leave its `with` block) before attaching again"
-            )
+        _refuse_owned(owner_key, model_name, scope)
         ring = Ring(o.ring_slots, o.slot_bytes, timeout=o.ring_timeout, drop_policy=o.drop_policy)
-        _OWNERS[owner_key] = None  # type: ignore[assignment]  # reserved while we build
+        _OWNERS[owner_key] = ctx  # reserved while we build
+        if scope is not None:
+            _SCOPES[scope] = ctx.run_id
     session = publisher = writer = drain = None
     try:
         if o.catalog is not None:
@@ -1091,8 +1102,7 @@ def owned_session(owner_key, model_name: str, ctx: KeyContext, options: _Pipelin
         session._install()
     except BaseException:
         _undo_attach(session, drain, writer if writer is not o.writer else None, publisher)
-        with _OWNERS_LOCK:
-            _OWNERS.pop(owner_key, None)
+        _disown(owner_key, scope)
         raise
     failed = None
     try:
@@ -1101,7 +1111,7 @@ def owned_session(owner_key, model_name: str, ctx: KeyContext, options: _Pipelin
         failed = exc
         raise
     finally:
-        release = functools.partial(_disown, owner_key)
+        release = functools.partial(_disown, owner_key, scope)
         if failed is not None:
             _close_after(session, release, failed)
         else:
@@ -1124,10 +1134,31 @@ def _close_after(session, release, failed: BaseException) -> None:
         pass
 
 
-def _disown(owner_key) -> None:
-    """Give ``owner_key`` back (its session closed): the model can be attached again."""
+def _refuse_owned(owner_key, model_name: str, scope: tuple[str, str] | None) -> None:
+    """Raise :class:`AttachError` where ``owner_key`` is attached, or a session of this process
+    captures under ``scope`` (catalog, publish scope). Called under ``_OWNERS_LOCK``."""
+    if owner_key in _OWNERS:
+        raise AttachError(
+            f"{model_name} is already attached (run {_OWNERS[owner_key].run_id!r}); "
+            "detach (leave its `with` block) before attaching again"
+        )
+    if scope in _SCOPES:
+        where, publish_scope = scope
+        raise AttachError(
+            f"a session of this process is capturing under publish scope {publish_scope!r} of {where} "
+            f"(run {_SCOPES[scope]!r}): two sessions under one scope would write clashing request ids and "
+            "only one could publish; leave the other session's `with` block first, or give this one "
+            "another run_id (or publish_scope)"
+        )
+
+
+def _disown(owner_key, scope: tuple[str, str] | None) -> None:
+    """Give ``owner_key`` and ``scope`` back (its session closed): the model can be attached,
+    and the scope captured under, again."""
     with _OWNERS_LOCK:
         _OWNERS.pop(owner_key, None)
+        if scope is not None:
+            _SCOPES.pop(scope, None)
 
 
 def _undo_attach(session, drain, own_writer, publisher) -> None:

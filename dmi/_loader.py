@@ -461,7 +461,8 @@ class TokenLoader:
                           "comes from the same selection cannot be checked", RuntimeWarning, stacklevel=3)
         if theirs != mine:
             differ = sorted(k for k in mine if not isinstance(theirs, dict) or theirs.get(k) != mine[k])
-            raise InvalidArgumentError(f"this state belongs to a different loader (differs in: {', '.join(differ)})")
+            raise InvalidArgumentError(f"this state belongs to a different loader (differs in: {', '.join(differ)})"
+                                       + _selection_change(theirs, mine, differ))
 
     def _state_cursors(self, state: dict[str, Any]) -> list[tuple[int, int]]:
         """The state's cursors, one (window, row) per worker, each inside its share: window
@@ -538,6 +539,19 @@ class TokenLoader:
     def __repr__(self) -> str:
         return (f"<dmi.TokenLoader {self.plan.n_tokens} tokens x {len(self.features)} features, "
                 f"batch {self.config.batch_size}, epoch {self.epoch}, rank {self.rank}/{self.world_size}>")
+
+
+def _selection_change(theirs: Any, mine: dict[str, Any], differ: list[str]) -> str:
+    """How the selection moved since the state was saved, when it is the selection's size that
+    differs (a capture published into it, or a delete took from it): a loader's selection is
+    fixed when it is made, so a state resumes only a loader made on the same records."""
+    if "selection" not in differ or "features" in differ or theirs.get("n_tokens") == mine["n_tokens"]:
+        return ""
+    return (f"; its selection held {theirs.get('n_tokens')!r:.40} tokens in {theirs.get('n_units')!r:.40} units, "
+            f"this one {mine['n_tokens']} in {mine['n_units']}: other runs=/where=, or records published into the "
+            "selection (a capture still running) or deleted from it since the state was saved. A loader keeps the "
+            "selection it was made on; resume on one made on exactly those records (runs= the runs finished then, "
+            "or where=)")
 
 
 def _state_int(state: dict[str, Any], key: str) -> int:

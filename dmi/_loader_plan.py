@@ -27,6 +27,13 @@ from dmi.storage.records import GLOBAL_LAYER, RecordEntry
 
 PATTERN_HOOK = "attn_pattern"
 
+UNPUBLISHED_TAIL = (
+    ". They start together and end apart, as while this run is still being captured: a capture publishes each "
+    "pack as it seals, so one step's layers can straddle two publishes and the rest is not published yet. Make "
+    "the loader again once the capture's `with` block has ended, or select finished runs with runs=")
+"""Added to a misalignment whose features share a first token and end at different ones: the
+selection caught a running capture between two publishes."""
+
 
 @dataclass(frozen=True, slots=True)
 class Feature:
@@ -125,7 +132,8 @@ def _request_units(run: str, request: str, features: Sequence[Feature],
             span = (min(own), max(own))
         elif (min(own), max(own)) != span:
             raise ReaderError(f"{where}: {feature.name} covers tokens {min(own)}..{max(own)} but "
-                              f"{features[0].name} covers {span[0]}..{span[1]}; the features are not aligned")
+                              f"{features[0].name} covers {span[0]}..{span[1]}; the features are not aligned"
+                              + (UNPUBLISHED_TAIL if min(own) == span[0] else ""))
         edges = own if edges is None else edges & own
     cuts = sorted(edges)
     grouped = [_split_at(records, cuts) for records in per_feature]

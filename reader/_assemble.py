@@ -77,9 +77,23 @@ def assemble(
         return per_layer[0]
     shapes = {tuple(t.shape) for t in per_layer}
     if len(shapes) > 1:
-        raise ReaderError(f"request {request} hook {hook}: layers have different shapes {sorted(shapes)}; cannot stack")
+        raise ReaderError(f"request {request} hook {hook}: layers have different shapes {sorted(shapes)}; cannot stack"
+                          + _unpublished_tail(layers, chunks))
     _require_one_span_and_dtype(request, hook, layers, [min(chunks[layer]) for layer in layers], per_layer)
     return torch.stack(per_layer)
+
+
+def _unpublished_tail(layers: list[int], chunks: dict) -> str:
+    """What to say when the layers start at one token and end at different ones: the request is
+    being captured and only part of its latest step is published (a capture publishes each pack
+    as it seals, so one step's layers can straddle two publishes). Empty otherwise."""
+    starts = {min(chunks[layer]) for layer in layers}
+    ends = {layer: max(s + c[0][0].meta.key.n_tokens for s, c in chunks[layer].items()) for layer in layers}
+    if len(starts) > 1 or len(set(ends.values())) == 1:
+        return ""
+    return (f". The layers end at different tokens ({', '.join(f'layer {k}: {v}' for k, v in ends.items())}), as "
+            "while this request is still being captured and the rest of its latest step is not published yet: "
+            "read it again once the capture's `with` block has ended, or one layer at a time")
 
 
 def _require_one_span_and_dtype(request: str, hook: str, layers: list[int], starts: list[int], per_layer: list) -> None:
