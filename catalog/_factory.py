@@ -64,21 +64,22 @@ _SERVER_SCHEMES = ("clickhouse", "ch")
 def open_catalog(uri: str | os.PathLike[str] | None = None, **settings) -> Catalog:
     """Open (creating if needed) the catalog at ``uri``; see the module docstring."""
     uri = _uri_text(default_catalog_uri() if uri is None else uri)
+    shown = redacted_uri(uri)
     catalog_settings = {k: settings.pop(k) for k in ("table_prefix",) if k in settings}
     if "://" not in uri:
-        _refuse_scheme_without_slashes(uri)
+        _refuse_scheme_without_slashes(uri, shown)
         return _open_chdb(Path(uri), settings, catalog_settings)
-    parts = _split(uri)
+    parts = _split(uri, shown)
     scheme = parts.scheme.lower()
     if scheme in _CHDB_SCHEMES:
         return _open_chdb(_chdb_directory(uri, parts), settings, catalog_settings)
     if scheme in _SERVER_SCHEMES:
-        cluster = _cluster_name(uri, parts)
+        cluster = _cluster_name(shown, parts)
         if parts.fragment:
-            raise InvalidArgumentError(f"{uri!r}: pass settings as keyword arguments, not in the URI")
+            raise InvalidArgumentError(f"{shown!r}: pass settings as keyword arguments, not in the URI")
         database = unquote(parts.path.lstrip("/")) or "default"
         if "/" in database:
-            raise InvalidArgumentError(f"{uri!r}: the path must be one database name")
+            raise InvalidArgumentError(f"{shown!r}: the path must be one database name")
         validate_identifier(database, "database name")
         if cluster is None:
             from dmi.catalog._server import ServerBackend as backend_class
@@ -88,7 +89,7 @@ def open_catalog(uri: str | os.PathLike[str] | None = None, **settings) -> Catal
             settings["cluster"] = cluster
         backend = backend_class(
             parts.hostname or "127.0.0.1",
-            _port(uri, parts),
+            _port(shown, parts),
             database,
             unquote(parts.username) if parts.username else "default",
             unquote(parts.password) if parts.password else "",
@@ -96,7 +97,7 @@ def open_catalog(uri: str | os.PathLike[str] | None = None, **settings) -> Catal
         )
         return _with_backend(backend, catalog_settings)
     raise InvalidArgumentError(
-        f"unknown catalog URI scheme {parts.scheme!r} in {uri!r}; use chdb:///path or "
+        f"unknown catalog URI scheme {parts.scheme!r} in {shown!r}; use chdb:///path or "
         "clickhouse://user:password@host:port/database"
     )
 
@@ -112,7 +113,19 @@ def _uri_text(uri: object) -> str:
     return text
 
 
-def _refuse_scheme_without_slashes(uri: str) -> None:
+def redacted_uri(uri: str) -> str:
+    """``uri`` as error messages show it: a server URI's password (``user:password@``) is
+    replaced by ``***``, as the S3 pack store's secrets are. A catalog directory (a path,
+    ``chdb://``, ``file://``) holds no credentials and is shown as it is."""
+    scheme, sep, rest = uri.partition(":")
+    if scheme.lower() in _CHDB_SCHEMES or not sep:
+        return uri
+    at = rest.rfind("@")  # the userinfo ends at the last '@': a password may hold '/', '#' or '@' unencoded
+    user, colon, _ = rest[:at].partition(":") if at >= 0 else ("", "", "")
+    return f"{scheme}:{user}:***{rest[at:]}" if colon else uri
+
+
+def _refuse_scheme_without_slashes(uri: str, shown: str) -> None:
     """Refuse ``chdb:``, ``clickhouse:/host`` and the like: a catalog scheme without ``//``.
 
     Such text is a mistyped URI, not a directory (it would silently become a chDB catalog
@@ -121,17 +134,17 @@ def _refuse_scheme_without_slashes(uri: str) -> None:
     scheme = uri.partition(":")[0].lower()
     if ":" in uri and scheme in _CHDB_SCHEMES + _SERVER_SCHEMES:
         raise InvalidArgumentError(
-            f"{uri!r} looks like a {scheme}: URI without '//'; write chdb:///absolute/path or "
-            f"clickhouse://user:password@host:port/database (or ./{uri} for a directory of that name)"
+            f"{shown!r} looks like a {scheme}: URI without '//'; write chdb:///absolute/path or "
+            f"clickhouse://user:password@host:port/database (or ./{shown} for a directory of that name)"
         )
 
 
-def _split(uri: str):
+def _split(uri: str, shown: str):
     """``urlsplit(uri)``, with its ValueError (an unclosed ``[`` IPv6 host) an InvalidArgumentError."""
     try:
         return urlsplit(uri)
     except ValueError as exc:
-        raise InvalidArgumentError(f"malformed catalog URI {uri!r}: {exc}") from exc
+        raise InvalidArgumentError(f"malformed catalog URI {shown!r}: {exc}") from exc
 
 
 def _port(uri: str, parts) -> int:

@@ -71,3 +71,23 @@ def test_good_uris_still_open(tmp_path):
         assert store.packs_uri == (tmp_path / "packs").as_uri()
         assert store.models() == []
     assert (tmp_path / "catalog").is_dir() and (tmp_path / "packs").is_dir()
+
+
+@pytest.mark.parametrize("uri", [
+    "clickhouse://u:hunter2@127.0.0.1:99999/d",  # port out of range
+    "clickhouse://dmi:hunter2@h:1/dmi?cluster=dmi&foo=1",  # a query item other than cluster
+    "ch://u:hunter2@h/a/b",  # a path of two names
+    "clickhouse://u:hunter2@h/d#frag",  # a fragment
+    "clickhouse://u:hunt/er2@h/d",  # a password holding '/', unencoded
+    "clickhouse:/u:hunter2@h/d",  # no '//'
+    "clickhouse://u:hunter2@[::1/d",  # an unclosed IPv6 host
+    "postgres://u:hunter2@h/d",  # an unknown scheme
+])
+def test_a_refused_server_uri_is_quoted_without_its_password(uri):
+    """A server URI's password never reaches an error message (logs, CI output): the URI is
+    quoted with ``***`` in its place, the user and host kept to say which URI it was."""
+    with pytest.raises(InvalidArgumentError) as refused:
+        open_catalog(uri)
+    message = str(refused.value)
+    assert "hunter2" not in message and "hunt/er2" not in message
+    assert ("dmi:***@" if uri.startswith("clickhouse://dmi") else "u:***@") in message
