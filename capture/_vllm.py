@@ -195,9 +195,7 @@ class VLLMCaptureSession(CaptureSession):
         A capture that failed while vLLM ran (it stopped: :meth:`_stop`), or whose flush failed,
         raises once vLLM returned, the engine idle and every request run to its end: vLLM's
         output is on the error, as ``outputs``. Once stopped, it raises before vLLM runs."""
-        self._refuse_closed()
-        self._raise_if_stopped()
-        self.drain.check()
+        self.check()
         if self.llm is None:
             raise CaptureError("this session captures a served engine; send it requests (docs/vllm.md)")
         out = self.llm.generate(*args, **kwargs)
@@ -207,6 +205,14 @@ class VLLMCaptureSession(CaptureSession):
             exc.outputs = out
             raise
         return out
+
+    def check(self) -> None:
+        """Raise what keeps this session from capturing — closed, stopped (:meth:`_stop`), its
+        drain failed — as ``generate`` does before vLLM runs; nothing if it can capture. (A
+        worker's capture is asked this before its engine runs: ``dmi.vllm``.)"""
+        self._refuse_closed()
+        self._raise_if_stopped()
+        self.drain.check()
 
     def flush(self, timeout: float | None = None) -> list:
         """``CaptureSession.flush``. Once the capture stopped (:meth:`_stop`), what it captured

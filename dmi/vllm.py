@@ -49,7 +49,6 @@ Common to both:
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -72,6 +71,9 @@ CAPTURE_ENV = "DMI_VLLM_CAPTURE"
 
 IDLE_PUBLISH_SECONDS = 0.25
 """How long an engine stays idle before what it captured is sealed and published."""
+
+_CAUSES_KEPT = 8
+"""How many links of a worker error's ``__cause__`` chain are sent back with it."""
 
 _ALLOWED = frozenset({
     "hooks", "layers", "model_id", "run_id", "schedule", "ring_slots", "slot_bytes", "ring_timeout",
@@ -195,13 +197,17 @@ class CaptureMultiprocExecutor(MultiprocExecutor):
         if not self.is_failed and not getattr(self, "shutting_down", False):
             self.collective_rpc("dmi_publish_buffered", non_block=True)
 
+    def _dmi_detach_workers(self) -> None:
+        """Every worker: drain, seal, publish, release its lease; then the first DMI error a
+        worker's detach raised, raised (:func:`_raise_replied`) for the shutdown to log."""
+        _raise_replied(self.collective_rpc("dmi_detach"))
+
     def shutdown(self) -> None:
         try:
             if getattr(self, "_dmi_idle", None) is not None:
                 _logged("stopping the idle publisher", self._dmi_idle.stop)
             if self.__dict__.pop("_dmi_attached", False) and not self.is_failed:
-                # every worker: drain, seal, publish, release its lease
-                _logged("detaching the workers' capture", functools.partial(self.collective_rpc, "dmi_detach"))
+                _logged("detaching the workers' capture", self._dmi_detach_workers)
         finally:
             super().shutdown()
 
@@ -253,9 +259,9 @@ class CaptureWorkerExtension:
 
     def dmi_attach(self, catalog: str | None, packs: str | None, options: dict) -> dict:
         """Attach in this worker's process, to the store at ``catalog``/``packs`` (``None``: as
-        ``dmi.open()`` resolves it from the environment). A DMI error is returned as
-        ``{"error": class name, "message": ...}`` (:func:`_attached_or_raise` raises it again in
-        the caller's process): vLLM would turn it into a bare ``Exception``."""
+        ``dmi.open()`` resolves it from the environment). A DMI error is returned as an error
+        reply (:func:`_error_reply`; :func:`_attached_or_raise` raises it again in the caller's
+        process): vLLM would turn it into a bare ``Exception``."""
         import dmi
 
         stack = contextlib.ExitStack()
@@ -264,7 +270,7 @@ class CaptureWorkerExtension:
             session = stack.enter_context(store.capture_vllm(self, **options))
         except DMIError as exc:
             stack.close()
-            return {"error": type(exc).__name__, "message": str(exc)}
+            return _error_reply(exc)
         except BaseException:
             stack.close()
             raise
@@ -272,9 +278,17 @@ class CaptureWorkerExtension:
         return {"model_id": session.model_id, "run_id": session.run_id, "tp_rank": session.tp_rank,
                 "tp_size": session.tp_size}
 
-    def dmi_flush(self) -> int:
-        """Seal and publish what this worker captured; the number of packs published."""
-        return len(self._dmi_capture[1].flush())
+    def dmi_check(self) -> dict:
+        """``{}``, or what stopped this worker's capture as an error reply (:func:`_error_reply`):
+        asked before an engine runs, as the in-process session's ``generate`` refuses to run it
+        once stopped."""
+        return _replied(self._dmi_capture[1].check)
+
+    def dmi_flush(self) -> dict:
+        """Seal and publish what this worker captured: ``{"published": packs}``, or the DMI
+        error the flush raised as an error reply (:func:`_error_reply`) — raised here, vLLM
+        would report it as its generic worker error, and leave the other workers' replies unread."""
+        return _replied(lambda: {"published": len(self._dmi_capture[1].flush())})
 
     def dmi_publish_buffered(self) -> bool:
         """Between steps (an idle engine): have what this worker buffered sealed and published,
@@ -282,14 +296,40 @@ class CaptureWorkerExtension:
         return self._dmi_capture[1].publish_buffered()
 
     def dmi_detach(self) -> dict | None:
-        """Detach (drain, seal, publish, release the lease); this worker's statistics (None:
-        it was not attached — its attach failed)."""
+        """Detach (drain, seal, publish, release the lease): ``{"stats": this worker's
+        statistics}``, with the DMI error the detach raised as an error reply
+        (:func:`_error_reply`) — the statistics count what a failed capture did not capture.
+        None: it was not attached (its attach failed)."""
         attached = self.__dict__.pop("_dmi_capture", None)
         if attached is None:
             return None
         stack, session = attached
-        stack.close()
-        return session.stats
+
+        def close() -> dict:
+            stack.close()
+            return {}
+
+        return {**_replied(close), "stats": session.stats}
+
+
+def _replied(call) -> dict:
+    """``call()``'s reply, or the DMI error it raised as an error reply (:func:`_error_reply`)."""
+    try:
+        return call()
+    except DMIError as exc:
+        return _error_reply(exc)
+
+
+def _error_reply(exc: DMIError) -> dict:
+    """``exc`` as plain data that crosses vLLM's process boundary: ``{"error": class name,
+    "message": ..., "causes": [{"error", "message"}, ...]}``, its ``__cause__`` chain outermost
+    first (:func:`_raise_replied` makes them again in the caller's process)."""
+    causes = []
+    link = exc.__cause__
+    while link is not None and len(causes) < _CAUSES_KEPT:
+        causes.append({"error": type(link).__name__, "message": str(link)})
+        link = link.__cause__
+    return {"error": type(exc).__name__, "message": str(exc), "causes": causes}
 
 
 class WorkerCapture:
@@ -304,13 +344,23 @@ class WorkerCapture:
         self.final_stats: list[dict] | None = None
 
     def generate(self, *args, **kwargs):
-        """``llm.generate``; every request of its output is published when it returns."""
+        """``llm.generate``; every request of its output is published when it returns. A
+        worker's capture that failed raises here as the in-process session's does, as the DMI
+        error the worker raised (:func:`_raise_replied`): before vLLM runs if it had stopped
+        already, else once vLLM returned — its output on the error, as ``outputs``."""
+        _raise_replied(self.llm.collective_rpc("dmi_check"))
         out = self.llm.generate(*args, **kwargs)
-        self.flush()
+        try:
+            self.flush()
+        except DMIError as exc:
+            exc.outputs = out
+            raise
         return out
 
     def flush(self) -> int:
-        return sum(self.llm.collective_rpc("dmi_flush"))
+        """Seal and publish what every worker captured; the number of packs published. A
+        worker's failure is raised as the DMI error it raised (:func:`_raise_replied`)."""
+        return sum(reply["published"] for reply in _raise_replied(self.llm.collective_rpc("dmi_flush")))
 
     @property
     def stats(self) -> dict:
@@ -323,8 +373,19 @@ class WorkerCapture:
         per_engine = {"forwards", "requests", "recomputed_tokens_skipped", "duplicate_request_ids"}
         return {k: (max if k in per_engine else sum)(s[k] for s in self.final_stats) for k in self.final_stats[0]}
 
-    def _detached(self, stats: list) -> None:
-        self.final_stats = [s for s in stats if s is not None]
+    def _detached(self, replies: list, failed: BaseException | None) -> None:
+        """Keep the workers' statistics from their ``dmi_detach`` replies, then raise the first
+        DMI error a worker's detach raised — unless the ``with`` block raised ``failed``: that
+        stays the error raised, as in one process, and a detach error that says more than it
+        is added to it as a note."""
+        self.final_stats = [reply["stats"] for reply in replies if reply is not None]
+        try:
+            _raise_replied(replies)
+        except DMIError as exc:
+            if failed is None:
+                raise
+            if str(exc) != str(failed):
+                failed.add_note(f"detaching the vLLM workers' capture then raised {type(exc).__name__}: {exc}")
 
 
 @contextlib.contextmanager
@@ -352,31 +413,80 @@ def capture_in_workers(llm, *, catalog: str, packs: str, options: dict):
             raise
         raise AttachError(f"DMI could not attach in every vLLM worker: {exc}") from exc
     session = WorkerCapture(llm, attached)
+    failed = None
     try:
         yield session
+    except BaseException as exc:
+        failed = exc
+        raise
     finally:
-        session._detached(llm.collective_rpc("dmi_detach"))
+        session._detached(llm.collective_rpc("dmi_detach"), failed)
 
 
 def _attached_or_raise(replies: list[dict]) -> list[dict]:
     """The workers' ``dmi_attach`` replies, or the first refusal among them raised as the DMI
     error class the worker raised, with its message (a class this process cannot make from a
     message alone: :class:`AttachError` naming it)."""
-    for reply in replies:
-        if "error" in reply:
-            raise _worker_error(reply["error"], reply["message"])
-    return replies
+    return _raise_replied(replies, attaching=True)
 
 
-def _worker_error(name: str, message: str) -> DMIError:
-    """The error a worker refused with, made again here from its class name and message."""
+def _raise_replied(replies: list, *, attaching: bool = False) -> list:
+    """``replies``, one per worker in rank order (None: a worker with nothing to say), or the
+    first error reply among them (:func:`_error_reply`) raised as the DMI error the worker
+    raised — its class, its message, its cause chain as far as DMI errors make it — and, for a
+    capture that failed (not a refusal to attach: every rank refuses alike), the rank that
+    raised it and any other rank that failed too in a note (several ranks). Crossing vLLM's
+    process boundary as a raised exception, it would reach the caller as vLLM's generic worker
+    error, its class and facts lost."""
+    failed = [(rank, reply) for rank, reply in enumerate(replies) if reply is not None and "error" in reply]
+    if not failed:
+        return replies
+    (rank, reply), others = failed[0], failed[1:]
+    exc = _worker_error(reply["error"], reply["message"], attaching=attaching)
+    exc.__cause__ = _causes(reply.get("causes", ()))
+    if len(replies) > 1 and not attaching:
+        also = "".join(f"; rank {r} raised {other['error']} too" for r, other in others)
+        exc.add_note(f"raised in vLLM worker rank {rank} of {len(replies)}{also}")
+    raise exc
+
+
+def _worker_error(name: str, message: str, *, attaching: bool) -> DMIError:
+    """The error a worker raised (refused to attach with, if ``attaching``), made again here
+    from its class name and message; a class this process cannot make from a message alone
+    becomes :class:`AttachError` (attaching) or :class:`CaptureError` naming it."""
+    made = _dmi_error(name, message)
+    if made is not None:
+        return made
+    if attaching:
+        return AttachError(f"a vLLM worker refused to attach ({name}): {message}")
+    return CaptureError(f"a vLLM worker's capture failed ({name}): {message}")
+
+
+def _dmi_error(name: str, message: str) -> DMIError | None:
+    """DMI's error class ``name`` made from ``message``; None if ``name`` is no DMI error, or
+    one with fields of its own (``PlanError``, ...)."""
     cls = getattr(errors, name, None)
     if isinstance(cls, type) and issubclass(cls, DMIError):
         try:
             return cls(message)
-        except TypeError:  # a class with fields of its own (PlanError, ...): its name is kept in the message
-            pass
-    return AttachError(f"a vLLM worker refused to attach ({name}): {message}")
+        except TypeError:  # a class with fields of its own: the caller names it in its message
+            return None
+    return None
+
+
+def _causes(chain) -> DMIError | None:
+    """A worker error's ``__cause__`` chain (:func:`_error_reply`) made again here, outermost
+    first, up to its first link that is no DMI error a message makes (its text is in the
+    messages above it); None if that is the first."""
+    made = []
+    for link in chain:
+        cause = _dmi_error(link["error"], link["message"])
+        if cause is None:
+            break
+        made.append(cause)
+    for outer, inner in zip(made, made[1:]):
+        outer.__cause__ = inner
+    return made[0] if made else None
 
 
 def _plain(options: dict) -> dict:
