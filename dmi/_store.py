@@ -93,7 +93,9 @@ def open(catalog: str | None = None, packs: str | None = None, *, home: str | os
         catalog = catalog or "chdb://" + str(Path(home_dir) / "catalog")
         packs = packs or str(Path(home_dir) / "packs")
     opened_catalog, pack_store = _open_parts(catalog, packs)
-    return Store(opened_catalog, pack_store, home=home_dir)
+    store = Store(opened_catalog, pack_store, home=home_dir)
+    store._opened_from = (os.fspath(catalog), os.fspath(packs))
+    return store
 
 
 def _check_location(value: Any, what: str) -> None:
@@ -229,7 +231,8 @@ def capture_vllm(llm: Any, *, hooks: Any = "resid_post", layers: Any = None, sto
         if hasattr(llm, "llm_engine") and not engine_in_this_process(llm):
             from dmi.vllm import capture_in_workers
 
-            attached = capture_in_workers(llm, catalog=target.catalog_uri, packs=target.packs_uri,
+            catalog, packs = target._locations_for_another_process()
+            attached = capture_in_workers(llm, catalog=catalog, packs=packs,
                                           options={"hooks": hooks, "layers": layers, **options})
         else:
             attached = attach_vllm(llm, hooks=hooks, layers=layers, store=target.packs, catalog=target.catalog,
@@ -263,6 +266,9 @@ def _plan_options(model: Any, plan: Any, hooks: Any, layers: Any,
     return plan, {**plan.attach_options(), **options}
 
 
+_DEFAULT_TABLE_PREFIX = "dmi_"  # dmi.catalog.Catalog's, the tables dmi.open opens
+
+
 class Store:
     """A catalog and a pack store, read together. Made by :func:`dmi.open`.
 
@@ -276,6 +282,7 @@ class Store:
         self.packs = packs
         self.home = home if home is not None else default_home()
         self._given_footers = footer_cache
+        self._opened_from: tuple[str, str] | None = None  # the URIs dmi.open opened, credentials included
         self._footers_lock = threading.Lock()
 
     @property
@@ -301,6 +308,22 @@ class Store:
 
     def __repr__(self) -> str:
         return f"<dmi.Store catalog={self.catalog_uri} packs={self.packs_uri}>"
+
+    def _locations_for_another_process(self) -> tuple[str, str]:
+        """The catalog and packs URIs another process opens this store by (``dmi.open``): those
+        this store was opened from, credentials included (:attr:`catalog_uri` shows none, so a
+        server catalog's user and password would be lost). A store made from its parts is
+        passed by :attr:`catalog_uri` and :attr:`packs_uri`; one whose catalog has a table prefix
+        of its own is refused, as another process would open the default tables."""
+        if self._opened_from is not None:
+            return self._opened_from
+        prefix = getattr(self.catalog, "table_prefix", _DEFAULT_TABLE_PREFIX)
+        if prefix != _DEFAULT_TABLE_PREFIX:
+            raise InvalidArgumentError(
+                f"this store's catalog uses table prefix {prefix!r}, which another process opening "
+                f"{self.catalog_uri} would not: capture in vLLM's worker processes needs a store from "
+                "dmi.open (the default tables)")
+        return self.catalog_uri, self.packs_uri
 
     @property
     def catalog_uri(self) -> str:

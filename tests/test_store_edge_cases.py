@@ -205,3 +205,32 @@ def test_a_cached_footer_carries_the_version_of_the_file_it_was_read_from(tmp_pa
     with live.open_input(pack_id) as source:
         assert source.version != load_footer(live, pack_id, cache=cache).version  # no source: not checked
         assert load_footer(live, pack_id, cache=cache, source=source).version == source.version
+
+
+# ------------------------------------------------------------------ a store opened again in another process
+
+
+def test_another_process_opens_the_store_by_the_uris_it_was_opened_from(tmp_path, clickhouse_uri):
+    """vLLM's worker processes open the caller's store again: by the URIs ``dmi.open`` was given,
+    the server's user and password included (``catalog_uri`` shows neither)."""
+    packs = str(tmp_path / "packs")
+    with dmi.open(catalog=clickhouse_uri, packs=packs) as store:
+        assert store._locations_for_another_process() == (clickhouse_uri, packs)
+        user = clickhouse_uri.split("://", 1)[1].split("@", 1)[0]
+        assert user and user not in store.catalog_uri
+
+
+def test_a_store_made_from_its_parts_is_opened_elsewhere_by_its_locations_unless_its_tables_differ(tmp_path):
+    from dmi.catalog import open_catalog
+
+    packs = PackStore.local(tmp_path / "packs")
+    plain = dmi.Store(open_catalog(str(tmp_path / "a")), packs)
+    prefixed = dmi.Store(open_catalog(str(tmp_path / "b"), table_prefix="other_"), packs)
+    try:
+        assert plain._locations_for_another_process() == (plain.catalog_uri, packs.uri)
+        with pytest.raises(InvalidArgumentError) as refused:
+            prefixed._locations_for_another_process()
+        assert "table prefix 'other_'" in str(refused.value)
+    finally:
+        plain.close()
+        prefixed.close()
