@@ -195,12 +195,16 @@ class Catalog:
 
     # ----------------------------------------------------------------- writing
     def publisher(
-        self, scope: str, holder: str | None = None, lease_seconds: float = 30.0, *, clock: Callable[[], float] = time.time
+        self, scope: str, holder: str | None = None, lease_seconds: float = 30.0, *,
+        clock: Callable[[], float] = time.time, ride_out_seconds: float = 0.0,
     ) -> Publisher:
         """A publisher for ``scope`` (not yet acquired). ``holder`` defaults to host:pid:random;
-        ``clock`` (Unix seconds) is what lease expiry is measured by."""
+        ``clock`` (Unix seconds) is what lease expiry is measured by; ``ride_out_seconds``: how
+        long its publish and renew retry an unreachable catalog (0: not at all; see
+        :class:`Publisher`)."""
         return Publisher(
-            LeaseTables(self._backend, self.tables, self._index), scope, holder, lease_seconds, clock=clock
+            LeaseTables(self._backend, self.tables, self._index), scope, holder, lease_seconds, clock=clock,
+            ride_out_seconds=ride_out_seconds,
         )
 
     def lease_state(self, scope: str) -> LeaseState:

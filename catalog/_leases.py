@@ -21,6 +21,13 @@ Any write whose outcome is unknown (the connection broke after the statement may
 reached the server) **quarantines** the publisher: it drops its term and refuses to
 publish until :meth:`Publisher.acquire` succeeds again. A failure that certainly did not
 land (could not connect, or ClickHouse refused the statement) does not quarantine.
+
+**Riding out an outage**: :meth:`Publisher.publish` and :meth:`Publisher.renew` retry a call
+that met an unreachable catalog, with bounded backoff, for up to ``ride_out_seconds`` and
+never past the lease's expiry. A quarantine met on the way is ended by acquiring a new term
+only where no one but this publisher wrote to the scope since its term (then no other
+writer can have held it); a watermark whose landing was unknown is not written again when
+it turns out visible. ClickHouse's own errors are never retried.
 """
 
 from __future__ import annotations
@@ -162,9 +169,15 @@ class Publisher:
     :meth:`acquire` / :meth:`renew` / :meth:`release` yourself. :meth:`publish` renews on
     its own once half the lease has passed. Thread-safe: calls run one at a time (e.g. a
     drain thread publishing and renewing while another thread releases).
+
+    ``ride_out_seconds`` (default 0: every failure raised at once): how long :meth:`publish`
+    and :meth:`renew` keep retrying while the catalog is unreachable (:meth:`_riding_out`);
+    ``retries`` and ``reacquired`` count what riding out did. It may be set after
+    construction too.
     """
 
     max_attempts = 8
+    max_backoff_seconds = 1.0  # the longest wait between two tries of a call riding out an outage
 
     def __init__(
         self,
@@ -174,6 +187,7 @@ class Publisher:
         lease_seconds: float = 30.0,
         *,
         clock: Callable[[], float] = time.time,
+        ride_out_seconds: float = 0.0,
     ):
         self._target = target
         self.scope = validate_value_id(scope, "scope")
@@ -181,6 +195,9 @@ class Publisher:
         if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, (int, float)) or not lease_seconds > 0:
             raise InvalidArgumentError(f"lease_seconds must be a positive number of seconds, not {lease_seconds!r}")
         self.lease_seconds = float(lease_seconds)
+        self.ride_out_seconds = ride_out_seconds
+        self.retries = 0  # tries repeated because the catalog was unreachable (riding out an outage)
+        self.reacquired = 0  # terms acquired to end a quarantine met while riding out an outage
         self._clock = clock
         self._term: int | None = None
         self._nonce: str | None = None
@@ -188,6 +205,9 @@ class Publisher:
         self._seq = 0
         self._quarantined = False
         self._quarantine_cause: str | None = None
+        self._quarantined_term: int | None = None  # the term a quarantine dropped
+        self._nonces: set[str] = set()  # every nonce this publisher claimed with
+        self._unknown_watermark: Watermark | None = None  # written, its landing unknown (this publish)
         self._lock = threading.RLock()
 
     # ----------------------------------------------------------------- state
@@ -195,6 +215,19 @@ class Publisher:
     def term(self) -> int | None:
         """The term held now, or None (never acquired, released, lost or quarantined)."""
         return self._term
+
+    @property
+    def ride_out_seconds(self) -> float:
+        """How long :meth:`publish` and :meth:`renew` retry an unreachable catalog (0: not at all)."""
+        return self._ride_out_seconds
+
+    @ride_out_seconds.setter
+    def ride_out_seconds(self, seconds: float) -> None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
+            raise InvalidArgumentError(
+                f"ride_out_seconds must be a finite number of seconds, 0 or more (0: no retry), not {seconds!r}"
+            )
+        self._ride_out_seconds = float(seconds)
 
     @property
     def quarantined(self) -> bool:
@@ -215,6 +248,8 @@ class Publisher:
         self._seq = 0
 
     def _quarantine(self, what: str, exc: BaseException) -> QuarantinedError:
+        if self._term is not None:
+            self._quarantined_term = self._term
         self._drop()
         self._quarantined = True
         self._quarantine_cause = what
@@ -300,6 +335,7 @@ class Publisher:
             term = max(state.max_term, state.max_fence) + 1
             nonce = uuid.uuid4().hex
             expires = now + self.lease_seconds
+            self._nonces.add(nonce)
             self._write("claim", "leases", self._lease_row(term, "claim", nonce, expires))
             rivals = self._target.backend.query(
                 f"SELECT nonce FROM {self._target.tables['leases']} "
@@ -313,6 +349,7 @@ class Publisher:
             self._write("confirm", "leases", self._lease_row(term, "confirm", nonce, expires))
             self._quarantined = False
             self._quarantine_cause = None
+            self._quarantined_term = None
             after = read_state(self._target, self.scope)
             if after.term != term or after.max_fence > term:
                 # A claimer of a higher term, who read the state before our claim landed,
@@ -344,8 +381,12 @@ class Publisher:
 
     @_locked
     def renew(self) -> float:
-        """Extend the lease by ``lease_seconds`` from now; returns the new expiry (Unix time)."""
+        """Extend the lease by ``lease_seconds`` from now; returns the new expiry (Unix time).
+        Rides out an unreachable catalog (see :meth:`_riding_out`)."""
         self._require_holding()
+        return self._riding_out("renewal", self._renew_once)
+
+    def _renew_once(self) -> float:
         state = read_state(self._target, self.scope)
         now = self._clock()
         if not self._still_mine(state, now):
@@ -374,7 +415,7 @@ class Publisher:
         Index rows are written first (invisible on their own), then the lease is checked on
         the server, then the watermark row is written. Publishing a pack that is already
         indexed or published again is harmless: its rows are not written twice and readers
-        see each record once.
+        see each record once. Rides out an unreachable catalog (see :meth:`_riding_out`).
         """
         descriptors = list(descriptors)
         for descriptor in descriptors:
@@ -382,8 +423,17 @@ class Publisher:
                 raise InvalidArgumentError(f"publish() takes PackDescriptor objects, not {type(descriptor).__name__}")
             validate_value_id(descriptor.pack_id, "pack id")
         self._require_holding()
+        self._unknown_watermark = None
+        return self._riding_out("publish", lambda: self._publish_once(descriptors))
+
+    def _publish_once(self, descriptors: list[PackDescriptor]) -> Watermark:
+        """One try of :meth:`publish`; after a quarantine of its own watermark write, the
+        watermark itself where it turned out visible (it is not written twice)."""
+        unknown, self._unknown_watermark = self._unknown_watermark, None
+        if unknown is not None and self._visible(unknown):
+            return unknown
         if self._clock() > self._expires_at - self.lease_seconds / 2:
-            self.renew()  # also how an expired or superseded holder is stopped before writing
+            self._renew_once()  # also how an expired or superseded holder is stopped before writing
         n_records = self._target.index(descriptors, scope=self.scope, term=self._term)
         state = read_state(self._target, self.scope)
         now = self._clock()
@@ -406,10 +456,93 @@ class Publisher:
             ],
             schema=_schema.WATERMARK_SCHEMA,
         )
-        term = self._term
-        self._write("watermark", "watermarks", row)
+        watermark = Watermark(self.scope, self._term, seq, pack_ids, self.holder, n_records, now)
+        try:
+            self._write("watermark", "watermarks", row)
+        except QuarantinedError:
+            self._unknown_watermark = watermark
+            raise
         self._seq = seq
-        return Watermark(self.scope, term, seq, pack_ids, self.holder, n_records, now)
+        return watermark
+
+    def _visible(self, watermark: Watermark) -> bool:
+        """Whether ``watermark`` (of a term this publisher held) landed and is visible: no fence
+        of a later term cuts below it. Asked once a later term of this publisher has fenced
+        its term, when the answer can no longer change. (One holder per term: a row of its
+        term and seq is this publisher's.)"""
+        t = self._target.tables
+        params = {"scope": self.scope, "term": watermark.term, "seq": watermark.seq}
+        landed = self._target.backend.query(
+            f"SELECT count() AS n FROM {t['watermarks']} WHERE scope = %(scope)s AND term = %(term)s "
+            "AND seq = %(seq)s",
+            params,
+        ).to_pylist()[0]["n"]
+        cut = self._target.backend.query(
+            f"SELECT count() AS n FROM {t['fences']} WHERE scope = %(scope)s AND fencing_term > %(term)s "
+            "AND (cut_term < %(term)s OR (cut_term = %(term)s AND cut_seq < %(seq)s))",
+            params,
+        ).to_pylist()[0]["n"]
+        return bool(landed) and not cut
+
+    # ----------------------------------------------------------------- riding out an outage
+    def _riding_out(self, what: str, attempt: Callable[[], object]):
+        """``attempt()``, tried again while the catalog is unreachable (``CatalogUnavailableError``,
+        or a quarantine it caused), with backoff from 50 ms doubling to ``max_backoff_seconds``,
+        until ``ride_out_seconds`` have passed or a tenth of the lease before the expiry the
+        lease had when the call began (whichever comes first; then the last error is raised,
+        saying so). A quarantine met on the way is ended by :meth:`_resume` before the next
+        try. Anything else (ClickHouse's own errors, a lost or held lease) is raised at once."""
+        started = time.monotonic()
+        until = started + self.ride_out_seconds
+        expiry_bound = self._expires_at - self.lease_seconds / 10
+        backoff = 0.05
+        tries = 0
+        while True:
+            try:
+                if self._quarantined:
+                    self._resume()
+                return attempt()
+            except (CatalogUnavailableError, QuarantinedError) as exc:
+                if not _outage(exc):
+                    raise
+                delay = min(backoff, until - time.monotonic())
+                if delay <= 0 or self._clock() + delay >= expiry_bound:
+                    if not tries:
+                        raise
+                    raise _gave_up(exc, what, tries, time.monotonic() - started, self.ride_out_seconds) from exc
+            time.sleep(delay)
+            backoff = min(2 * backoff, self.max_backoff_seconds)
+            tries += 1
+            self.retries += 1
+
+    def _resume(self) -> None:
+        """End a quarantine met while riding out an outage by acquiring a new term — only where
+        the protocol shows that is safe: no lease row and no fence of a term above the one the
+        quarantine dropped carries a nonce other than this publisher's own. Then no one else
+        claimed the scope since that term, so no other writer can have held it, and the new
+        term's fence keeps visible everything that term landed before it (each watermark once).
+        Otherwise ``QuarantinedError``, not retried."""
+        term = self._quarantined_term
+        t = self._target.tables
+        params = {"scope": self.scope, "term": term}
+        nonces = set(
+            self._target.backend.query(
+                f"SELECT nonce FROM {t['leases']} WHERE scope = %(scope)s AND term > %(term)s", params
+            ).column("nonce").to_pylist()
+        ) | set(
+            self._target.backend.query(
+                f"SELECT nonce FROM {t['fences']} WHERE scope = %(scope)s AND fencing_term > %(term)s", params
+            ).column("nonce").to_pylist()
+        )
+        if nonces - self._nonces:
+            raise QuarantinedError(
+                f"publisher {self.holder!r} for scope {self.scope!r} is quarantined (the outcome of its "
+                f"{self._quarantine_cause} is unknown) and another publisher has claimed the scope since "
+                f"its term {term}, so it does not take the lease back on its own; call acquire() to take "
+                "it over deliberately"
+            )
+        self.acquire()
+        self.reacquired += 1
 
     # ----------------------------------------------------------------- context manager
     def __enter__(self) -> Publisher:
@@ -418,6 +551,24 @@ class Publisher:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.release()
+
+
+def _outage(exc: BaseException) -> bool:
+    """Whether ``exc`` is the catalog being unreachable: the error itself, or a quarantine it caused."""
+    if isinstance(exc, QuarantinedError):
+        return isinstance(exc.__cause__, CatalogUnavailableError)
+    return isinstance(exc, CatalogUnavailableError)
+
+
+def _gave_up(exc: BaseException, what: str, tries: int, seconds: float, ride_out: float) -> BaseException:
+    """``exc`` once riding it out failed: the same error (its attributes kept, e.g.
+    ``outcome_unknown``), saying how long it was tried."""
+    error = type(exc)(
+        f"{exc} [the {what} was tried {tries + 1} times over {seconds:.1f} s: the catalog stayed unreachable "
+        f"within ride_out_seconds={ride_out:g} and the lease's expiry]"
+    )
+    error.__dict__.update(exc.__dict__)
+    return error
 
 
 def validate_record_ids(table: pa.Table) -> None:

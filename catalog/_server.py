@@ -19,6 +19,8 @@ driver alone would wait ``send_receive_timeout`` for its hello), a statement's a
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
 import threading
 from collections.abc import Mapping
@@ -68,7 +70,37 @@ def _import_driver():
             "a server catalog needs clickhouse-driver: pip install 'clickhouse-driver>=0.2.6' "
             "(or use the embedded default: open_catalog() / open_catalog('chdb:///path'))"
         ) from exc
+    _quiet(logging.getLogger("clickhouse_driver"))
     return clickhouse_driver, driver_errors
+
+
+def _quiet(driver_logger: logging.Logger) -> None:
+    """Give the driver's logger a handler that drops records, once: with none anywhere,
+    Python's last-resort handler prints its "Failed to connect" warning with a traceback to
+    stderr, beside the :class:`CatalogUnavailableError` that already says what happened and
+    what to do. Records still reach handlers the application configured (propagation is kept)."""
+    if not any(isinstance(h, logging.NullHandler) for h in driver_logger.handlers):
+        driver_logger.addHandler(logging.NullHandler())
+
+
+@functools.cache
+def _checked_connection(base: type) -> type:
+    """``base`` (the driver's ``Connection``) without the ping of ``force_connect``.
+
+    ``Client.execute`` calls ``force_connect``, which pings an open connection before every
+    statement: a second round trip, as :meth:`ServerBackend._ensure_connected` has just
+    pinged it (and reconnected where that failed, with the guarantees the module docstring
+    gives). An open connection is only marked as running a query here; a closed one (never
+    so after ``_ensure_connected``) is left to the driver."""
+
+    class CheckedConnection(base):
+        def force_connect(self):
+            if not self.connected:
+                return super().force_connect()
+            self.check_query_execution()
+            return None
+
+    return CheckedConnection
 
 
 class ServerBackend(CatalogBackend):
@@ -113,6 +145,8 @@ class ServerBackend(CatalogBackend):
             send_receive_timeout=send_receive_timeout,
             settings=dict(client_settings) or None,
         )
+        connection = self._client.connection
+        connection.__class__ = _checked_connection(type(connection))
         try:
             if create_database:
                 self.command(f"CREATE DATABASE IF NOT EXISTS {quote_identifier(self.database, 'database name')}")

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
 import uuid
 
 import pytest
@@ -47,7 +50,13 @@ class _Server:
         self.process.proc.wait()
 
     def pause(self) -> None:
-        os.kill(self.process.proc.pid, signal.SIGSTOP)
+        """Stop the server, and return once the kernel shows it stopped: a SIGSTOP is delivered
+        asynchronously, and a statement answered in between would then wait its whole
+        ``send_receive_timeout``."""
+        pid = self.process.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        while not _all_threads_stopped(pid):
+            time.sleep(0.001)
 
     def resume(self) -> None:
         os.kill(self.process.proc.pid, signal.SIGCONT)
@@ -71,6 +80,18 @@ def server():
         yield started
     finally:
         started.stop()
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is in the stopped state (``T``)."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                states.append(stat.read().rpartition(")")[2].split()[0])
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+    return bool(states) and all(state in ("T", "t") for state in states)
 
 
 def _database() -> str:
@@ -164,3 +185,15 @@ def test_a_capture_whose_server_dies_loses_no_sealed_pack(server, tmp_path):
         with attach(model, hooks="resid_post", store=store, catalog=catalog, model_id="m") as again:
             later, _ = again.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
         assert set(first) | set(later) <= set(_read_all(store, catalog, "m"))
+
+
+def test_an_unreachable_server_prints_nothing_beside_the_error_raised(tmp_path):
+    """clickhouse-driver logs a "Failed to connect" warning with its traceback; with no handler
+    configured, Python would print it to stderr beside the named error. Nothing is printed."""
+    code = ("import dmi\n"
+            "try:\n"
+            f"    dmi.open(catalog='clickhouse://default@127.0.0.1:1/d', packs={str(tmp_path / 'packs')!r})\n"
+            "except dmi.DMIError as exc:\n"
+            "    print(type(exc).__name__)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert (run.returncode, run.stdout, run.stderr) == (0, "CatalogUnavailableError\n", "")
