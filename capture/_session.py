@@ -120,6 +120,10 @@ class _Call:
     ended: set[int] = field(default_factory=set)  # rows fed the token generate stopped them at: their sequence is over
 
 
+CATALOG_RIDE_OUT_SECONDS = 10.0
+"""How long a session's publishes and lease renewals retry an unreachable catalog (at most a
+third of its lease): a blip is ridden out, the drain waiting meanwhile (docs/catalog-protocol.md)."""
+
 HOLDER_CHECK_SECONDS = 1.0
 """How often a thread waiting for the session checks that its holder's thread still runs."""
 
@@ -339,6 +343,8 @@ class CaptureSession:
             "drain_busy_seconds": d.busy_seconds,
             "drain_cpu_seconds": d.thread_cpu_seconds + d.encoder_cpu_seconds,
             "lease_seconds": d.start_seconds,
+            "catalog_retries": 0 if self._publisher is None else self._publisher.publisher.retries,
+            "lease_reacquired": 0 if self._publisher is None else self._publisher.publisher.reacquired,
             "codec_switches": d.codec_switches,
             "records_fallback_codec": d.records_fallback,
             "hook_seconds": self._hook_seconds,
@@ -1310,7 +1316,8 @@ class _Publishing:
         self.model_id = model_id
         self.run_id = run_id
         self.lease_seconds = lease_seconds
-        self.publisher = catalog.publisher(scope, lease_seconds=lease_seconds)
+        self.publisher = catalog.publisher(scope, lease_seconds=lease_seconds,
+                                           ride_out_seconds=min(CATALOG_RIDE_OUT_SECONDS, lease_seconds / 3))
         self._renewed = time.monotonic()
 
     def start(self) -> None:
