@@ -169,6 +169,7 @@ class Drain:
         self.keep_published = True  # False: a session living for ever (a vLLM engine) keeps only counts
         self.lost_keys: list[tuple[RecordKey, str]] = []  # each lost record's key and reason
         self._discarded_counted = False  # the records a failed pack write discarded: counted once
+        self._sealed_counted = 0  # the first packs of ctx.sealed already counted in packs_sealed
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._publish_interval = publish_interval  # seal_soon seals at most this often (seconds)
         self._last_seal = float("-inf")  # when seal_soon last sealed (time.monotonic())
@@ -424,19 +425,31 @@ class Drain:
 
     def _publish_sealed(self) -> None:
         """Publish the packs sealed so far — once ``start`` has acquired the lease; until then
-        they wait in ``ctx.sealed``."""
+        they wait in ``ctx.sealed``. They leave it only once their publish succeeded: where it
+        fails, the error counts them and :meth:`_publish_after_failure` tries them again."""
         sealed = self.ctx.sealed
         if not sealed or not self._has_started():
             return
         self._await_start()
         batch = list(sealed)
-        sealed.clear()
-        self.stats.packs_sealed += len(batch)
+        self._count_sealed(len(batch))
         if self._publish is not None:
             self._publish(batch)
             self.stats.packs_published += len(batch)
+        self._forget_sealed(len(batch))
         if self.keep_published:
             self.published.extend(batch)
+
+    def _count_sealed(self, n: int) -> None:
+        """Count the first ``n`` packs of ``ctx.sealed`` in ``packs_sealed``, each once: a pack
+        whose publish failed stays there, already counted, for the next try."""
+        self.stats.packs_sealed += max(0, n - self._sealed_counted)
+        self._sealed_counted = max(n, self._sealed_counted)
+
+    def _forget_sealed(self, n: int) -> None:
+        """The first ``n`` packs of ``ctx.sealed`` are published: they leave it."""
+        del self.ctx.sealed[:n]
+        self._sealed_counted -= n
 
     def _after_failure(self) -> None:
         """Once the drain has failed: count what the failure discarded, then publish what it
@@ -471,12 +484,12 @@ class Drain:
         if self._started is not None and self._started.exception() is not None:
             return
         batch = list(sealed)
+        self._count_sealed(len(batch))
         try:
             self._publish(batch)
         except BaseException:  # noqa: BLE001 - the packs stay unpublished, counted in the error raised
             return
-        del sealed[:len(batch)]
-        self.stats.packs_sealed += len(batch)
+        self._forget_sealed(len(batch))
         self.stats.packs_published += len(batch)
         if self.keep_published:
             self.published.extend(batch)
