@@ -22,6 +22,14 @@ each releasing the GIL — so N records encode at once); the drain thread waits 
 them before it frees the slot or seals a pack. Records then reach a pack in the order their
 encoding finished, not the order they were cut (each is found by its key, never by its place).
 
+**Publishing at step edges**: packs are published after a slot that ends at a step's edge
+(:attr:`Slot.ends_step`), never after one that a step filled in its middle, so that what
+readers see holds each published step whole, for every hook and layer of it. A pack the
+writer sealed in the middle of a step (it reached ``max_records`` or ``max_bytes``) holds
+part of that step; the rest is in the open pack, which is sealed too once the step's edge is
+reached, and both are published together. A seal that ``seal_soon`` asks for waits for a
+step's edge the same way.
+
 **Working before the lease is held**: ``start`` (the session's publisher lease) runs on a
 thread of its own beside the drain's, at the drain's priority, so slots are cut, encoded and
 written from the first step while the catalog answers: acquiring a lease is a few catalog
@@ -174,6 +182,8 @@ class Drain:
         self._publish_interval = publish_interval  # seal_soon seals at most this often (seconds)
         self._last_seal = float("-inf")  # when seal_soon last sealed (time.monotonic())
         self._seal_due: float | None = None  # when a seal asked for by seal_soon is to happen
+        self._at_step_edge = True  # the last slot processed ended at a step's edge: a seal there splits no step
+        self._split_step = False  # a pack sealed mid-step: the rest of its step is in the open pack
         self._closed = False
         self.nice = nice  # how many levels below the attaching thread the drain's threads run
         self._nice_level = None  # the nice level of the drain's threads; None: the attaching thread's
@@ -290,7 +300,8 @@ class Drain:
                 item = self._q.get(timeout=self._wait_seconds())
             except queue.Empty:
                 item = _IDLE
-            if self._seal_due is not None and time.monotonic() >= self._seal_due and self.error is None:
+            if self._seal_due is not None and time.monotonic() >= self._seal_due and self.error is None \
+                    and self._at_step_edge:
                 try:
                     self._seal_now()
                 except BaseException as exc:  # noqa: BLE001 - surfaced by check()
@@ -344,11 +355,12 @@ class Drain:
             try:
                 if self.error is None:
                     t0 = time.perf_counter()
+                    sealed_before = len(self.ctx.sealed)
                     try:
                         self._process(item)
                     finally:
                         self._wait_writes()  # the slot's memory is read until its last record is encoded
-                    self._publish_sealed()
+                    self._after_slot(item.ends_step, len(self.ctx.sealed) > sealed_before)
                     self.stats.busy_seconds += time.perf_counter() - t0
             except BaseException as exc:  # noqa: BLE001
                 self.error = exc
@@ -387,9 +399,29 @@ class Drain:
         if self._started is not None:
             self._started.result()
 
+    def _after_slot(self, ends_step: bool, sealed: bool) -> None:
+        """After a slot (``sealed``: the writer sealed a pack while it was processed): at a step's
+        edge, seal the open pack if a pack sealed since the last edge split a step, then publish;
+        in the middle of a step, publish nothing yet."""
+        self._split_step = self._split_step or sealed
+        self._at_step_edge = ends_step
+        if not ends_step:
+            return
+        if self._split_step:
+            self._seal_open()
+        self._publish_sealed()
+
+    def _seal_open(self) -> None:
+        """Seal the open pack (if it holds records) into ``ctx.sealed``: no step is split after it."""
+        desc = self.writer.seal()
+        if desc is not None and all(d is not desc for d in self.ctx.sealed):
+            self.ctx.sealed.append(desc)
+        self._split_step = False
+
     def _wait_seconds(self) -> float:
-        """How long the thread may wait for work: until the next lease tick or a seal due."""
-        if self._seal_due is None:
+        """How long the thread may wait for work: until the next lease tick or a seal due (one
+        due in the middle of a step waits for the slot that ends it)."""
+        if self._seal_due is None or not self._at_step_edge:
             return self._tick_seconds
         return min(self._tick_seconds, max(0.0, self._seal_due - time.monotonic()))
 
@@ -398,10 +430,10 @@ class Drain:
         self._store_staged(request_ids)
         if self._seal_due is not None:
             self.stats.seals_deferred += 1
-        elif time.monotonic() - self._last_seal >= self._publish_interval:
+        elif time.monotonic() - self._last_seal >= self._publish_interval and self._at_step_edge:
             self._seal_now()
-        else:
-            self._seal_due = self._last_seal + self._publish_interval
+        else:  # due later, or at the edge of the step the last slot ended inside
+            self._seal_due = max(self._last_seal + self._publish_interval, time.monotonic())
             self.stats.seals_deferred += 1
 
     def _seal_and_publish(self, request_ids=None) -> None:
@@ -417,9 +449,7 @@ class Drain:
         self._seal_due = None
         self._await_start()
         self._flush_losses()
-        desc = self.writer.seal()
-        if desc is not None and all(d is not desc for d in self.ctx.sealed):
-            self.ctx.sealed.append(desc)
+        self._seal_open()
         self._publish_sealed()
         self._last_seal = time.monotonic()
 

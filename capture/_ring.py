@@ -35,6 +35,10 @@ Also:
 * :attr:`Ring.fill` — the bytes handed to the drain and not yet released, as a fraction of
   the ring — tells the drain how far behind it is (it switches to a cheaper codec above a
   threshold; see ``_drain.py``).
+* :attr:`Slot.ends_step` says whether a submitted slot ends at a step's edge (the step ended,
+  or the next step had not reserved anything yet) rather than in the middle of a step that
+  filled it: the drain publishes only at step edges, so that a reader never sees one step
+  published for some layers and not others (see ``_drain.py``).
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ class Slot:
     used: int = 0
     entries: list = field(default_factory=list)
     event: object = None
+    ends_step: bool = True  # set at submission: no later slot holds bytes of this slot's last step
     _typed: dict = field(default_factory=dict)  # dtype -> the buffer viewed as that dtype
 
     @property
@@ -145,6 +150,7 @@ class Ring:
         self._capacity = n_slots * slot_bytes
         self._in_flight = 0  # slots handed to the drain and not yet released
         self._backlog = 0  # bytes in those slots
+        self._in_step = False  # a region was reserved since the last step end
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         """A slot's buffer, pinned where the ring pins: allocated pinned, not pinned by a copy
@@ -186,6 +192,7 @@ class Ring:
                 return None
         off = slot.used
         slot.used += need
+        self._in_step = True
         self.stats.reservations += 1
         self.stats.reserved_bytes += need
         return slot, off
@@ -237,6 +244,7 @@ class Ring:
     def end_step(self) -> None:
         """A step ended: hand the open slot over if the drain holds fewer than
         ``HANDOVER_DEPTH`` slots, else keep it open for the next step's bytes."""
+        self._in_step = False
         slot = self._current
         if slot is None or not slot.entries:
             return
@@ -257,6 +265,7 @@ class Ring:
             return
         if self._stamp is not None:
             slot.event = self._stamp()
+        slot.ends_step = not self._in_step
         with self._cond:
             self._in_flight += 1
             self._backlog += slot.used

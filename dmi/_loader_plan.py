@@ -28,9 +28,10 @@ from dmi.storage.records import GLOBAL_LAYER, RecordEntry
 PATTERN_HOOK = "attn_pattern"
 
 UNPUBLISHED_TAIL = (
-    ". They start together and end apart, as while this run is still being captured: a capture publishes each "
-    "pack as it seals, so one step's layers can straddle two publishes and the rest is not published yet. Make "
-    "the loader again once the capture's `with` block has ended, or select finished runs with runs=")
+    ". They start together and end apart, as while this run is still being captured: a capture publishes whole "
+    "steps, but a hook's decode steps are published a chunk at a time (decode_chunk_steps), and hooks of "
+    "other sizes reach their chunks at other steps. Make the loader again once the capture's `with` block has "
+    "ended, or select finished runs with runs=")
 """Added to a misalignment whose features share a first token and end at different ones: the
 selection caught a running capture between two publishes."""
 

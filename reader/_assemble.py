@@ -84,15 +84,15 @@ def assemble(
 
 
 def _unpublished_tail(layers: list[int], chunks: dict) -> str:
-    """What to say when the layers start at one token and end at different ones: the request is
-    being captured and only part of its latest step is published (a capture publishes each pack
-    as it seals, so one step's layers can straddle two publishes). Empty otherwise."""
+    """What to say when the layers start at one token and end at different ones, as where the
+    request is still being captured and its latest records are not all published (a capture
+    publishes whole steps of every layer, so this is a sign of it, not a rule). Empty otherwise."""
     starts = {min(chunks[layer]) for layer in layers}
     ends = {layer: max(s + c[0][0].meta.key.n_tokens for s, c in chunks[layer].items()) for layer in layers}
     if len(starts) > 1 or len(set(ends.values())) == 1:
         return ""
     return (f". The layers end at different tokens ({', '.join(f'layer {k}: {v}' for k, v in ends.items())}), as "
-            "while this request is still being captured and the rest of its latest step is not published yet: "
+            "while this request is still being captured and its latest records are not all published yet: "
             "read it again once the capture's `with` block has ended, or one layer at a time")
 
 
