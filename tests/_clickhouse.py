@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -253,3 +254,51 @@ class LocalServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class OwnServer:
+    """A server process of one test's own (the session's shared server must not be harmed):
+    killed (SIGKILL), stopped (SIGSTOP), resumed and restarted on the same ports and data."""
+
+    def __init__(self, binary: str):
+        self.process = LocalServerProcess(binary)
+        self.live = self.process.start()
+
+    def uri(self, database: str) -> str:
+        return self.live.uri(database)
+
+    def kill(self) -> None:
+        os.kill(self.process.proc.pid, signal.SIGKILL)
+        self.process.proc.wait()
+
+    def pause(self) -> None:
+        """Stop the server, and return once the kernel shows every thread of it stopped: a
+        SIGSTOP is delivered asynchronously, and a statement answered in between would then
+        wait its whole ``send_receive_timeout``."""
+        pid = self.process.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        while not _all_threads_stopped(pid):
+            time.sleep(0.001)
+
+    def resume(self) -> None:
+        os.kill(self.process.proc.pid, signal.SIGCONT)
+
+    def restart(self) -> None:
+        self.live = self.process.start()
+
+    def stop(self) -> None:
+        if self.process.proc is not None and self.process.proc.poll() is None:
+            self.resume()
+        self.process.stop()
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is in the stopped state (``T``)."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                states.append(stat.read().rpartition(")")[2].split()[0])
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+    return bool(states) and all(state in ("T", "t") for state in states)

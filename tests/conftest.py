@@ -144,3 +144,48 @@ def clickhouse_database(clickhouse_server):
 def clickhouse_uri(clickhouse_server, clickhouse_database):
     """``clickhouse://...`` URI of a fresh database on the live server."""
     return clickhouse_server.uri(clickhouse_database)
+
+
+@pytest.fixture
+def own_server():
+    """A ``clickhouse-server`` of the test's own (``tests._clickhouse.OwnServer``), to kill, stop
+    and restart; stopped afterwards. Skipped without a local server binary."""
+    from tests._clickhouse import OwnServer, find_server_binary
+
+    binary = find_server_binary()
+    if binary is None:
+        pytest.skip("needs a local clickhouse-server binary (tests/_clickhouse.py)")
+    server = OwnServer(binary)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def proxy(clickhouse_server):
+    """A TCP proxy to the live server that cuts a connection at a chosen moment (a fake: the
+    real server cannot be made to break a connection mid-statement; ``tests/_proxy.py``)."""
+    from tests._proxy import CuttingProxy
+
+    with CuttingProxy(clickhouse_server.host, clickhouse_server.port) as p:
+        yield p
+
+
+@pytest.fixture
+def direct(clickhouse_uri):
+    """A catalog that bypasses the proxy: what every other reader sees."""
+    from dmi.catalog import open_catalog
+
+    with open_catalog(clickhouse_uri) as catalog:
+        yield catalog
+
+
+@pytest.fixture
+def via_proxy(proxy, clickhouse_server, clickhouse_database, direct):
+    """The same database as ``direct``, through ``proxy``."""
+    from dmi.catalog import open_catalog
+
+    uri = proxy.uri(clickhouse_database, clickhouse_server.user, clickhouse_server.password)
+    with open_catalog(uri, send_receive_timeout=30) as catalog:
+        yield catalog

@@ -16,9 +16,7 @@ retried, and loses no sealed pack.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import threading
 import time
 import uuid
@@ -36,33 +34,13 @@ from dmi.storage.errors import (
     QuarantinedError,
     ServerError,
 )
-from tests._clickhouse import LocalServerProcess, find_server_binary
 from tests._models import left_padded_batch, tiny
-from tests._proxy import CuttingProxy
 from tests.catalog_conformance import pack
 
 RENEWAL = b"\x05renew"
 WATERMARK = b"\x08pack_ids\x0dArray(String)"  # the watermark block's column header
 
 
-@pytest.fixture
-def proxy(clickhouse_server):
-    with CuttingProxy(clickhouse_server.host, clickhouse_server.port) as p:
-        yield p
-
-
-@pytest.fixture
-def direct(clickhouse_uri):
-    """A catalog that bypasses the proxy: what every other reader sees."""
-    with open_catalog(clickhouse_uri) as catalog:
-        yield catalog
-
-
-@pytest.fixture
-def via_proxy(proxy, clickhouse_server, clickhouse_database, direct):
-    uri = proxy.uri(clickhouse_database, clickhouse_server.user, clickhouse_server.password)
-    with open_catalog(uri, send_receive_timeout=30) as catalog:
-        yield catalog
 
 
 def _riding(catalog, ride_out_seconds: float, **options):
@@ -211,33 +189,6 @@ def test_ride_out_seconds_is_checked(store_and_catalog):
             publisher.ride_out_seconds = bad
     publisher.ride_out_seconds = 2
     assert publisher.ride_out_seconds == 2.0
-
-
-class _OwnServer:
-    """A server process of this test's own, killed (SIGKILL) and restarted on the same ports and data."""
-
-    def __init__(self, binary: str):
-        self.process = LocalServerProcess(binary)
-        self.live = self.process.start()
-
-    def kill(self) -> None:
-        os.kill(self.process.proc.pid, signal.SIGKILL)
-        self.process.proc.wait()
-
-    def restart(self) -> None:
-        self.live = self.process.start()
-
-
-@pytest.fixture
-def own_server():
-    binary = find_server_binary()
-    if binary is None:
-        pytest.skip("needs a local clickhouse-server binary (tests/_clickhouse.py)")
-    server = _OwnServer(binary)
-    try:
-        yield server
-    finally:
-        server.process.stop()
 
 
 def _uri(server) -> str:

@@ -15,7 +15,6 @@ import pytest
 
 from dmi.catalog import open_catalog
 from dmi.storage import CatalogUnavailableError, LeaseHeldError, LeaseLostError, QuarantinedError
-from tests._proxy import CuttingProxy
 from tests.catalog_conformance import pack
 
 pytestmark = pytest.mark.live
@@ -26,24 +25,6 @@ RENEWAL = b"\x05renew"
 WATERMARK = b"\x08pack_ids\x0dArray(String)"  # the watermark block's column header
 
 
-@pytest.fixture
-def proxy(clickhouse_server):
-    with CuttingProxy(clickhouse_server.host, clickhouse_server.port) as p:
-        yield p
-
-
-@pytest.fixture
-def direct(clickhouse_uri):
-    """A catalog that bypasses the proxy: what every other reader sees."""
-    with open_catalog(clickhouse_uri) as catalog:
-        yield catalog
-
-
-@pytest.fixture
-def via_proxy(proxy, clickhouse_server, clickhouse_database, direct):
-    uri = proxy.uri(clickhouse_database, clickhouse_server.user, clickhouse_server.password)
-    with open_catalog(uri, send_receive_timeout=30) as catalog:
-        yield catalog
 
 
 def lease_rows(catalog, kind):

@@ -15,11 +15,8 @@ stay readable, those sealed after stay in the store and ``recover`` publishes th
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
@@ -29,104 +26,44 @@ from dmi.catalog import open_catalog
 from dmi.reader import assemble, read_records
 from dmi.storage import PackStore
 from dmi.storage.errors import CatalogUnavailableError, DrainError
-from tests._clickhouse import LocalServerProcess, find_server_binary
 from tests._models import left_padded_batch, tiny
 
 pytestmark = pytest.mark.slow
-
-
-class _Server:
-    """A server process of this test's own, killed, stopped and restarted on the same ports and data."""
-
-    def __init__(self, binary: str):
-        self.process = LocalServerProcess(binary)
-        self.live = self.process.start()
-
-    def uri(self, database: str) -> str:
-        return self.live.uri(database)
-
-    def kill(self) -> None:
-        os.kill(self.process.proc.pid, signal.SIGKILL)
-        self.process.proc.wait()
-
-    def pause(self) -> None:
-        """Stop the server, and return once the kernel shows it stopped: a SIGSTOP is delivered
-        asynchronously, and a statement answered in between would then wait its whole
-        ``send_receive_timeout``."""
-        pid = self.process.proc.pid
-        os.kill(pid, signal.SIGSTOP)
-        while not _all_threads_stopped(pid):
-            time.sleep(0.001)
-
-    def resume(self) -> None:
-        os.kill(self.process.proc.pid, signal.SIGCONT)
-
-    def restart(self) -> None:
-        self.live = self.process.start()
-
-    def stop(self) -> None:
-        if self.process.proc is not None and self.process.proc.poll() is None:
-            self.resume()
-        self.process.stop()
-
-
-@pytest.fixture
-def server():
-    binary = find_server_binary()
-    if binary is None:
-        pytest.skip("needs a local clickhouse-server binary (tests/_clickhouse.py)")
-    started = _Server(binary)
-    try:
-        yield started
-    finally:
-        started.stop()
-
-
-def _all_threads_stopped(pid: int) -> bool:
-    """Whether every thread of process ``pid`` is in the stopped state (``T``)."""
-    states = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/stat") as stat:
-                states.append(stat.read().rpartition(")")[2].split()[0])
-        except FileNotFoundError:  # a thread that ended meanwhile
-            continue
-    return bool(states) and all(state in ("T", "t") for state in states)
 
 
 def _database() -> str:
     return f"dmi_faults_{uuid.uuid4().hex[:12]}"
 
 
-def test_a_server_killed_between_statements_is_unreachable_for_certain_and_answers_after_restart(server):
-    with open_catalog(server.uri(_database())) as catalog:
+def test_a_server_killed_between_statements_is_unreachable_for_certain_and_answers_after_restart(own_server):
+    with open_catalog(own_server.uri(_database())) as catalog:
         before = catalog.models()
-        server.kill()
+        own_server.kill()
         with pytest.raises(CatalogUnavailableError, match=r"cannot reach ClickHouse at .*Connection refused.*; "
                                                           "check that the server is running") as raised:
             catalog.models()
         assert raised.value.outcome_unknown is False  # nothing reached the server: no quarantine needed
-        server.restart()
+        own_server.restart()
         assert catalog.models() == before == []
 
 
-def test_a_stopped_server_fails_within_connect_timeout_named_as_a_timeout(server):
-    with open_catalog(server.uri(_database()), connect_timeout=1, send_receive_timeout=600) as catalog:
+def test_a_stopped_server_fails_within_connect_timeout_named_as_a_timeout(own_server):
+    with open_catalog(own_server.uri(_database()), connect_timeout=1, send_receive_timeout=600) as catalog:
         catalog.models()
-        server.pause()
+        own_server.pause()
         with pytest.raises(CatalogUnavailableError, match=r"no answer within 1 s \(connect_timeout; a server "
                                                           r"stopped or overloaded answers nothing\)") as raised:
             catalog.models()
         assert raised.value.outcome_unknown is False
-        server.resume()
+        own_server.resume()
         assert catalog.models() == []
 
 
-def test_a_renewal_whose_server_died_before_its_write_keeps_the_lease_for_after_the_restart(server, monkeypatch):
+def test_a_renewal_whose_server_died_before_its_write_keeps_the_lease_for_after_the_restart(own_server, monkeypatch):
     """The server is killed between the renewal's read and its write: the write never left
     this process, so the publisher keeps its term (no quarantine) and renews once the server
     is back. The kill lands there through the backend's ``insert``; everything else is real."""
-    with open_catalog(server.uri(_database())) as catalog:
+    with open_catalog(own_server.uri(_database())) as catalog:
         publisher = catalog.publisher("faults", holder="A", lease_seconds=600)
         term = publisher.acquire()
         expires = publisher.expires_at
@@ -134,7 +71,7 @@ def test_a_renewal_whose_server_died_before_its_write_keeps_the_lease_for_after_
         real_insert = backend.insert
 
         def killed_first(table, data):
-            server.kill()
+            own_server.kill()
             monkeypatch.setattr(backend, "insert", real_insert)
             return real_insert(table, data)
 
@@ -143,7 +80,7 @@ def test_a_renewal_whose_server_died_before_its_write_keeps_the_lease_for_after_
             publisher.renew()
         assert raised.value.outcome_unknown is False
         assert (publisher.term, publisher.quarantined, publisher.expires_at) == (term, False, expires)
-        server.restart()
+        own_server.restart()
         assert publisher.renew() > expires
         assert catalog.lease_state("faults").term == term
 
@@ -157,16 +94,16 @@ def _read_all(store, catalog, model_id: str) -> dict:
     return {rid: assemble(group, read_records(store, group)) for rid, group in by_request.items()}
 
 
-def test_a_capture_whose_server_dies_loses_no_sealed_pack(server, tmp_path):
+def test_a_capture_whose_server_dies_loses_no_sealed_pack(own_server, tmp_path):
     store = PackStore.local(tmp_path / "packs")
     model, (ids, mask) = tiny("llama"), left_padded_batch()
-    with open_catalog(server.uri(_database())) as catalog:
+    with open_catalog(own_server.uri(_database())) as catalog:
         session = attach(model, hooks="resid_post", store=store, catalog=catalog, model_id="m",
                          writer_options={"max_records": 10})
         cap = session.__enter__()
         first, _ = cap.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
         published = {d.pack_id for d in cap.flush()}
-        server.kill()
+        own_server.kill()
         with pytest.raises(DrainError) as raised:
             for _ in range(3):  # the drain fails at its first publish; the step after says so
                 cap.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
@@ -177,7 +114,7 @@ def test_a_capture_whose_server_dies_loses_no_sealed_pack(server, tmp_path):
             session.__exit__(None, None, None)
         sealed = set(store.list_packs())
         assert published < sealed  # packs sealed after the kill are kept, unpublished
-        server.restart()
+        own_server.restart()
         assert catalog.published_pack_ids() == published
         assert set(_read_all(store, catalog, "m")) == set(first)
         assert set(catalog.recover(store)) == sealed - published
