@@ -262,12 +262,18 @@ class Drain:
         if self._closed:
             return []
         self._closed = True
+        published: list = []
         try:
-            return self.flush(timeout)
+            published = self.flush(timeout)
         finally:
             self._q.put(None)
             self._thread.join(timeout)
-            self.check(settled=not self._thread.is_alive())  # an error closing the writer
+            try:
+                self.check(settled=not self._thread.is_alive())  # an error closing the writer
+            except BaseException:
+                self.published[:0] = published  # the flush's packs stay in ``published`` for the caller
+                raise
+        return published
 
     # -- the thread -----------------------------------------------------------------------------
     def _lower_priority(self) -> None:

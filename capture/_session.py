@@ -794,18 +794,14 @@ class CaptureSession:
 
     def _close_drain(self) -> None:
         """Seal and publish what the drain holds, then stop it. :attr:`published` gets every
-        pack the drain published, also where this raises: a flush hands back what it published
-        only when it succeeds, so what the drain published on its way to a failure (the packs
-        sealed whole before it) is taken from the drain's own list. The flush before the close
-        keeps its packs here where the close then fails (closing the writer)."""
+        pack the drain published, also where this raises: the close hands back what it published
+        only when it succeeds, so what the drain published on its way to a failure is taken from
+        the drain's own list."""
         try:
-            self.published.extend(self.drain.flush())
+            self.published.extend(self.drain.close())
         finally:
-            try:
-                self.published.extend(self.drain.close())
-            finally:
-                self.published.extend(self.drain.published)
-                self.drain.published = []
+            self.published.extend(self.drain.published)
+            self.drain.published = []
 
 
 def _refuse_embeds(hooks: list[str]) -> None:

@@ -39,7 +39,7 @@ from dmi._values import (
     RunSummary,
     VerifyReport,
 )
-from dmi.catalog import CATALOG_ENV, HOME_ENV, default_catalog_uri, open_catalog
+from dmi.catalog import CATALOG_ENV, HOME_ENV, Catalog, default_catalog_uri, open_catalog
 from dmi.storage import PackStore
 from dmi.storage.errors import (
     DuplicateChunkError,
@@ -266,7 +266,7 @@ def _plan_options(model: Any, plan: Any, hooks: Any, layers: Any,
     return plan, {**plan.attach_options(), **options}
 
 
-_DEFAULT_TABLE_PREFIX = "dmi_"  # dmi.catalog.Catalog's, the tables dmi.open opens
+_DEFAULT_TABLE_PREFIX = Catalog.__init__.__kwdefaults__["table_prefix"]  # the tables dmi.open opens
 
 
 class Store:
