@@ -22,12 +22,16 @@ reached the server) **quarantines** the publisher: it drops its term and refuses
 publish until :meth:`Publisher.acquire` succeeds again. A failure that certainly did not
 land (could not connect, or ClickHouse refused the statement) does not quarantine.
 
-**Riding out an outage**: :meth:`Publisher.publish` and :meth:`Publisher.renew` retry a call
-that met an unreachable catalog, with bounded backoff, for up to ``ride_out_seconds`` and
-never past the lease's expiry. A quarantine met on the way is ended by acquiring a new term
-only where no one but this publisher wrote to the scope since its term (then no other
+**Riding out an outage**: :meth:`Publisher.acquire`, :meth:`Publisher.publish` and
+:meth:`Publisher.renew` retry a call that met an unreachable catalog, with bounded backoff, for
+up to ``ride_out_seconds`` (publish and renew never past the lease's expiry). An acquire simply
+claims again: a claim, fence or confirm of its own whose landing was unknown is superseded by
+the next claim's higher term, which fences it (the same holder taking over its own lease), so
+one term is live. A quarantine a publish or renewal meets on the way is ended by acquiring a
+new term only where no one but this publisher wrote to the scope since its term (then no other
 writer can have held it); a watermark whose landing was unknown is not written again when
-it turns out visible. ClickHouse's own errors are never retried.
+it turns out visible. ClickHouse's own errors, and a lease another holder holds, are never
+retried.
 """
 
 from __future__ import annotations
@@ -170,8 +174,8 @@ class Publisher:
     its own once half the lease has passed. Thread-safe: calls run one at a time (e.g. a
     drain thread publishing and renewing while another thread releases).
 
-    ``ride_out_seconds`` (default 0: every failure raised at once): how long :meth:`publish`
-    and :meth:`renew` keep retrying while the catalog is unreachable (:meth:`_riding_out`);
+    ``ride_out_seconds`` (default 0: every failure raised at once): how long :meth:`acquire`,
+    :meth:`publish` and :meth:`renew` keep retrying while the catalog is unreachable (:meth:`_riding_out`);
     ``retries`` and ``reacquired`` count what riding out did. It may be set after
     construction too.
     """
@@ -218,7 +222,7 @@ class Publisher:
 
     @property
     def ride_out_seconds(self) -> float:
-        """How long :meth:`publish` and :meth:`renew` retry an unreachable catalog (0: not at all)."""
+        """How long :meth:`acquire`, :meth:`publish` and :meth:`renew` retry an unreachable catalog (0: not at all)."""
         return self._ride_out_seconds
 
     @ride_out_seconds.setter
@@ -320,10 +324,17 @@ class Publisher:
     def acquire(self) -> int:
         """Claim the scope with a new term; returns the term.
 
-        Raises LeaseHeldError while another holder's lease is live. The same holder name may
-        take over its own live lease (e.g. after a restart or a quarantine); that fences its
-        older term like any takeover.
+        Raises LeaseHeldError while another holder's lease is live (at once, never retried).
+        The same holder name may take over its own live lease (e.g. after a restart or a
+        quarantine); that fences its older term like any takeover. Rides out an unreachable
+        catalog (see :meth:`_riding_out`): a try whose claim, fence or confirm may have landed
+        unseen is followed by a fresh claim of a higher term — a confirm that did land is this
+        holder's own live lease, taken over and fenced like any other, so one term is live.
         """
+        return self._riding_out("acquire", self._acquire_once, holding=False)
+
+    def _acquire_once(self) -> int:
+        """One try of :meth:`acquire` (rival claims met are retried here, up to ``max_attempts``)."""
         for attempt in range(self.max_attempts):
             state = read_state(self._target, self.scope)
             now = self._clock()
@@ -485,21 +496,23 @@ class Publisher:
         return bool(landed) and not cut
 
     # ----------------------------------------------------------------- riding out an outage
-    def _riding_out(self, what: str, attempt: Callable[[], object]):
+    def _riding_out(self, what: str, attempt: Callable[[], object], *, holding: bool = True):
         """``attempt()``, tried again while the catalog is unreachable (``CatalogUnavailableError``,
         or a quarantine it caused), with backoff from 50 ms doubling to ``max_backoff_seconds``,
-        until ``ride_out_seconds`` have passed or a tenth of the lease before the expiry the
-        lease had when the call began (whichever comes first; then the last error is raised,
-        saying so). A quarantine met on the way is ended by :meth:`_resume` before the next
-        try. Anything else (ClickHouse's own errors, a lost or held lease) is raised at once."""
+        until ``ride_out_seconds`` have passed or — for a call made ``holding`` the lease — a
+        tenth of the lease before the expiry the lease had when the call began (whichever comes
+        first; then the last error is raised, saying so). A quarantine met on the way by a call
+        ``holding`` the lease is ended by :meth:`_resume` before the next try (an acquire, not
+        holding it, ends a quarantine itself). Anything else (ClickHouse's own errors, a lost or
+        held lease) is raised at once. Every repeated try is counted in ``retries``."""
         started = time.monotonic()
         until = started + self.ride_out_seconds
-        expiry_bound = self._expires_at - self.lease_seconds / 10
+        expiry_bound = self._expires_at - self.lease_seconds / 10 if holding else float("inf")
         backoff = 0.05
         tries = 0
         while True:
             try:
-                if self._quarantined:
+                if holding and self._quarantined:
                     self._resume()
                 return attempt()
             except (CatalogUnavailableError, QuarantinedError) as exc:
@@ -509,7 +522,8 @@ class Publisher:
                 if delay <= 0 or self._clock() + delay >= expiry_bound:
                     if not tries:
                         raise
-                    raise _gave_up(exc, what, tries, time.monotonic() - started, self.ride_out_seconds) from exc
+                    raise _gave_up(exc, what, tries, time.monotonic() - started, self.ride_out_seconds,
+                                   holding) from exc
             time.sleep(delay)
             backoff = min(2 * backoff, self.max_backoff_seconds)
             tries += 1
@@ -521,7 +535,7 @@ class Publisher:
         quarantine dropped carries a nonce other than this publisher's own. Then no one else
         claimed the scope since that term, so no other writer can have held it, and the new
         term's fence keeps visible everything that term landed before it (each watermark once).
-        Otherwise ``QuarantinedError``, not retried."""
+        Otherwise ``QuarantinedError``, not retried. (One try: the ride-out around it retries.)"""
         term = self._quarantined_term
         t = self._target.tables
         params = {"scope": self.scope, "term": term}
@@ -541,7 +555,7 @@ class Publisher:
                 f"its term {term}, so it does not take the lease back on its own; call acquire() to take "
                 "it over deliberately"
             )
-        self.acquire()
+        self._acquire_once()
         self.reacquired += 1
 
     # ----------------------------------------------------------------- context manager
@@ -560,12 +574,14 @@ def _outage(exc: BaseException) -> bool:
     return isinstance(exc, CatalogUnavailableError)
 
 
-def _gave_up(exc: BaseException, what: str, tries: int, seconds: float, ride_out: float) -> BaseException:
+def _gave_up(exc: BaseException, what: str, tries: int, seconds: float, ride_out: float,
+             holding: bool) -> BaseException:
     """``exc`` once riding it out failed: the same error (its attributes kept, e.g.
-    ``outcome_unknown``), saying how long it was tried."""
+    ``outcome_unknown``), saying how long it was tried (``holding``: bounded by the lease's expiry too)."""
+    bound = " and the lease's expiry" if holding else ""
     error = type(exc)(
         f"{exc} [the {what} was tried {tries + 1} times over {seconds:.1f} s: the catalog stayed unreachable "
-        f"within ride_out_seconds={ride_out:g} and the lease's expiry]"
+        f"within ride_out_seconds={ride_out:g}{bound}]"
     )
     error.__dict__.update(exc.__dict__)
     return error
