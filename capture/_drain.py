@@ -95,7 +95,7 @@ class DrainStats:
     thread_cpu_seconds: float = 0.0  # the drain thread's CPU time, as of the latest flush or seal it was asked for
     encoder_cpu_seconds: float = 0.0  # CPU time of the appends its encoding threads ran
     codec_switches: int = 0  # times the drain went from the writer's codec to the fallback
-    records_fallback: int = 0  # records stored with the fallback codec
+    records_fallback: int = 0  # records stored with the fallback codec instead of their own
     start_seconds: float | None = None  # how long ``start`` (the lease) took; None until it succeeded
 
 
@@ -347,6 +347,7 @@ class Drain:
                     except BaseException as exc:  # noqa: BLE001 - surfaced by check()
                         self.error = exc
                 if self.error is not None:
+                    self._seal_after_failure()
                     self._after_failure()
                 self.stats.thread_cpu_seconds = time.thread_time()  # counted before the caller reads it
                 item.done.set()
@@ -487,6 +488,17 @@ class Drain:
         del self.ctx.sealed[:n]
         self._sealed_counted -= n
 
+    def _seal_after_failure(self) -> None:
+        """Once the drain has failed, seal the open pack — the records appended before the
+        failure — into ``ctx.sealed`` at the flush (or seal) that reached the failure, as the
+        writer's close would later: the count of unpublished packs a settled error gives is
+        then final, where a pack the close sealed after it went uncounted. A seal that fails
+        too leaves it to the close; the drain's first error is the one raised."""
+        try:
+            self._seal_open()
+        except BaseException:  # noqa: BLE001, S110 - the drain's first error is the one raised
+            pass
+
     def _after_failure(self) -> None:
         """Once the drain has failed: count what the failure discarded, then publish what it
         sealed whole before (each at most once, whenever a flush or the close comes)."""
@@ -583,7 +595,8 @@ class Drain:
         else:
             self._write(key, rec, shard=shard, token_axis=spec.token_axis, key_axis=spec.key_axis,
                         codec=self._codec)
-            self.stats.records_fallback += 1
+            own = self._hook_codecs.get(hook, getattr(self.writer, "codec", None))
+            self.stats.records_fallback += own != self._codec  # a record already stored so is not counted
         self.stats.records += 1
         if self.texts is not None and hook == "token_ids":
             self._append_text(key, rec)
