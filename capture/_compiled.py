@@ -79,7 +79,9 @@ def ring_write(buffer: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, regi
             raise CaptureError(
                 f"compiled capture planned {length} bytes of {_DTYPES[code]} for a tensor of "
                 f"{nbytes} bytes of {src.dtype} ({n} rows of width {width}); the model produced a "
-                "tensor its geometry does not describe"
+                "tensor its geometry does not describe (under torch.autocast, or a module that "
+                "returns another dtype than the model's); capture it with compiled=False on the "
+                "uncompiled model, or run it without autocast"
             )
         dst = buffer.narrow(0, offset, nbytes).view(src.dtype).view(n, width)
         torch.index_select(src, 0, rows, out=dst)
@@ -111,12 +113,27 @@ def _dtype_code(dtype: torch.dtype) -> int:
 def compiled_form(model: nn.Module) -> str | None:
     """How ``model`` was compiled: ``"module"`` (``torch.compile(model)``, an
     ``OptimizedModule``), ``"forward"`` (``model.forward = torch.compile(model.forward)``),
-    ``"call"`` (``model.compile()``), or ``None``."""
-    if isinstance(model, torch._dynamo.OptimizedModule):
+    ``"call"`` (``model.compile()``), ``"submodule"`` (one of its modules compiled in one of
+    these ways, e.g. ``model.model.compile()``), or ``None``.
+
+    A compiled submodule counts: a graph it traced before attaching holds no capture hook,
+    and only the compiled path clears such graphs (an eager session would run it and record
+    nothing of the layers inside it)."""
+    own = _own_form(model)
+    if own is not None:
+        return own
+    if any(_own_form(sub) is not None for sub in inner_model(model).modules()):
+        return "submodule"
+    return None
+
+
+def _own_form(module: nn.Module) -> str | None:
+    """How ``module`` itself (not its children) was compiled, or ``None``."""
+    if isinstance(module, torch._dynamo.OptimizedModule):
         return "module"
-    if hasattr(vars(model).get("forward"), "_torchdynamo_orig_callable"):
+    if hasattr(vars(module).get("forward"), "_torchdynamo_orig_callable"):
         return "forward"
-    if getattr(model, "_compiled_call_impl", None) is not None:
+    if getattr(module, "_compiled_call_impl", None) is not None:
         return "call"
     return None
 
@@ -144,9 +161,9 @@ _GUARDED_LOCK = threading.Lock()
 
 
 def guard_hooks() -> None:
-    """A compiled session starts: dynamo guards on module hooks from now on, so a graph
-    traced without the taps never runs where they are installed, nor one traced with them
-    where they are not. Clears the process's in-memory torch.compile caches (graphs traced
+    """A compiled session starts (or an eager one, where code was traced before it): dynamo
+    guards on module hooks from now on, so a graph traced without the taps never runs where
+    they are installed, nor one traced with them where they are not. Clears the process's in-memory torch.compile caches (graphs traced
     before hold no such guard): every compiled model recompiles once."""
     with _GUARDED_LOCK:
         if _GUARDED["sessions"] == 0:
@@ -156,8 +173,15 @@ def guard_hooks() -> None:
         torch.compiler.reset()
 
 
+def traced_before() -> bool:
+    """Whether torch.compile traced any code in this process since its caches were last
+    cleared: a graph traced before an eager session's hooks were installed holds none of them
+    and, unguarded, would run in place of the hooked forward (nothing captured, no error)."""
+    return bool(torch._dynamo.convert_frame.input_codes.seen)
+
+
 def unguard_hooks() -> None:
-    """A compiled session ended: clear the caches again (graphs traced with its taps would
+    """A session that guarded hooks ended: clear the caches again (graphs traced with its taps would
     call the op) and, when it was the last, restore the hook-guard setting."""
     with _GUARDED_LOCK:
         _GUARDED["sessions"] -= 1

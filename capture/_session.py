@@ -52,7 +52,7 @@ from dmi.storage.records import GLOBAL_LAYER
 from ._arch import Architecture, resolve_architecture
 from ._codec_choice import resolve_codecs
 from ._compiled import (Staging, check_compiled_selection, compiled_form, guard_hooks, inner_model,
-                        install_compiled_taps, outside_graph, unguard_hooks)
+                        install_compiled_taps, outside_graph, traced_before, unguard_hooks)
 from ._drain import Drain, KeyContext, cuda_event_for_submission
 from ._generate import (CaptureResult, SequenceEnds, cached_tokens, eos_token_ids, left_pads, prepare_batch,
                         sequences_per_prompt)
@@ -121,8 +121,9 @@ class _Call:
 
 
 CATALOG_RIDE_OUT_SECONDS = 10.0
-"""How long a session's publishes and lease renewals retry an unreachable catalog (at most a
-third of its lease): a blip is ridden out, the drain waiting meanwhile (docs/catalog-protocol.md)."""
+"""How long a session's lease acquire, publishes and lease renewals retry an unreachable catalog
+(at most a third of its lease): a blip is ridden out, the drain waiting meanwhile, and counted
+in ``stats["catalog_retries"]`` (docs/catalog-protocol.md)."""
 
 HOLDER_CHECK_SECONDS = 1.0
 """How often a thread waiting for the session checks that its holder's thread still runs."""
@@ -258,7 +259,7 @@ class CaptureSession:
         self._closed = False
         self._cuda_side_stream = None
         self._staging: Staging | None = None
-        self._hooks_guarded = False  # this session turned dynamo's hook guards on (compiled)
+        self._hooks_guarded = False  # this session turned dynamo's hook guards on (compiled, or traced before)
         self.compiled = compiled
         self._lock = _SessionGate()  # held by each call and forward, by flush and close
         self._calls = 0  # session calls the gate's holder is inside (only the holder changes it)
@@ -479,6 +480,9 @@ class CaptureSession:
             self._install_compiled()
             return
         self._install_taps(self.arch.taps(self._emitted))
+        if traced_before():  # a graph traced without these hooks would run instead of them
+            guard_hooks()
+            self._hooks_guarded = True
 
     def _install_compiled(self) -> None:
         """Taps that write through the ``dmi::ring_write`` op into a staging buffer (see
@@ -1318,8 +1322,10 @@ class _Publishing:
 
     def start(self) -> None:
         """Acquire the lease — on a thread beside the drain's, so neither attaching nor the
-        drain's work waits on the catalog; a failure (e.g. ``LeaseHeldError``) surfaces as
-        ``DrainError`` at the next step, ``flush()`` or exit, before anything is published."""
+        drain's work waits on the catalog. A catalog unreachable for a moment is ridden out
+        (:data:`CATALOG_RIDE_OUT_SECONDS`); a failure (e.g. ``LeaseHeldError``, or an outage
+        longer than that) surfaces as ``DrainError`` at the next step, ``flush()`` or exit,
+        before anything is published."""
         self.publisher.acquire()
         self._renewed = time.monotonic()
 
