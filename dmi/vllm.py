@@ -58,7 +58,9 @@ import time
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
-from dmi.storage import errors
+# the workers' error replies are made and read in a module that needs no vLLM (tested without it)
+from dmi.capture._vllm import error_reply as _error_reply
+from dmi.capture._vllm import raise_replied as _raise_replied
 from dmi.storage.errors import AttachError, CaptureError, DMIError, InvalidArgumentError, VLLMConfigError
 
 __all__ = ["CaptureExecutor", "CaptureMultiprocExecutor", "CaptureWorkerExtension", "WorkerCapture", "CAPTURE_ENV",
@@ -71,9 +73,6 @@ CAPTURE_ENV = "DMI_VLLM_CAPTURE"
 
 IDLE_PUBLISH_SECONDS = 0.25
 """How long an engine stays idle before what it captured is sealed and published."""
-
-_CAUSES_KEPT = 8
-"""How many links of a worker error's ``__cause__`` chain are sent back with it."""
 
 _ALLOWED = frozenset({
     "hooks", "layers", "model_id", "run_id", "schedule", "ring_slots", "slot_bytes", "ring_timeout",
@@ -320,18 +319,6 @@ def _replied(call) -> dict:
         return _error_reply(exc)
 
 
-def _error_reply(exc: DMIError) -> dict:
-    """``exc`` as plain data that crosses vLLM's process boundary: ``{"error": class name,
-    "message": ..., "causes": [{"error", "message"}, ...]}``, its ``__cause__`` chain outermost
-    first (:func:`_raise_replied` makes them again in the caller's process)."""
-    causes = []
-    link = exc.__cause__
-    while link is not None and len(causes) < _CAUSES_KEPT:
-        causes.append({"error": type(link).__name__, "message": str(link)})
-        link = link.__cause__
-    return {"error": type(exc).__name__, "message": str(exc), "causes": causes}
-
-
 class WorkerCapture:
     """The session ``dmi.capture_vllm`` yields for an engine whose workers run in other
     processes: the same ``generate``, ``flush``, ``stats``, ``model_id``, ``run_id``."""
@@ -425,68 +412,9 @@ def capture_in_workers(llm, *, catalog: str, packs: str, options: dict):
 
 def _attached_or_raise(replies: list[dict]) -> list[dict]:
     """The workers' ``dmi_attach`` replies, or the first refusal among them raised as the DMI
-    error class the worker raised, with its message (a class this process cannot make from a
-    message alone: :class:`AttachError` naming it)."""
+    error the worker raised, its message and attributes (``PlanError``'s ``field``, ...) with it
+    (an error that is no DMI error: :class:`AttachError` naming it)."""
     return _raise_replied(replies, attaching=True)
-
-
-def _raise_replied(replies: list, *, attaching: bool = False) -> list:
-    """``replies``, one per worker in rank order (None: a worker with nothing to say), or the
-    first error reply among them (:func:`_error_reply`) raised as the DMI error the worker
-    raised — its class, its message, its cause chain as far as DMI errors make it — and, for a
-    capture that failed (not a refusal to attach: every rank refuses alike), the rank that
-    raised it and any other rank that failed too in a note (several ranks). Crossing vLLM's
-    process boundary as a raised exception, it would reach the caller as vLLM's generic worker
-    error, its class and facts lost."""
-    failed = [(rank, reply) for rank, reply in enumerate(replies) if reply is not None and "error" in reply]
-    if not failed:
-        return replies
-    (rank, reply), others = failed[0], failed[1:]
-    exc = _worker_error(reply["error"], reply["message"], attaching=attaching)
-    exc.__cause__ = _causes(reply.get("causes", ()))
-    if len(replies) > 1 and not attaching:
-        also = "".join(f"; rank {r} raised {other['error']} too" for r, other in others)
-        exc.add_note(f"raised in vLLM worker rank {rank} of {len(replies)}{also}")
-    raise exc
-
-
-def _worker_error(name: str, message: str, *, attaching: bool) -> DMIError:
-    """The error a worker raised (refused to attach with, if ``attaching``), made again here
-    from its class name and message; a class this process cannot make from a message alone
-    becomes :class:`AttachError` (attaching) or :class:`CaptureError` naming it."""
-    made = _dmi_error(name, message)
-    if made is not None:
-        return made
-    if attaching:
-        return AttachError(f"a vLLM worker refused to attach ({name}): {message}")
-    return CaptureError(f"a vLLM worker's capture failed ({name}): {message}")
-
-
-def _dmi_error(name: str, message: str) -> DMIError | None:
-    """DMI's error class ``name`` made from ``message``; None if ``name`` is no DMI error, or
-    one with fields of its own (``PlanError``, ...)."""
-    cls = getattr(errors, name, None)
-    if isinstance(cls, type) and issubclass(cls, DMIError):
-        try:
-            return cls(message)
-        except TypeError:  # a class with fields of its own: the caller names it in its message
-            return None
-    return None
-
-
-def _causes(chain) -> DMIError | None:
-    """A worker error's ``__cause__`` chain (:func:`_error_reply`) made again here, outermost
-    first, up to its first link that is no DMI error a message makes (its text is in the
-    messages above it); None if that is the first."""
-    made = []
-    for link in chain:
-        cause = _dmi_error(link["error"], link["message"])
-        if cause is None:
-            break
-        made.append(cause)
-    for outer, inner in zip(made, made[1:]):
-        outer.__cause__ = inner
-    return made[0] if made else None
 
 
 def _plain(options: dict) -> dict:

@@ -103,9 +103,12 @@ def test_an_error_reply_is_raised_again_as_the_workers_error_with_its_causes_and
     from dmi.vllm import _error_reply, _raise_replied
 
     reply = _error_reply(_stop_in_a_worker())
-    assert reply == {"error": "DrainError", "message": "DMI stopped capturing inside the vLLM engine (...): 3 step(s)",
-                     "causes": [{"error": "DrainError", "message": "the capture drain thread failed"},
-                                {"error": "PackSealError", "message": "pack p: cannot create it"},
+    stopped = "DMI stopped capturing inside the vLLM engine (...): 3 step(s)"
+    assert reply == {"error": "DrainError", "message": stopped, "args": [stopped], "attrs": {},
+                     "causes": [{"error": "DrainError", "message": "the capture drain thread failed",
+                                 "args": ["the capture drain thread failed"], "attrs": {}},
+                                {"error": "PackSealError", "message": "pack p: cannot create it",
+                                 "args": ["pack p: cannot create it"], "attrs": {"lost_keys": {"tuple": []}}},
                                 {"error": "NotADirectoryError", "message": "[Errno 20] Not a directory"}]}
     assert _raise_replied([{"published": 1}, None]) == [{"published": 1}, None]
     with pytest.raises(DrainError) as raised:
