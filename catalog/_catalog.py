@@ -31,7 +31,8 @@ from dmi.catalog._sql import (
     validate_optional_value_id,
     validate_value_id,
 )
-from dmi.storage.errors import InvalidArgumentError, InvalidIdentifierError, PackError, SchemaVersionError, ServerError
+from dmi.storage.errors import (InvalidArgumentError, InvalidIdentifierError, RecoveryIncompleteError,
+                               SchemaVersionError, ServerError)
 from dmi.storage.records import PackDescriptor, RecordEntry
 
 __all__ = ["Catalog", "HookContents", "ModelTotals", "RequestTotals"]
@@ -387,8 +388,8 @@ class Catalog:
         but has not published yet would be published by recovery (harmless — readers see
         each record once). An entry named like a pack that is not a regular file (a FIFO, a
         directory) holds no pack: it is skipped, every pack is recovered all the same, and then
-        a :class:`PackError` names the skipped entries (how many, where, what) and the packs
-        recovered.
+        :class:`RecoveryIncompleteError` names the skipped entries (how many, where, what) and
+        the packs recovered, and carries both (``skipped``, ``recovered``).
         """
         from dmi.storage import read_pack_descriptor  # the storage layer's reader
 
@@ -911,15 +912,16 @@ class Catalog:
             ) from exc
 
 
-def _odd_entries_error(store, odd: dict[str, str], recovered: list[str]) -> PackError:
+def _odd_entries_error(store, odd: dict[str, str], recovered: list[str]) -> RecoveryIncompleteError:
     """The error naming the entries recovery skipped because they are not regular files (``odd``:
     pack id → what it is) and the packs it recovered all the same."""
     named = "; ".join(f"{store.location(pid)} is not a regular file (it is a {kind})" for pid, kind in odd.items())
     done = f"recovered {len(recovered)} {'pack' if len(recovered) == 1 else 'packs'} ({', '.join(recovered)})"
-    what = "entry named like a pack" if len(odd) == 1 else "entries named like packs"
-    return PackError(
-        f"{done if recovered else 'recovered no pack'}, but skipped {len(odd)} {what}: {named}; move them out of "
-        "the pack store (or restore the pack files there) and run recover again"
+    what, them = ("entry named like a pack", "it") if len(odd) == 1 else ("entries named like packs", "them")
+    return RecoveryIncompleteError(
+        f"{done if recovered else 'recovered no pack'}, but skipped {len(odd)} {what}: {named}; move {them} out of "
+        "the pack store (or restore the pack files there) and run recover again",
+        recovered=recovered, skipped=odd,
     )
 
 

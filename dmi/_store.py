@@ -661,7 +661,8 @@ class Store:
         Each record's stored bytes are checked against its checksum and decoded, and the
         catalog's row is checked against the pack's own index. Returns a report listing
         every bad record by pack and key (``kind`` ``"corrupt"``), every missing pack
-        (``"missing"``), and sealed packs on disk the catalog does not fully show — never
+        (``"missing"``), every pack whose records read back whole but whose file is damaged
+        elsewhere (``"damaged"``: its rows, its leading schema message), and sealed packs on disk the catalog does not fully show — never
         published, or index rows lost (run ``recover``).
         Raises only for catalog errors, a ``model_id`` that is not an id
         (``InvalidIdentifierError``) and an unknown one (``RecordNotFoundError``); bad packs
@@ -701,7 +702,7 @@ class Store:
         fresh = FooterCache()  # a fresh footer each time: verify must not trust an earlier read
         try:
             read_records(self.packs, entries, cache=fresh)
-            return []
+            return self._damage_beside_records(pack_id, len(entries))
         except PackNotFoundError as exc:
             return [Problem("missing", pack_id, None, f"{len(entries)} records lost: {exc}")]
         except PackError:
@@ -719,6 +720,21 @@ class Store:
                 problems.append(Problem("corrupt", pack_id, entry.meta.key, str(exc)))
         return problems
 
+    def _damage_beside_records(self, pack_id: str, n_records: int) -> list[Problem]:
+        """A pack whose records read back whole, read again as a whole file (rows against its
+        index, every checksum, the leading schema message against the footer:
+        :func:`dmi.storage.verify_pack`): damage no record's read touches, which a copy, a
+        recovery or a tool reading the file from its start would meet, is a ``"damaged"``
+        problem."""
+        from dmi.storage import verify_pack
+
+        try:
+            verify_pack(self.packs, pack_id)
+        except PackError as exc:
+            return [Problem("damaged", pack_id, None,
+                            f"the file is damaged beside its {n_records} records, which read back whole: {exc}")]
+        return []
+
     def unindexed_packs(self) -> list[str]:
         """Sealed packs on disk that the catalog does not fully show (``recover`` re-indexes them)."""
         return self.catalog.packs_to_recover(self.packs.list_packs())
@@ -732,9 +748,10 @@ class Store:
 
         Returns the packs published now (empty when there is nothing to do; running it
         twice publishes nothing the second time). Raises ``LeaseHeldError`` while another
-        recovery holds the lease, ``PackCorruptError`` for a pack whose index is unreadable, and
-        ``PackError`` naming every entry named like a pack that is not a regular file (a FIFO,
-        a directory) once every pack has been recovered around them.
+        recovery holds the lease, ``PackCorruptError`` for a pack whose index is unreadable (before
+        anything is published), and ``RecoveryIncompleteError`` naming every entry named like a
+        pack that is not a regular file (a FIFO, a directory) once every pack has been recovered
+        around them (its ``recovered`` and ``skipped`` say which).
         """
         ids = self.catalog.recover(self.packs)
         if not ids:

@@ -475,15 +475,19 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                   "run `dmi recover`", file=sys.stderr)
     if report.problems:
         packs = len({bad.pack_id for bad in report.problems})
-        print(f"dmi: error: {plural(bad_records, 'bad record', human_count)} in {plural(packs, 'pack')}", file=sys.stderr)
+        damaged = sum(bad.kind == "damaged" for bad in report.problems)
+        beside = f" ({plural(damaged, 'pack')} damaged beside records that read back whole)" if damaged else ""
+        print(f"dmi: error: {plural(bad_records, 'bad record', human_count)} in {plural(packs, 'pack')}{beside}",
+              file=sys.stderr)
         return EXIT_FAILURE
     return EXIT_OK
 
 
 def _bad_records(store: Any, report: Any, model_id: str | None) -> int:
     """How many records ``verify`` found bad: each record it names, and every checked record
-    of a pack it reports whole (missing, or its index unreadable: no reader gets past it)."""
-    whole = {p.pack_id for p in report.problems if p.key is None}
+    of a pack it reports whole (missing, or its index unreadable: no reader gets past it) —
+    not those of a pack ``"damaged"`` beside its records, which read back whole."""
+    whole = {p.pack_id for p in report.problems if p.key is None and p.kind != "damaged"}
     named = {p.key for p in report.problems if p.key is not None and p.pack_id not in whole}
     if not whole:
         return len(named)
@@ -492,16 +496,33 @@ def _bad_records(store: Any, report: Any, model_id: str | None) -> int:
 
 
 def _cmd_recover(args: argparse.Namespace) -> int:
+    """Recover, and print what was recovered and which entries named like packs are not regular
+    files (a FIFO, a directory: ``Store.recover`` skips them, recovers every pack around them,
+    then raises ``RecoveryIncompleteError``). That error ends the command with exit 1 only
+    after what it carries is printed (``--json``: ``recovered``, ``not_regular_files``), so a
+    script sees both."""
+    from dmi import RecoveredPack
     from dmi._human import human_count, plural
+    from dmi.storage.errors import RecoveryIncompleteError
 
+    failure = None
     with _open_store(args) as store:
-        published = store.recover()
+        try:
+            published = store.recover()
+        except RecoveryIncompleteError as exc:
+            counts = store.catalog.pack_record_counts(list(exc.recovered))
+            published, failure = [RecoveredPack(pid, counts.get(pid, 0)) for pid in exc.recovered], exc
+        odd = [] if failure is None else [{"pack_id": pid, "location": store.packs.location(pid), "kind": kind}
+                                          for pid, kind in failure.skipped.items()]
     if args.json:
-        _emit_json([p.as_dict() for p in published])
+        _emit_json({"recovered": [p.as_dict() for p in published], "not_regular_files": odd})
     else:
         for pack in published:
             print(f"published {pack.pack_id} ({plural(pack.records, 'record', human_count)})")
-        _say(args, f"recovered {plural(len(published), 'pack')}" if published else "nothing to recover")
+        if failure is None:
+            _say(args, f"recovered {plural(len(published), 'pack')}" if published else "nothing to recover")
+    if failure is not None:
+        raise failure  # its one line says what was left unrecovered and what to do: exit 1
     return EXIT_OK
 
 

@@ -3,7 +3,8 @@
 :func:`read_pack_descriptor` needs only the file's tail (Arrow footer + index batch), so
 catalog recovery can rebuild every index row of a pack it never saw sealed.
 :func:`verify_pack` reads everything and cross-checks the index against the rows and the
-payload bytes against their checksums (``dmi verify``).
+payload bytes against their checksums, and the file's leading magic and schema message (what a
+stream reader, or any tool that ignores the footer, reads) against its footer.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ from dmi.storage.errors import PackCorruptError, PackFormatError
 from dmi.storage.records import PackDescriptor, RecordEntry
 
 __all__ = ["read_pack_descriptor", "read_pack_index", "verify_pack"]
+
+_MAGIC = b"ARROW1"
+"""The Arrow IPC file magic, at the file's start (then 2 padding bytes) and at its end."""
+_STREAM_START = 8
+"""Where the file's stream (schema message, then every batch message) begins: past the magic
+and its padding."""
 
 
 def read_pack_descriptor(store: PackStore, pack_id: str) -> PackDescriptor:
@@ -68,7 +75,8 @@ def _check_ranges(pack_id: str, entries: list[RecordEntry], size: int) -> None:
 
 
 def verify_pack(store: PackStore, pack_id: str) -> PackDescriptor:
-    """Read the whole pack; raise unless rows, index, byte offsets and checksums all agree."""
+    """Read the whole pack; raise unless rows, index, byte offsets and checksums all agree, and the
+    file read as a stream (from its leading schema message) is the file its footer describes."""
     with store.open_input(pack_id) as source:
         descriptor = read_pack_index(source, store.location(pack_id))
         whole = bytearray(source.size)
@@ -76,7 +84,9 @@ def verify_pack(store: PackStore, pack_id: str) -> PackDescriptor:
     buffer = pa.py_buffer(whole)
     entries = iter(descriptor.records)
     try:
-        _scan_rows(pack_id, buffer, whole, entries)
+        by_footer = pa.ipc.open_file(pa.BufferReader(buffer))
+        _scan_rows(pack_id, by_footer, buffer, whole, entries)
+        _check_stream(pack_id, by_footer, buffer)
     except (pa.ArrowException, OSError, ValueError) as exc:  # ValueError: damaged buffer sizes
         raise PackCorruptError(f"pack {pack_id}: record batches unreadable: {exc}") from exc
     if next(entries, None) is not None:
@@ -84,9 +94,9 @@ def verify_pack(store: PackStore, pack_id: str) -> PackDescriptor:
     return descriptor
 
 
-def _scan_rows(pack_id: str, buffer: pa.Buffer, whole: bytearray, entries) -> None:
+def _scan_rows(pack_id: str, reader: pa.ipc.RecordBatchFileReader, buffer: pa.Buffer, whole: bytearray,
+               entries) -> None:
     """Walk every data batch; payload offsets come from buffer addresses, not the index."""
-    reader = pa.ipc.open_file(pa.BufferReader(buffer))
     for i in range(reader.num_record_batches - 1):
         batch = reader.get_batch(i)
         batch.validate(full=True)  # IPC reads trust offsets; damaged ones must not be followed
@@ -104,6 +114,50 @@ def _scan_rows(pack_id: str, buffer: pa.Buffer, whole: bytearray, entries) -> No
             stored = memoryview(whole)[offset : offset + (end - start)]
             if checksum(stored) != entry.meta.checksum:
                 raise PackCorruptError(f"pack {pack_id}: record {entry.meta.key.describe()} fails its checksum")
+
+
+def _check_stream(pack_id: str, by_footer: pa.ipc.RecordBatchFileReader, buffer: pa.Buffer) -> None:
+    """Refuse a file whose start disagrees with its footer. The file reader (every DMI read)
+    takes the schema and the batch locations from the footer and never reads the leading magic
+    or schema message; a stream reader, or a tool that ignores the footer, reads only those.
+    Both must get the same file: the magic, the same schema and metadata, and the same batches
+    over the same bytes, with the same custom metadata. Bytes neither reads (padding) are not
+    checked: docs/pack-format.md, "What verify checks"."""
+    if buffer[: len(_MAGIC)].to_pybytes() != _MAGIC:
+        raise _stream_damage(pack_id, "the leading Arrow magic is damaged")
+    as_stream = pa.ipc.open_stream(pa.BufferReader(buffer.slice(_STREAM_START)))
+    if not as_stream.schema.equals(by_footer.schema, check_metadata=True):
+        raise _stream_damage(pack_id, "the leading schema message differs from the footer's schema")
+    for i in range(by_footer.num_record_batches):
+        expected = by_footer.get_batch_with_custom_metadata(i)
+        try:
+            got = as_stream.read_next_batch_with_custom_metadata()
+        except StopIteration:
+            raise _stream_damage(pack_id, f"the stream ends before batch {i}") from None
+        if _layout(got) != _layout(expected):
+            raise _stream_damage(pack_id, f"batch {i} read as a stream differs from the footer's batch {i}")
+    try:
+        as_stream.read_next_batch()
+    except StopIteration:
+        return
+    raise _stream_damage(pack_id, f"the stream holds more than the footer's {by_footer.num_record_batches} batches")
+
+
+def _layout(batch_with_metadata) -> tuple:
+    """What a batch is, as bytes of the file: its custom metadata, rows, each column's null count,
+    and every column's buffers by address and size (both readers read zero-copy from the same
+    buffer, so equal addresses are the same bytes)."""
+    batch, metadata = batch_with_metadata
+    nulls = tuple(c.null_count for c in batch.columns)
+    buffers = tuple((b.address, b.size) if b is not None else None for c in batch.columns for b in c.buffers())
+    return dict(metadata or {}), batch.num_rows, nulls, buffers
+
+
+def _stream_damage(pack_id: str, what: str) -> PackCorruptError:
+    return PackCorruptError(
+        f"pack {pack_id}: {what}: the file is damaged where a stream reader (or any tool that reads it "
+        "from its start) would read it; restore the pack from a copy or recapture it"
+    )
 
 
 def _check_row(pack_id: str, entry: RecordEntry, batch: pa.RecordBatch, row: int, offset: int, length: int) -> None:

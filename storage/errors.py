@@ -19,6 +19,7 @@ exception types. Builtin mix-ins are added where callers naturally expect them.
     │   │   └── PackTruncatedError               file shorter than its records claim
     │   ├── PackFormatError                      not a DMI pack, or an unknown version
     │   ├── PackSealError (OSError)              could not make a pack durable (disk full, ...)
+    │   ├── RecoveryIncompleteError              recover went around entries that are no pack files
     │   ├── PackStoreNotInstalledError (ImportError)   a pack store's optional package (boto3 for s3://)
     │   └── UnsupportedDtypeError (TypeError)
     ├── CatalogError                             the ClickHouse index
@@ -68,6 +69,7 @@ __all__ = [
     "PackTruncatedError",
     "PackFormatError",
     "PackSealError",
+    "RecoveryIncompleteError",
     "PackStoreNotInstalledError",
     "UnsupportedDtypeError",
     "CatalogError",
@@ -126,6 +128,11 @@ class PlanError(InvalidArgumentError):
         self.field = field
         self.reason = reason
 
+    def __reduce__(self):
+        """Made again from its fields (its one argument is the message they make): pickling
+        carries it to another process — a DataLoader worker's, a vLLM worker's."""
+        return type(self), (self.source, self.field, self.reason), self.__dict__
+
 
 class LossyCodecError(InvalidArgumentError):
     """A lossy codec (``fp8``, ``int8``) was asked to store integer or boolean values (token
@@ -160,6 +167,17 @@ class PackSealError(PackError, OSError):
     def __init__(self, *args, lost_keys=()):
         super().__init__(*args)
         self.lost_keys = tuple(lost_keys)
+
+
+class RecoveryIncompleteError(PackError):
+    """Recovery went around entries named like packs that are not regular files (a FIFO, a
+    directory) and recovered every pack around them. ``recovered``: the ids of the packs it
+    published; ``skipped``: each skipped entry's pack id → what it is (``"FIFO"``, ...)."""
+
+    def __init__(self, *args, recovered=(), skipped=None):
+        super().__init__(*args)
+        self.recovered = tuple(recovered)
+        self.skipped = dict(skipped or {})
 
 
 class PackStoreNotInstalledError(PackError, ImportError):

@@ -330,8 +330,8 @@ def test_capture_then_upkeep(tmp_path):
     assert row["request_id"] == result["request_ids"][0] and row["n_tokens"] == len("hello there") + 1 + 1
     assert row["records"] == result["records"] and row["stored_bytes"] == result["stored_bytes"]
     assert parsed(before)["unpublished_packs"] == [orphan] and parsed(before)["ok"]
-    assert parsed(recovered) == [{"pack_id": orphan, "records": 2}]
-    assert parsed(again) == []
+    assert parsed(recovered) == {"recovered": [{"pack_id": orphan, "records": 2}], "not_regular_files": []}
+    assert parsed(again) == {"recovered": [], "not_regular_files": []}
     assert [m["model_id"] for m in parsed(models)] == ["orphan", "t"]
     assert parsed(got)["shape"] == [2, 3, 8] and torch.equal(torch.load(tmp_path / "o.pt"), torch.ones(2, 3, 8))
 

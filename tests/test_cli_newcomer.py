@@ -60,7 +60,7 @@ def _write_store(home: Path) -> str:
         for layer in LAYERS:
             writer.append(RecordKey("m", "run-1", "r", "resid_post", layer, 0, 3), torch.ones(3, 8) * (layer + 1))
     [recovered] = batch(home, ["recover", "--json"])
-    [pack] = parsed(recovered)
+    [pack] = parsed(recovered)["recovered"]
     assert pack["records"] == len(LAYERS)
     return pack["pack_id"]
 

@@ -15,7 +15,7 @@ import dmi
 from dmi.cli import main
 from dmi.reader import FooterCache, load_footer, read_by_key, read_records
 from dmi.storage import CodecError, PackError, PackStore, PackWriter, RecordKey, checksum, decode
-from dmi.storage.errors import InvalidArgumentError, PackCorruptError
+from dmi.storage.errors import InvalidArgumentError, PackCorruptError, RecoveryIncompleteError
 
 FIFO_ID = "0" * 32  # sorts before every written pack: recovery meets it first
 DIR_ID = "1" * 32
@@ -53,13 +53,14 @@ def test_recover_skips_a_fifo_and_a_directory_recovers_every_pack_and_names_them
     sealed = _write_packs(tmp_path / "packs")
     fifo, directory = _odd_entries(tmp_path / "packs")
     with dmi.open(home=tmp_path) as store:
-        with pytest.raises(PackError) as refused:
+        with pytest.raises(RecoveryIncompleteError) as refused:
             store.recover()
-        assert type(refused.value) is PackError
         assert str(refused.value) == _skipped_message(sorted(sealed), fifo, directory)
+        assert refused.value.recovered == tuple(sorted(sealed))
+        assert refused.value.skipped == {FIFO_ID: "FIFO", DIR_ID: "directory"}
         assert sorted(e.meta.key.layer for e in store.catalog.find_records("m")) == [0, 1, 2, 3]
         assert store.unindexed_packs() == [FIFO_ID, DIR_ID]  # still there: verify keeps saying so
-        with pytest.raises(PackError, match=r"^recovered no pack, but skipped 2 entries named like packs: "):
+        with pytest.raises(RecoveryIncompleteError, match=r"^recovered no pack, but skipped 2 entries named like packs: "):
             store.recover()
 
 
