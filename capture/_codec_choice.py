@@ -43,6 +43,8 @@ def resolve_codecs(codec, writer_options: dict | None, hooks, geometry: ModelGeo
                                        f"it writes {', '.join(sorted(hooks))}")
         _check_name(name)
         _check_lossy(name, (hook,), geometry, False)
+    others = [hook for hook in hooks if hook not in codec]  # these, and token text, keep the writer's codec
+    _check_lossy((writer_options or {}).get("codec"), others, geometry, with_text)
     return writer_options, dict(codec)
 
 

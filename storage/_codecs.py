@@ -27,6 +27,13 @@ with :class:`~dmi.storage.errors.LossyCodecError`). A *row* is the record's last
     ``round(x / scale)`` with ``scale = row absmax / 127`` (symmetric): each element within
     ``scale / 2``.
 
+A scale below float32's smallest normal (``2^-126``: a row whose values are all under about
+``5e-36``, ``1.5e-36`` for int8) is raised to it — a subnormal scale holds few bits, and one that underflowed to 0
+made the row's zeros NaN — so such a row's elements are within ``2^-136`` (fp8's smallest step
+on that scale, or ``2^-4`` of the row's absmax where larger) or ``2^-127`` (int8). Scales and
+decoded values are float32: a float64 record holding a finite value beyond float32's largest
+is refused (:class:`~dmi.storage.errors.LossyCodecError`).
+
 A lossy payload is self-describing (original dtype, rows, row length, scales, then the
 quantised bytes, zstd-compressed where a sample shows it pays), so decoding returns the
 original dtype. :func:`encode_lossy` also returns ``decoded - original`` per value, from which
@@ -48,6 +55,7 @@ import xxhash
 import zstandard
 
 from dmi.storage._native import join_planes, quantise, split_planes
+from dmi.storage.errors import LossyCodecError
 
 __all__ = ["CODECS", "LOSSY_CODECS", "DEFAULT_CODEC", "CodecError", "checksum", "encode", "encode_lossy", "decode"]
 
@@ -292,6 +300,7 @@ def _zstd_into(stored, out: np.ndarray) -> None:
 _LOSSY_TAGS = {"fp8": 2, "int8": 3}
 _LOSSY_HEADER = struct.Struct("<BBQQ")  # codec tag, original dtype code, rows, row length
 _LOSSY_DTYPES = ("float16", "bfloat16", "float32", "float64")  # code = index + 1
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def encode_lossy(codec: str, tensor):
@@ -300,16 +309,34 @@ def encode_lossy(codec: str, tensor):
     Returns ``(stored bytes, error)``: the payload, and what :func:`decode` will give back minus
     ``tensor``, per value (float32; float64 for float64 values; ``tensor``'s shape), for
     measuring the loss. Raises ``ValueError`` for a dtype the codec cannot hold (the writer
-    refuses those first).
+    refuses those first), :class:`LossyCodecError` for float64 values beyond float32's range.
     """
     name = str(tensor.dtype).removeprefix("torch.")
     if name not in _LOSSY_DTYPES:
         raise ValueError(f"{codec} stores {', '.join(_LOSSY_DTYPES)} only, not {name}")
+    _check_float32_range(codec, tensor)
     rows2d = tensor.reshape(math.prod(tensor.shape[:-1]), tensor.shape[-1]) if tensor.dim() else tensor.reshape(1, 1)
     quantised = quantise(rows2d, fp8=codec == "fp8")
     header = _LOSSY_HEADER.pack(_LOSSY_TAGS[codec], _LOSSY_DTYPES.index(name) + 1, *rows2d.shape)
     payload = header + quantised.scales.tobytes() + _plane_bytes(quantised.codes)
     return payload, quantised.error.reshape(tensor.shape)
+
+
+def _check_float32_range(codec: str, tensor) -> None:
+    """Refuse a float64 tensor holding a finite value beyond float32's largest: scales and
+    decoded values are float32, so such a value would decode to infinity (or its whole row to
+    NaN, its scale being infinite)."""
+    import torch
+
+    if tensor.dtype != torch.float64 or not tensor.numel():
+        return
+    finite = tensor.abs().nan_to_num(nan=0.0, posinf=0.0)
+    largest = float(finite.max())
+    if largest > _FLOAT32_MAX:
+        raise LossyCodecError(
+            f"{codec} scales and decodes in float32, and this float64 record holds {largest:.6g}, beyond "
+            f"float32's largest ({_FLOAT32_MAX:.6g}); store it with a lossless codec (raw, zstd, split-zstd)"
+        )
 
 
 def _dequantise(quantised, scale, dtype):

@@ -25,6 +25,7 @@ __all__ = [
     "MOMENT_LANES",
     "Moments",
     "Quantised",
+    "SCALE_FLOOR",
     "split_planes",
     "join_planes",
     "moments",
@@ -165,6 +166,10 @@ def gather_rows(sources: Sequence, picks: np.ndarray, out) -> None:
 _QUANTISE_KINDS = {"float16": "h", "bfloat16": "b", "float32": "f"}
 _FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 _INT8_MAX = 127.0  # symmetric int8
+SCALE_FLOOR = float(np.finfo(np.float32).tiny)
+"""The smallest row scale, float32's smallest normal (2^-126): ``absmax / qmax`` below it (a
+row whose values are all under about 5e-36 for fp8, 1.5e-36 for int8) would be a subnormal of
+a few bits, or 0, which turns the row's zeros into NaN (``0 / 0``) and its other values into 0."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,10 +188,12 @@ def quantise(rows, *, fp8: bool) -> Quantised:
     float8_e4m3fn codes of ``x / scale`` (``fp8=True``), or ``scale = absmax / 127`` and int8 codes
     of ``round(x / scale)``. ``absmax`` is the row's largest finite magnitude, so an infinity
     saturates to the largest code instead of making every value of its row NaN; a row with no
-    finite non-zero value gets scale 1; a NaN int8 code is 0.
+    finite non-zero value gets scale 1; a scale below :data:`SCALE_FLOOR` is raised to it; a NaN
+    int8 code is 0.
 
     One pass a row in C for float16, bfloat16 and float32 (scale, codes and the error while the
-    row sits in cache); torch's operations otherwise, rounding the same way at every step."""
+    row sits in cache); torch's operations otherwise, rounding the same way at every step. The C
+    loop knows no floor: the rare rows it gives a smaller scale are done again the torch way."""
     import torch
 
     kind = _QUANTISE_KINDS.get(str(rows.dtype).removeprefix("torch."))
@@ -197,7 +204,22 @@ def quantise(rows, *, fp8: bool) -> Quantised:
     codes = np.empty(rows.numel(), np.uint8)
     error = np.empty(rows.numel(), np.float32)  # numpy asks for huge pages: far fewer faults than torch.empty
     _native_ext.quantise(_bytes_of(rows), kind, rows.shape[1], "e" if fp8 else "i", scales, codes, error)
+    _redo_below_floor(rows, fp8, scales, codes.reshape(rows.shape), error.reshape(rows.shape))
     return Quantised(scales, codes, torch.from_numpy(error).reshape(rows.shape))
+
+
+def _redo_below_floor(rows, fp8: bool, scales: np.ndarray, codes: np.ndarray, error: np.ndarray) -> None:
+    """Quantise again, in place and the torch way, the rows the C loop gave a scale below
+    :data:`SCALE_FLOOR`, so that both ways give the same bytes."""
+    import torch
+
+    small = np.flatnonzero(scales < SCALE_FLOOR)
+    if not small.size:
+        return
+    redone = _quantise_torch(rows[torch.from_numpy(small)], fp8)
+    scales[small] = redone.scales
+    codes[small] = redone.codes.reshape(len(small), -1)
+    error[small] = redone.error.numpy()
 
 
 def _quantise_torch(rows, fp8: bool) -> Quantised:
@@ -208,7 +230,7 @@ def _quantise_torch(rows, fp8: bool) -> Quantised:
     qmax = _FP8_MAX if fp8 else _INT8_MAX
     finite = torch.where(work.isfinite(), work.abs(), 0.0)  # inf and NaN do not set the scale
     absmax = finite.amax(dim=1, keepdim=True) if work.numel() else work.new_zeros((work.shape[0], 1))
-    scale = torch.where(absmax > 0, absmax / qmax, torch.ones_like(absmax)).to(torch.float32)
+    scale = torch.where(absmax > 0, (absmax / qmax).to(torch.float32).clamp_min(SCALE_FLOOR), 1.0)
     scaled = work / scale.to(work_dtype)
     if fp8:
         quantised = scaled.to(torch.float8_e4m3fn)  # saturating: 448 for anything larger, inf too

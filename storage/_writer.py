@@ -237,7 +237,8 @@ def _encode_lossy(codec: str, key: RecordKey, tensor: torch.Tensor | None, dtype
 
 def lossy_errors(original: torch.Tensor, error: torch.Tensor, norm: float | None = None) -> tuple[float, float]:
     """Largest absolute value of ``error`` (``decoded - original``) and ``||error|| / ||original||``
-    (0 when the original is all zeros or empty); NaN where the original holds NaN.
+    (0 when the original is all zeros or empty; rescaled where its squares underflow); NaN where
+    the original holds NaN.
 
     The codec takes the difference in float32 (float64 for float64 records), exactly: a decoded value
     is 0 or within about a factor of two of its original (fp8 keeps 3 mantissa bits, int8 rounds
@@ -250,8 +251,17 @@ def lossy_errors(original: torch.Tensor, error: torch.Tensor, norm: float | None
     diff = _stats(error)
     if norm is None:
         norm = _stats(original).l2_norm
-    rel = diff.l2_norm / norm if norm else 0.0
-    return diff.absmax, rel
+    if not norm and diff.absmax:  # every square of the original underflowed (float64 under ~1e-154)
+        return diff.absmax, _rescaled_relative_l2(original, error)
+    return diff.absmax, diff.l2_norm / norm if norm else 0.0
+
+
+def _rescaled_relative_l2(original: torch.Tensor, error: torch.Tensor) -> float:
+    """``||error|| / ||original||`` for an original too small to square in float64: both divided
+    by the original's largest magnitude first (the ratio is unchanged, the squares no longer
+    vanish), rather than calling a record whose values were all lost exact."""
+    scale = original.abs().max().double()
+    return float(torch.linalg.vector_norm(error.double() / scale) / torch.linalg.vector_norm(original.double() / scale))
 
 
 def _check_codec(codec: str) -> None:
