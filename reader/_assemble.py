@@ -12,7 +12,9 @@ geometry (axis, offset, full shape), and every one of the ``tp_size`` ranks must
 a missing rank is a :class:`MissingShardError` naming the ranks present and missing, never a
 narrower tensor. Records without geometry are replicated (every rank holds the whole
 tensor, e.g. the residual stream, or GQA k/v with fewer heads than ranks): their copies are
-de-duplicated, after checking they agree. ``shard_rank=`` selects one rank's records
+de-duplicated, after checking they agree (same dtype, shape and values, NaN in the same
+places). Shards of one chunk must share a dtype: a mixed group is a :class:`ShardMergeError`,
+never promoted to the widest. ``shard_rank=`` selects one rank's records
 instead; ``merge_shards=True`` is accepted and means the default. Anything else that puts two
 records on the same (layer, start token) — two runs, two DP replicas, TP and non-TP records —
 is a :class:`DuplicateChunkError`.
@@ -180,11 +182,23 @@ def _deduplicate(where: str, group: list) -> torch.Tensor:
     """One copy of a tensor every rank holds whole; refused when the copies differ."""
     pieces = sorted(group, key=lambda p: p[0].meta.key.shard_rank)
     first = pieces[0][1]
-    differing = [e.meta.key.shard_rank for e, t in pieces[1:] if not torch.equal(t, first)]
+    differing = [e.meta.key.shard_rank for e, t in pieces[1:] if not _same_copy(t, first)]
     if differing:
         raise ShardMergeError(f"{where}: the copies of this replicated tensor differ between TP rank "
                               f"{pieces[0][0].meta.key.shard_rank} and rank(s) {differing}; read each with shard_rank=")
     return first
+
+
+def _same_copy(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are one tensor: same dtype, shape and values, NaN where the
+    other has NaN. ``torch.equal`` alone would call identical copies holding a NaN different
+    (NaN != NaN), and copies of different dtypes equal wherever the values happen to convert."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not (a.is_floating_point() or a.is_complex()):
+        return torch.equal(a, b)
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
 
 
 def _merge(where: str, group: list) -> torch.Tensor:
@@ -194,6 +208,7 @@ def _merge(where: str, group: list) -> torch.Tensor:
     if len(axes) != 1 or len(fulls) != 1:
         raise ShardMergeError(f"{where}: shards disagree on axis {sorted(axes)} or full shape {sorted(fulls)}")
     axis, full = axes.pop(), fulls.pop()
+    _require_one_dtype(where, group)
     offsets = sorted(g.offset for g in geoms)
     if len(set(offsets)) != len(offsets):
         raise ShardMergeError(
@@ -214,6 +229,17 @@ def _merge(where: str, group: list) -> torch.Tensor:
     if tuple(merged.shape) != full:
         raise ShardMergeError(f"{where}: merged shape {tuple(merged.shape)} is not the recorded full shape {full}")
     return merged
+
+
+def _require_one_dtype(where: str, group: list) -> None:
+    """Shards join only in one dtype: ``torch.cat`` would promote a mixed group to the widest
+    without a word, returning values no rank recorded in a dtype none of them stored."""
+    dtypes = {str(t.dtype) for _, t in group}
+    if len(dtypes) > 1:
+        ordered = sorted(group, key=lambda p: p[0].meta.key.shard_rank)
+        per_rank = {e.meta.key.shard_rank: str(t.dtype) for e, t in ordered}
+        raise ShardMergeError(f"{where}: the TP ranks' shards hold different dtypes {per_rank}; "
+                              "read each rank with shard_rank=")
 
 
 def _concat_tokens(request: str, hook: str, layer: int, ordered: list) -> torch.Tensor:
