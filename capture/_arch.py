@@ -132,6 +132,8 @@ _FAMILIES: dict[str, _Family] = {
     "qwen2": _LLAMA_LIKE,
     "qwen3": _LLAMA_LIKE,
     "mixtral": _LLAMA_LIKE,
+    "qwen3_moe": _LLAMA_LIKE,
+    "olmoe": _LLAMA_LIKE,
     "gpt2": _GPT2,
 }
 

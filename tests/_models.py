@@ -25,10 +25,16 @@ def tiny(kind: str = "llama", *, attn: str = "sdpa", dtype=torch.float32, seed: 
             "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
             "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
             "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+            "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+            "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
         }[kind]
         kw = dict(SMALL)
         if kind == "mixtral":
             kw.update(num_local_experts=4, num_experts_per_tok=2)
+        if kind == "qwen3_moe":
+            kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8)
+        if kind == "olmoe":
+            kw.update(num_experts=4, num_experts_per_tok=2, eos_token_id=None)
         if kind == "qwen3":
             kw.update(head_dim=8)
         kw.update(over)

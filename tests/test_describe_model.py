@@ -19,7 +19,7 @@ from dmi.capture import HOOKS, ModelGeometry, resolve_architecture
 from dmi.storage.errors import InvalidArgumentError
 from tests._models import tiny
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gpt2"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "olmoe", "gpt2"]
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
