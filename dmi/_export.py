@@ -122,7 +122,17 @@ def _writer(tensor: torch.Tensor, ext: str, *, name: str) -> Callable[[BinaryIO]
         import numpy as np
 
         return lambda handle: np.save(handle, tensor.numpy(), allow_pickle=False)
-    return lambda handle: _torch_save(tensor, handle)
+    return lambda handle: _torch_save(_compact(tensor), handle)
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with a storage of exactly its own bytes: ``torch.save`` writes a tensor's
+    whole storage, so a view (a slice of a larger buffer, such as a loader's last, shorter
+    batch) would carry the buffer's other values into the file, hidden from ``torch.load``'s
+    tensor but there on disk. A copy is made only when the storage holds more."""
+    if tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes:
+        return tensor
+    return tensor.clone()
 
 
 def _torch_save(tensor: torch.Tensor, handle: BinaryIO) -> None:

@@ -3,8 +3,9 @@
 Each batch becomes one shard (``shard-00000.safetensors``, ``.npy`` or ``.pt``, written by
 :func:`dmi._export.export_tensor`, which never converts a dtype silently); with
 ``with_tokens=True`` a ``tokens.parquet`` index names each row's (run, request, position);
-``manifest.json`` records the selection's features, dtype, order, shard list and what
-``on_error="skip"`` (``skipped_rows``, ``damaged_records``) and ``drop_last``
+``manifest.json`` records the selection's features, dtype, order (``from_epoch_start``: false
+when the loader was mid-epoch, so the shards hold the epoch's remaining batches), shard list
+and what ``on_error="skip"`` (``skipped_rows``, ``damaged_records``) and ``drop_last``
 (``dropped_rows``) left out. The manifest is written last: a directory without one holds
 an export that did not finish. Every file, the manifest and the index included, is written
 under a temporary name and renamed into place when complete (:func:`dmi._export.write_file`),
@@ -27,6 +28,11 @@ import torch
 from dmi._export import EXPORT_FORMATS, check_format, export_tensor, write_file
 from dmi.storage import torch_dtype
 from dmi.storage.errors import InvalidArgumentError
+
+_TOKEN_SCHEMA = pa.schema([("shard", pa.int64()), ("row", pa.int64()), ("run_id", pa.string()),
+                           ("request_id", pa.string()), ("position", pa.int64())])
+"""``tokens.parquet``'s columns: fixed, so an index of no rows (``drop_last`` leaving out a
+share smaller than a batch) has the types of any other rather than pyarrow's ``null``."""
 
 
 def export_epoch(loader: Any, directory: str | os.PathLike[str], *, suffix: str = ".safetensors",
@@ -67,6 +73,12 @@ class _Position:
     def of(cls, loader: Any) -> _Position:
         return cls(loader.state_dict(), len(loader.damaged_records), loader.skipped_rows, loader.dropped_rows)
 
+    @property
+    def at_epoch_start(self) -> bool:
+        """Whether no batch of the epoch had been consumed: a loader whose iteration was broken
+        off continues that epoch, so its export holds only the epoch's remaining batches."""
+        return self.state["next"] == 0 and all(cursor == [0, 0] for cursor in self.state["cursors"])
+
     def restore(self, loader: Any) -> None:
         """Put ``loader`` back here: the next iteration yields the batches the export consumed."""
         loader.load_state_dict(self.state)
@@ -95,12 +107,12 @@ def _write_shards(loader: Any, root: Path, suffix: str, on_shard: Callable[[dict
     finally:
         batches.close()
     if loader.config.with_tokens:
-        columns = list(zip(*index)) if index else [[], [], [], [], []]
-        names = ["shard", "row", "run_id", "request_id", "position"]
-        table = pa.table(dict(zip(names, columns)))
+        columns = list(zip(*index)) if index else [[]] * len(_TOKEN_SCHEMA)
+        table = pa.table(columns, schema=_TOKEN_SCHEMA)
         write_file(root / "tokens.parquet", lambda handle: pq.write_table(table, handle))
     return {"features": list(loader.features), "dtype": _dtype(loader), "rows": rows,
-            "epoch": epoch, "seed": loader.config.seed, "shuffle": loader.config.shuffle,
+            "epoch": epoch, "from_epoch_start": before.at_epoch_start, "seed": loader.config.seed,
+            "shuffle": loader.config.shuffle,
             "scales": loader.scales, "rank": loader.rank, "world_size": loader.world_size,
             "skipped_rows": loader.skipped_rows - before.skipped,
             "dropped_rows": loader.dropped_rows - before.dropped,
@@ -119,8 +131,9 @@ def _empty_directory(root: Path) -> Path:
 
 
 def _dtype(loader: Any) -> str:
-    fmt = loader.config.fmt
-    return str(fmt.dtype) if fmt.dtype is not None else loader.plan.features[0].dtype
+    """The manifest's ``dtype``: the batches' torch dtype as ``str`` writes it (``torch.float32``),
+    the same spelling whether it was asked for or kept as stored (``dtype=None``)."""
+    return str(_torch_dtype(loader))
 
 
 def _torch_dtype(loader: Any) -> torch.dtype:
