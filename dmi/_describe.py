@@ -1,7 +1,7 @@
 """``dmi describe-model``: a model's geometry and every hook DMI offers on it, from its config alone.
 
 No weights are loaded and ``transformers`` is not needed: ``config.json`` is read as JSON,
-for the families capture supports (Llama, Qwen2, Qwen3, Mistral, Mixtral, GPT-2 and its
+for the families capture supports (Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE, OLMoE, GPT-2 and its
 ``n_embd``/``n_layer``/``n_head``/``n_inner`` naming). The geometry is
 ``dmi.capture.ModelGeometry.from_config`` — the same reading of the config the capture
 runtime does — and every shape, dtype, scope and tensor-parallel axis comes from the hook
@@ -22,7 +22,7 @@ from typing import Any
 from dmi.storage.errors import InvalidArgumentError
 
 __all__ = ["HookDescription", "ModelDescription", "read_model_config", "model_geometry", "offered_hooks",
-           "describe_model"]
+           "sparse_layer_count", "describe_model"]
 
 _ENCODER_DECODER = ("t5", "mt5", "umt5", "longt5", "bart", "mbart", "marian", "pegasus", "pegasus_x", "led",
                     "bigbird_pegasus", "blenderbot", "blenderbot-small", "fsmt", "prophetnet", "switch_transformers",
@@ -128,15 +128,35 @@ def model_geometry(config: dict[str, Any], *, where: str = "the config", dtype: 
     return geometry
 
 
-def offered_hooks(geometry: Any) -> tuple[str, ...]:
-    """The catalogue hooks a model of this geometry has: router hooks only on MoE models, and
-    no ``mlp_post`` there (the experts share no down projection to hook). The test over real
-    models of every family checks this agrees with what the runtime finds on the modules."""
+def offered_hooks(geometry: Any, config: dict[str, Any] | None = None) -> tuple[str, ...]:
+    """The catalogue hooks a model of this geometry has. The router hooks need a router on
+    every layer and ``mlp_post`` a dense MLP on every layer (the experts share no down
+    projection to hook), so a model mixing dense and sparse layers (Qwen3-MoE's
+    ``mlp_only_layers`` or ``decoder_sparse_step``, read from ``config``) has neither; without
+    ``config`` every layer of an MoE model is taken as sparse. The test over real models of
+    every family checks this agrees with what the runtime finds on the modules."""
     from dmi.capture import HOOKS
 
-    moe = geometry.n_experts > 0
+    sparse = sparse_layer_count(geometry, config or {})
+    routers, dense_mlp = sparse == geometry.n_layers > 0, sparse == 0
     return tuple(name for name, spec in HOOKS.items()
-                 if (moe or not spec.moe_only) and not (moe and name == "mlp_post"))
+                 if (routers or not spec.moe_only) and (dense_mlp or name != "mlp_post"))
+
+
+def sparse_layer_count(geometry: Any, config: dict[str, Any]) -> int:
+    """How many layers have a sparse MoE block, as ``transformers`` builds them: with experts,
+    every ``decoder_sparse_step``-th layer (counting from 1) not listed in ``mlp_only_layers``
+    (both default to every layer). A field of the wrong type is refused naming it."""
+    if geometry.n_experts <= 0:
+        return 0
+    step = config.get("decoder_sparse_step", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise InvalidArgumentError(f"decoder_sparse_step must be a positive integer; got {step!r}")
+    dense = config.get("mlp_only_layers")
+    dense = [] if dense is None else dense
+    if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
+        raise InvalidArgumentError(f"mlp_only_layers must be a list of layer indices; got {dense!r}")
+    return sum(1 for i in range(geometry.n_layers) if i not in dense and (i + 1) % step == 0)
 
 
 def describe_model(source: str, *, dtype: str | None = None) -> ModelDescription:
@@ -145,8 +165,12 @@ def describe_model(source: str, *, dtype: str | None = None) -> ModelDescription
 
     where, config = read_model_config(source)
     g = model_geometry(config, where=where, dtype=dtype)
+    try:
+        offered = offered_hooks(g, config)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{where}: {exc}") from exc
     hooks = []
-    for name in offered_hooks(g):
+    for name in offered:
         spec = HOOKS[name]
         shape = spec.feature_shape(g)
         record = "heads x q_tokens x kv_tokens" if name == "attn_pattern" else " x ".join(

@@ -129,13 +129,14 @@ def rank_geometry(geometry: Any, tp: int) -> Any:
                                intermediate=-(-geometry.intermediate // tp))
 
 
-def _selected(plan: Any, geometry: Any, source: str) -> dict[str, tuple[int, ...]]:
-    """Per hook, the layers captured — ``dmi.capture``'s selection rules on a geometry."""
+def _selected(plan: Any, geometry: Any, source: str, config: dict[str, Any] | None) -> dict[str, tuple[int, ...]]:
+    """Per hook, the layers captured — ``dmi.capture``'s selection rules on a geometry (and the
+    config's sparse layout: ``offered_hooks``)."""
     from dmi._describe import offered_hooks
     from dmi.capture import HOOKS, resolve_hooks
 
     layers = plan.check_layers(geometry.n_layers, source)
-    offered = offered_hooks(geometry)
+    offered = offered_hooks(geometry, config)
     chosen = {}
     for name in resolve_hooks(list(plan.hooks)):
         if name not in offered:
@@ -243,8 +244,9 @@ def _ratio(codec: str, hooks: tuple[HookEstimate, ...]) -> float | None:
 
 
 def estimate_plan(plan: Any, geometry: Any, *, model: str, tokens: int = 512, new_tokens: int = 0, batch: int = 1,
-                  tp: int = 1, source: str = "<plan>") -> Estimate:
-    """The cost of ``plan`` on a model of ``geometry`` for the workload described above."""
+                  tp: int = 1, source: str = "<plan>", config: dict[str, Any] | None = None) -> Estimate:
+    """The cost of ``plan`` on a model of ``geometry`` for the workload described above;
+    ``config`` (the model's config dict) tells an MoE model's dense layers from its sparse ones."""
     from dmi.storage import DEFAULT_CODEC, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS
 
     for name, value, least in (("tokens", tokens, 1), ("new_tokens", new_tokens, 0), ("batch", batch, 1),
@@ -254,7 +256,7 @@ def estimate_plan(plan: Any, geometry: Any, *, model: str, tokens: int = 512, ne
     if batch > MAX_BATCH:
         raise InvalidArgumentError(f"batch must be at most {MAX_BATCH:,} requests per forward, got {batch:,}")
     g = rank_geometry(geometry, tp)
-    hooks = _selected(plan, geometry, source)
+    hooks = _selected(plan, geometry, source, config)
     w = _workload(plan, tokens, new_tokens, batch)
     step = _prompt_step(g, hooks, batch, tokens, w.prompt_phase)
     per_hook = tuple(_hook_estimate(h, layers, g, w, plan, step) for h, layers in hooks.items())
@@ -296,4 +298,4 @@ def estimate_plan_file(path: str, *, model: str | None = None, dtype: str | None
         raise PlanError(path, "model", "the plan names no model; add `model:` or give --model DIR|config.json|NAME")
     where, config = read_model_config(name)
     geometry = model_geometry(config, where=where, dtype=dtype)
-    return estimate_plan(plan, geometry, model=name, source=path, **workload)
+    return estimate_plan(plan, geometry, model=name, source=path, config=config, **workload)

@@ -377,7 +377,7 @@ def _estimate(h: _Handler, query: dict[str, str]):
     where, config = read_model_config(name)
     workload = {k: body[k] for k in ("tokens", "new_tokens", "batch", "tp") if k in body}
     geometry = model_geometry(config, where=where)
-    return _ok(estimate_plan(plan, geometry, model=name, source="plan", **workload).as_dict())
+    return _ok(estimate_plan(plan, geometry, model=name, source="plan", config=config, **workload).as_dict())
 
 
 def _save(h: _Handler, query: dict[str, str]):

@@ -201,6 +201,18 @@ def test_refusals(text, workload, error, words):
         estimate_plan(parse_plan(text), LLAMA_8B, model="m", **workload)
 
 
+def test_an_moe_model_with_dense_layers_among_sparse_ones_has_no_router_to_estimate(tmp_path):
+    """Its config's ``mlp_only_layers`` is read as the runtime builds the model: layer 0 dense,
+    so neither the router hooks nor ``mlp_post`` is on every layer (what ``attach`` refuses)."""
+    tiny("qwen3_moe", mlp_only_layers=[0]).config.save_pretrained(tmp_path)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(f"version: 1\nmodel: {tmp_path}\nhooks: [router_logits]\n")
+    with pytest.raises(PlanError, match=r"hook 'router_logits' does not exist on model type 'qwen3_moe'"):
+        estimate_plan_file(str(plan))
+    plan.write_text(f"version: 1\nmodel: {tmp_path}\nhooks: [router, mlp, resid_post]\n")
+    assert [h.hook for h in estimate_plan_file(str(plan), tokens=8).hooks] == ["mlp_out", "resid_post"]
+
+
 def test_group_members_missing_on_dense_models_are_skipped():
     est = estimate_plan(parse_plan("version: 1\nhooks: [router, resid_post]\nlayers: [0]\n"), LLAMA_8B, model="m")
     assert [h.hook for h in est.hooks] == ["resid_post"]
