@@ -38,6 +38,9 @@ SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidde
             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True)
 
 
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "olmoe", "gpt2")
+
+
 def build(kind: str, geometry: str, dtype: torch.dtype):
     import transformers as tf
 
@@ -49,10 +52,15 @@ def build(kind: str, geometry: str, dtype: torch.dtype):
             "llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
             "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
             "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+            "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM), "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
         }[kind]
         kw = dict(SMOL if geometry == "smol" else SMALL)
         if kind == "mixtral":
             kw.update(num_local_experts=4, num_experts_per_tok=2)
+        if kind == "qwen3_moe":
+            kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8)
+        if kind == "olmoe":
+            kw.update(num_experts=4, num_experts_per_tok=2, eos_token_id=None)
         if kind == "qwen3":
             kw.update(head_dim=8)
         model = model_cls(cfg_cls(**kw))
@@ -146,10 +154,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny llama and gpt2 only")
     parser.add_argument("--real", action="store_true", help="also the trained SmolLM2-135M on real prompts")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated, of " + ", ".join(DTYPES))
+    parser.add_argument("--kinds", default=",".join(KINDS), help="tiny models, comma-separated, of " + ", ".join(KINDS))
     args = parser.parse_args()
-    kinds = ["llama", "gpt2"] if args.quick else ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gpt2"]
+    kinds = ["llama", "gpt2"] if args.quick else args.kinds.split(",")
     runs = [(k, "tiny", (7, 4, 6, 2), 6) for k in kinds]
-    if not args.quick:
+    if not args.quick and "llama" in kinds:
         runs.append(("llama", "smol", (24, 9, 17, 3), 8))
     if args.real:
         runs += [("llama", "real", prompts, 8) for prompts in REAL_PROMPTS]

@@ -62,7 +62,7 @@ from ._ring import Entry, Ring
 from ._schedule import Schedule
 from ._selection import Selection, select
 from ._tp import resolve_parallel_ranks
-from ._tp_layout import TPLayout, emitted_hooks
+from ._tp_layout import TPLayout, emitted_hooks, whole_by_tp_plan
 from ._token_text import TokenStrings, with_token_ids
 
 __all__ = ["attach", "CaptureSession", "derive_model_id", "new_run_id"]
@@ -977,7 +977,8 @@ def attach(
     * ``dp_rank`` / ``pp_rank``: this process's data- and pipeline-parallel ranks, recorded in
       every record; by default read from the model's device mesh, else 0.
     * ``tp_layout``: for a model sharded by hand, ``{hook: TPShard(axis, offset, full) |
-      TPReplicated()}`` (see ``dmi.capture._tp_layout``); hooks not named follow the catalogue.
+      TPReplicated()}`` (see ``dmi.capture._tp_layout``); hooks not named follow the model's TP
+      plan where it leaves a hook whole on every rank (OLMoE's gathered q/k/v), else the catalogue.
     * ``tp_replicas``: ``"rank0"`` (default) writes a replicated hook (residual stream, logits,
       ...) once, from TP rank 0; ``"all"`` writes every rank's copy (the reader checks they
       agree and returns one).
@@ -1016,7 +1017,8 @@ def attach(
     texts = None if tokenizer is None else TokenStrings(tokenizer)
     if texts is not None:
         selection = with_token_ids(selection)
-    layout = TPLayout(geometry, tp_rank, tp_size, tp_layout)
+    layout = TPLayout(geometry, tp_rank, tp_size, tp_layout,
+                      defaults=whole_by_tp_plan(getattr(model.config, "base_model_tp_plan", None)))
     emitted = emitted_hooks(selection.hooks, layout, tp_replicas)
     writer_options, hook_codecs = resolve_codecs(codec, writer_options, tuple(selection.hooks), geometry,
                                                  texts is not None)

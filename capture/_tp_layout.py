@@ -28,7 +28,7 @@ from dmi.storage.records import ShardGeometry
 
 from ._hooks import HOOKS, ModelGeometry
 
-__all__ = ["TPShard", "TPReplicated", "TPLayout", "TP_REPLICAS", "emitted_hooks"]
+__all__ = ["TPShard", "TPReplicated", "TPLayout", "TP_REPLICAS", "emitted_hooks", "whole_by_tp_plan"]
 
 TP_REPLICAS = ("rank0", "all")
 """Who writes a replicated hook: TP rank 0 only (default), or every rank (to check copies)."""
@@ -48,15 +48,46 @@ class TPReplicated:
     """Every rank holds the hook's whole tensor."""
 
 
+_WHOLE_BY_STYLE = {
+    ("self_attn.q_proj", "colwise_gather_output"): "attn_q",
+    ("self_attn.k_proj", "colwise_gather_output"): "attn_k",
+    ("self_attn.v_proj", "colwise_gather_output"): "attn_v",
+    ("self_attn.o_proj", "rowwise_split_input"): "attn_z",
+    ("mlp.down_proj", "rowwise_split_input"): "mlp_post",
+}
+"""(module in a layer, transformers TP style) → the hook whose tensor that style leaves whole on
+every rank: a column-parallel output gathered inside the module, or a row-parallel input split
+inside it (its hook is the module's input)."""
+
+
+def whole_by_tp_plan(tp_plan: Mapping[str, str] | None) -> dict[str, TPReplicated]:
+    """The hooks a transformers TP plan (``config.base_model_tp_plan``: ``"layers.*.self_attn.q_proj"``
+    → ``"colwise_gather_output"``, ...) leaves whole on every rank, where the catalogue takes them
+    for shards — OLMoE's plan gathers q/k/v and splits o_proj's input inside the module. An
+    attach under that plan starts from these (``tp_layout=`` still says otherwise per hook)."""
+    whole = {}
+    for pattern, style in (tp_plan or {}).items():
+        hook = _WHOLE_BY_STYLE.get((pattern.removeprefix("layers.*."), style))
+        if hook is not None:
+            whole[hook] = TPReplicated()
+    return whole
+
+
 class TPLayout:
     """Per hook: replicated or sharded on this rank, and a shard's geometry in a record."""
 
     def __init__(self, geometry: ModelGeometry, rank: int, size: int,
-                 overrides: Mapping[str, TPShard | TPReplicated] | None = None):
+                 overrides: Mapping[str, TPShard | TPReplicated] | None = None, *,
+                 defaults: Mapping[str, TPReplicated] | None = None):
+        """``overrides``: the caller's ``tp_layout``; ``defaults``: what the model's TP plan says
+        (:func:`whole_by_tp_plan`), for the hooks ``overrides`` does not name."""
         self.geometry = geometry
         self.rank = rank
         self.size = size
-        self.overrides = _checked(dict(overrides or {}), geometry)
+        if overrides is not None and not isinstance(overrides, Mapping):
+            raise InvalidArgumentError("tp_layout must be a mapping of hook -> TPShard(axis, offset, full) or "
+                                       f"TPReplicated(), not {type(overrides).__name__}")
+        self.overrides = {**(defaults or {}), **_checked(dict(overrides or {}), geometry)}
 
     def replicated(self, hook: str) -> bool:
         """Whether every rank holds ``hook``'s whole tensor (so one rank's copy is enough)."""
