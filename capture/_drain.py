@@ -79,7 +79,7 @@ from ._hooks import HOOKS, ModelGeometry
 from ._omp import one_openmp_thread
 from ._token_text import PROMPT_TEXT, TOKEN_TEXT
 
-__all__ = ["CAPTURE_STOPPED", "Drain", "DrainStats", "LostRecords", "PACK_NOT_WRITTEN", "RING_FULL"]
+__all__ = ["CAPTURE_STOPPED", "DRAIN_FAILED", "Drain", "DrainStats", "LostRecords", "PACK_NOT_WRITTEN", "RING_FULL"]
 
 
 @dataclass(slots=True)
@@ -105,6 +105,9 @@ CAPTURE_STOPPED = "capture stopped"
 """The losses' reason for what a stopped capture (vLLM's, after a failure in the step) no longer copied."""
 PACK_NOT_WRITTEN = "pack not written"
 """The losses' reason for the records a failed pack write discarded (a full disk)."""
+DRAIN_FAILED = "drain failed"
+"""The losses' reason for the records a failed drain had not handed to the writer: decode rows
+it held staged, the rest of the slot it failed in, and the slots handed to it afterwards."""
 
 
 @dataclass(slots=True)
@@ -176,7 +179,8 @@ class Drain:
         self.published: list = []  # descriptors published since the last flush (when keep_published)
         self.keep_published = True  # False: a session living for ever (a vLLM engine) keeps only counts
         self.lost_keys: list[tuple[RecordKey, str]] = []  # each lost record's key and reason
-        self._discarded_counted = False  # the records a failed pack write discarded: counted once
+        self._discarded_counted: list[BaseException] = []  # failures whose discarded records are counted
+        self._not_written = 0  # records counted lost (DRAIN_FAILED) because the drain had failed
         self._sealed_counted = 0  # the first packs of ctx.sealed already counted in packs_sealed
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._publish_interval = publish_interval  # seal_soon seals at most this often (seconds)
@@ -214,6 +218,9 @@ class Drain:
             tail = "" if not unpublished else (
                 f"; {unpublished} sealed pack(s) are not published: they stay whole in the store, and "
                 "`dmi recover` publishes them once the cause is fixed")
+            if settled and self._not_written:
+                tail += (f"; {self._not_written} record(s) it had not written yet are counted as lost "
+                         f"(records_lost, and the catalog's losses where it answers: reason {DRAIN_FAILED!r})")
             error = DrainError(f"the capture drain thread failed: {self.error!r}{tail}")
             error.settled = settled  # a mid-flight one is raised again, settled, as the session closes
             raise error from self.error
@@ -353,26 +360,36 @@ class Drain:
                 item.done.set()
                 continue
             if isinstance(item, LostRecords):
-                if self.error is None:
-                    try:
-                        self._lose(item)
-                    except BaseException as exc:  # noqa: BLE001
+                try:
+                    self._lose(item)  # also after a failure: a drop is counted whatever came after
+                except BaseException as exc:  # noqa: BLE001
+                    if self.error is None:
                         self.error = exc
                 continue
             try:
                 if self.error is None:
-                    t0 = time.perf_counter()
-                    sealed_before = len(self.ctx.sealed)
-                    try:
-                        self._process(item)
-                    finally:
-                        self._wait_writes()  # the slot's memory is read until its last record is encoded
-                    self._after_slot(item.ends_step, len(self.ctx.sealed) > sealed_before)
-                    self.stats.busy_seconds += time.perf_counter() - t0
+                    self._take(item)
+                else:  # the drain has failed: the slot's records are counted as lost, not written
+                    self._lose_entries(item.entries)
             except BaseException as exc:  # noqa: BLE001
-                self.error = exc
+                if self.error is None:
+                    self.error = exc
             finally:
                 self.ring.release(item)
+
+    def _take(self, slot) -> None:
+        """Cut ``slot`` into records and write them; at a step's edge, seal and publish. A write
+        that fails there makes its failure the drain's error, and the slot's other records are
+        counted as lost (:meth:`_write`); nothing is then published after it."""
+        t0 = time.perf_counter()
+        sealed_before = len(self.ctx.sealed)
+        try:
+            self._process(slot)
+        finally:
+            self._wait_writes()  # the slot's memory is read until its last record is encoded
+        if self.error is None:
+            self._after_slot(slot.ends_step, len(self.ctx.sealed) > sealed_before)
+        self.stats.busy_seconds += time.perf_counter() - t0
 
     def _begin_start(self) -> None:
         """Call ``start`` on a thread of its own, made here so that it runs at the drain's nice level."""
@@ -448,9 +465,12 @@ class Drain:
         self._seal_now()
 
     def _store_staged(self, request_ids) -> None:
+        """Write the staged rows (of ``request_ids``); a write that failed stops the seal here."""
         self._choose_codec()
         self._emit_all_staged(request_ids)
         self._wait_writes()
+        if self.error is not None:
+            raise self.error
 
     def _seal_now(self) -> None:
         self._seal_due = None
@@ -500,25 +520,26 @@ class Drain:
             pass
 
     def _after_failure(self) -> None:
-        """Once the drain has failed: count what the failure discarded, then publish what it
-        sealed whole before (each at most once, whenever a flush or the close comes)."""
-        self._count_discarded()
-        self._publish_after_failure()
-
-    def _count_discarded(self) -> None:
-        """The records a failed pack write discarded with its pack (the error's ``lost_keys``),
-        counted as lost once: in ``records_lost`` and, where the catalog answers, its losses
-        (reason :data:`PACK_NOT_WRITTEN`); the error's message says how many either way."""
-        keys = getattr(self.error, "lost_keys", ())
-        if not keys or self._discarded_counted:
-            return
-        self._discarded_counted = True
-        self.lost_keys.extend((key, PACK_NOT_WRITTEN) for key in keys)
-        self.stats.records_lost += len(keys)
+        """Once the drain has failed: count what the failure discarded and the decode rows still
+        staged (never written now), then publish what it sealed whole before (each at most once,
+        whenever a flush or the close comes)."""
+        self._emit_all_staged()  # counted as lost: the drain has failed (:meth:`_append`)
+        self._count_discarded(self.error)
         try:
             self._flush_losses()
-        except BaseException:  # noqa: BLE001 - the catalog failed too: the error raised says what was lost
+        except BaseException:  # noqa: BLE001, S110 - the catalog failed too: records_lost and the error count them
+            pass
+        self._publish_after_failure()
+
+    def _count_discarded(self, exc: BaseException) -> None:
+        """The records a failed pack write (``exc``) discarded with its pack (its ``lost_keys``),
+        counted as lost once: in ``records_lost`` and, where the catalog answers, its losses
+        (reason :data:`PACK_NOT_WRITTEN`); the error's message says how many either way."""
+        keys = getattr(exc, "lost_keys", ())
+        if not keys or any(seen is exc for seen in self._discarded_counted):
             return
+        self._discarded_counted.append(exc)
+        self._lose_keys(keys, PACK_NOT_WRITTEN)
 
     def _publish_after_failure(self) -> None:
         """Once the drain has failed, publish the packs it sealed whole before the failure, where
@@ -543,14 +564,34 @@ class Drain:
             self.published.extend(batch)
 
     def _lose(self, lost: LostRecords) -> None:
-        """Count the records a dropped tensor would have made: one per span, and for a dropped
-        ``token_ids`` with a tokenizer also the ``token_text`` / ``prompt_text`` records
-        :meth:`_append_text` would have cut from it."""
-        keys = [self._key(lost.hook, lost.layer, lost.plan, s) for s in lost.plan.spans]
-        if self.texts is not None and lost.hook == "token_ids":
-            keys += [replace(key, hook=hook) for key in keys for hook in self._text_hooks(key)]
-        self.lost_keys.extend((key, lost.reason) for key in keys)
+        """Count the records a dropped tensor would have made: one per span."""
+        self._lose_spans(lost.hook, lost.layer, lost.plan, lost.plan.spans, lost.reason)
+
+    def _lose_entries(self, entries) -> None:
+        """Count the records of a slot's ``entries`` as lost (:data:`DRAIN_FAILED`): the drain has
+        failed, and they will not be written. One record per span and step, as uncoalesced."""
+        for e in entries:
+            spans = e.plan.spans if HOOKS[e.hook].key_axis is None else (e.plan.spans[e.span_index],)
+            self._lose_spans(e.hook, e.layer, e.plan, spans, DRAIN_FAILED)
+
+    def _lose_spans(self, hook, layer, plan, spans, reason: str) -> None:
+        """Count one record per span of ``plan`` as lost for ``reason`` (with its text records)."""
+        for s in spans:
+            self._lose_keys(self._with_texts(self._key(hook, layer, plan, s)), reason)
+
+    def _with_texts(self, key: RecordKey) -> list[RecordKey]:
+        """``key``, and for a ``token_ids`` record with a tokenizer also the ``token_text`` /
+        ``prompt_text`` records :meth:`_append_text` cuts beside it."""
+        if self.texts is None or key.hook != "token_ids":
+            return [key]
+        return [key, *(replace(key, hook=hook) for hook in self._text_hooks(key))]
+
+    def _lose_keys(self, keys, reason: str) -> None:
+        """Count ``keys`` as lost for ``reason`` (flushed to the catalog's losses at the next seal)."""
+        self.lost_keys.extend((key, reason) for key in keys)
         self.stats.records_lost += len(keys)
+        if reason == DRAIN_FAILED:
+            self._not_written += len(keys)
 
     @staticmethod
     def _text_hooks(key: RecordKey) -> tuple[str, ...]:
@@ -584,7 +625,11 @@ class Drain:
         return ShardGeometry(axis, c.shard_rank * local, tuple(full))
 
     def _append(self, hook, layer, plan, span, rec, *, n_tokens=None) -> None:
+        """Write one record (and its text records); once the drain has failed, count them as lost."""
         key = self._key(hook, layer, plan, span, n_tokens)
+        if self.error is not None:
+            self._lose_keys(self._with_texts(key), DRAIN_FAILED)
+            return
         spec = HOOKS[hook]
         shard = self._shard(hook, tuple(rec.shape))
         if self._codec is None and hook in self._hook_codecs:
@@ -592,12 +637,10 @@ class Drain:
                         codec=self._hook_codecs[hook])
         elif self._codec is None:
             self._write(key, rec, shard=shard, token_axis=spec.token_axis, key_axis=spec.key_axis)
-        else:
-            self._write(key, rec, shard=shard, token_axis=spec.token_axis, key_axis=spec.key_axis,
-                        codec=self._codec)
+        elif self._write(key, rec, shard=shard, token_axis=spec.token_axis, key_axis=spec.key_axis,
+                         codec=self._codec):
             own = self._hook_codecs.get(hook, getattr(self.writer, "codec", None))
             self.stats.records_fallback += own != self._codec  # a record already stored so is not counted
-        self.stats.records += 1
         if self.texts is not None and hook == "token_ids":
             self._append_text(key, rec)
 
@@ -606,27 +649,47 @@ class Drain:
         prompt's text beside a prefill (or scoring forward) record."""
         records = {TOKEN_TEXT: self.texts.token_record, PROMPT_TEXT: self.texts.prompt_record}
         for hook in self._text_hooks(key):
-            self._write(replace(key, hook=hook), records[hook](ids))
-            self.stats.records += 1
+            if self.error is not None:  # the token_ids record's write failed
+                self._lose_keys([replace(key, hook=hook)], DRAIN_FAILED)
+            else:
+                self._write(replace(key, hook=hook), records[hook](ids))
 
-    def _write(self, key: RecordKey, data, **options) -> None:
-        """``writer.append``, here or on an encoding thread (waited for by :meth:`_wait_writes`)."""
-        if self._encoders is None:
+    def _write(self, key: RecordKey, data, **options) -> bool:
+        """``writer.append``, here or on an encoding thread (waited for by :meth:`_wait_writes`);
+        False where it failed here (:meth:`_write_failed`)."""
+        if self._encoders is not None:
+            self._writes.append((key, self._encoders.submit(_timed_append, self.writer, key, data, options)))
+            return True
+        try:
             self.writer.append(key, data, **options)
-        else:
-            self._writes.append(self._encoders.submit(_timed_append, self.writer, key, data, options))
+        except BaseException as exc:  # noqa: BLE001 - the drain's error (_write_failed)
+            self._write_failed(key, exc)
+            return False
+        self.stats.records += 1
+        return True
 
     def _wait_writes(self) -> None:
-        """Wait for every append handed to the encoders; the first failure is raised after all finished."""
+        """Wait for every append handed to the encoders; each that failed is counted
+        (:meth:`_write_failed`), the first failure becoming the drain's error."""
         writes, self._writes = self._writes, []
-        failure = None
-        for write in writes:
+        for key, write in writes:
             try:
                 self.stats.encoder_cpu_seconds += write.result()
-            except BaseException as exc:  # noqa: BLE001 - raised below, once every write is done
-                failure = failure or exc
-        if failure is not None:
-            raise failure
+            except BaseException as exc:  # noqa: BLE001 - the drain's error (_write_failed)
+                self._write_failed(key, exc)
+            else:
+                self.stats.records += 1
+
+    def _write_failed(self, key: RecordKey, exc: BaseException) -> None:
+        """An append failed: the drain fails (its first failure is its error), the records the
+        failure discarded are counted as lost (:data:`PACK_NOT_WRITTEN`), and ``key`` too where
+        it is not among them (:data:`DRAIN_FAILED`). What the drain holds after it — the rest of
+        the slot, the staged rows — is counted as lost, not written (:meth:`_append`)."""
+        if self.error is None:
+            self.error = exc
+        self._count_discarded(exc)
+        if key not in getattr(exc, "lost_keys", ()):
+            self._lose_keys([key], DRAIN_FAILED)
 
     def _choose_codec(self) -> None:
         """The fallback codec while the ring is at least ``fallback_fill`` full, else the
@@ -644,7 +707,10 @@ class Drain:
         self._choose_codec()
         buf = slot.buffer
         chunk = self.decode_chunk_steps
-        for e in slot.entries:
+        for i, e in enumerate(slot.entries):
+            if self.error is not None:  # a write of this slot failed: the rest is counted as lost
+                self._lose_entries(slot.entries[i:])
+                break
             plan = e.plan
             data = buf[e.offset : e.offset + e.nbytes].view(e.dtype)
             self.stats.bytes += e.nbytes

@@ -68,9 +68,11 @@ def test_packs_sealed_before_the_failure_are_published(tmp_path):
         assert "not published" not in str(error)
         records = sum(len(verify_pack(store, pack_id).records) for pack_id in sealed)
         assert len(catalog.select_records("m")) == records <= FAIL_AFTER
-        assert cap.stats["records_lost"] == 1  # the record the failed write discarded, counted
-        [loss] = catalog.losses(model_id="m").to_pylist()
-        assert (loss["count"], loss["reason"]) == (1, "pack not written")
+        losses = catalog.losses(model_id="m").to_pylist()
+        # the record the failed write discarded; and whatever the failed drain held unwritten after it
+        assert sum(r["count"] for r in losses if r["reason"] == "pack not written") == 1
+        assert {r["reason"] for r in losses} <= {"pack not written", "drain failed"}
+        assert cap.stats["records_lost"] == sum(r["count"] for r in losses)
 
 
 def test_packs_a_failed_publish_left_are_counted_and_recovered(tmp_path):
