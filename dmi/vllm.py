@@ -59,8 +59,8 @@ from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
 # the workers' error replies are made and read in a module that needs no vLLM (tested without it)
-from dmi.capture._vllm import error_reply as _error_reply
-from dmi.capture._vllm import raise_replied as _raise_replied
+from dmi._worker_errors import error_reply as _error_reply
+from dmi._worker_errors import raise_replied as _raise_replied
 from dmi.storage.errors import AttachError, CaptureError, DMIError, InvalidArgumentError, VLLMConfigError
 
 __all__ = ["CaptureExecutor", "CaptureMultiprocExecutor", "CaptureWorkerExtension", "WorkerCapture", "CAPTURE_ENV",

@@ -2,7 +2,7 @@
 process: its class, message and arguments, and its attributes with their types — a
 ``PlanError``'s ``source``/``field``/``reason``, a ``PackSealError``'s ``lost_keys`` (``RecordKey``
 objects), a ``DrainError``'s ``settled``, a ``ServerError``'s ``code``/``name``, its notes — along
-its cause chain (``dmi.capture._vllm.error_reply`` and ``raise_replied``, which ``dmi.vllm``'s
+its cause chain (``dmi._worker_errors.error_reply`` and ``raise_replied``, which ``dmi.vllm``'s
 worker calls answer with and its caller raises from). Every reply is sent through JSON here,
 stricter than vLLM's channels (pickle; msgpack, which turns tuples and dataclasses into lists and
 dicts as JSON does). Needs no vLLM: the reply is made and read without an engine.
@@ -17,7 +17,7 @@ import shutil
 import pytest
 
 from dmi.capture import attach
-from dmi.capture._vllm import error_reply, raise_replied
+from dmi._worker_errors import error_reply, raise_replied
 from dmi.catalog import open_catalog
 from dmi.storage import PackStore, errors
 from dmi.storage.errors import DMIError, DrainError, PackSealError
