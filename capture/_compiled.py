@@ -68,8 +68,9 @@ def ring_write(buffer: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, regi
     (``index_select(out=)``, the eager path's copy); a region that does not match what the
     model produced raises :class:`CaptureError` instead of writing over its neighbour.
     CUDA: the offset is used on the device (positions = offset + arange), so nothing reads
-    it on the host and a CUDA graph replays with each step's value; the length is checked
-    by ``torch._assert_async``.
+    it on the host and a CUDA graph replays with each step's value; the length and the dtype
+    code are checked by ``torch._assert_async`` (a mismatch is a device-side assert, fatal to
+    the process's CUDA context, rather than bytes written under another dtype's label).
     """
     n, width = rows.shape[0], src.shape[1]
     nbytes = n * width * src.element_size()
@@ -87,7 +88,7 @@ def ring_write(buffer: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, regi
         torch.index_select(src, 0, rows, out=dst)
         _CPU_WRITES.count = _cpu_writes() + 1
         return
-    torch._assert_async(region[1] == nbytes)
+    torch._assert_async((region[1] == nbytes) & (region[2] == _dtype_code(src.dtype)))
     elements = buffer.view(src.dtype)
     positions = region[0] // src.element_size() + torch.arange(n * width, device=buffer.device)
     elements.index_copy_(0, positions, src.index_select(0, rows).reshape(-1))

@@ -11,6 +11,9 @@ not speed (``bench/bench_capture_gpu.py`` measures that).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -174,3 +177,35 @@ def test_cuda_graphs_capture_the_decode_steps_generate_compiles():
         assert torch.equal(got[0], want[:prompt])
         for step in (1, 2, 3):
             assert torch.equal(got[step], want[prompt + step - 1 : prompt + step]), (rid, step)
+
+
+_MISLABELLED = """
+import torch
+import dmi.capture._compiled  # registers dmi::ring_write
+from dmi.capture._compiled import _dtype_code
+buffer = torch.zeros(64, dtype=torch.uint8, device="cuda")
+src = torch.ones(4, 4, dtype=torch.float16, device="cuda")
+rows = torch.arange(2, device="cuda")
+{region}
+torch.ops.dmi.ring_write(buffer, src, rows, region)
+torch.cuda.synchronize()
+print("written", buffer[:16].tolist())
+"""
+
+
+@pytest.mark.parametrize("label", ["float16", "bfloat16"])
+def test_cuda_ring_write_refuses_a_region_planned_for_another_dtype_of_the_same_size(label):
+    """fp16 and bf16 take the same bytes, so the length alone cannot tell them apart: the
+    CUDA branch checks the dtype code on the device too. A device-side assert poisons the
+    process's CUDA context, so each case runs in its own interpreter."""
+    region = (f"region = torch.tensor([0, 16, _dtype_code(torch.{label})], dtype=torch.int64, "
+              'device="cuda")')
+    run = subprocess.run([sys.executable, "-c", _MISLABELLED.format(region=region)],
+                         capture_output=True, text=True, timeout=300)
+    if label == "float16":
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip() == "written " + str([0, 60] * 8)
+    else:
+        assert run.returncode != 0 and "written" not in run.stdout
+        assert "assert" in run.stderr.lower(), run.stderr
+
