@@ -41,17 +41,22 @@ from dmi._loader_quality import ShuffleQuality, shuffle_quality
 from dmi._loader_read import LAYOUTS, ON_ERROR, RowFormat, Window, WindowReader, new_batch
 from dmi.reader import DEFAULT_MAX_GAP
 from dmi.storage import PackStore
-from dmi.storage.errors import InvalidArgumentError, RecordNotFoundError
+from dmi.storage.errors import InvalidArgumentError, RecordNotFoundError, StaleLoaderStateError
 
 __all__ = ["TokenLoader", "ActivationDataset", "ShuffleQuality", "open_loader"]
 
-STATE_VERSION = 3
+STATE_VERSION = 4
 """2: with ``drop_last``, every share keeps as many whole batches as the smallest share holds
 (equal step counts across DDP ranks). A version-1 state resumes a loader without
 ``drop_last`` (nothing else changed) and is refused for one with it: its cursors point into
 the older cut. 3: the fingerprint holds a digest of the selection's units and records, and a
 cursor ``(windows + 1, 0)`` marks a share whose end was reported; a version-1 or 2 state
-(no digest) still resumes, with a warning that its selection cannot be checked."""
+(no digest) still resumes, with a warning that its selection cannot be checked. 4: a
+cursor's row counts every position of its window, rows skipped as damaged included (they
+keep their places since commit 6e5debd, which kept version 3); before, it counted the kept
+rows alone, of a window permuted over them alone. An older state whose cursor stops inside
+a window that holds damage is refused by a loader that skips damage (see
+:class:`StaleLoaderStateError`); elsewhere both counts agree and it resumes exactly."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -438,9 +443,11 @@ class TokenLoader:
 
         Raises ``InvalidArgumentError`` when the state comes from a loader with another
         selection, seed, shuffle setting, batch size, shuffle buffer, ``drop_last``, worker
-        count or rank layout.
+        count or rank layout, and ``StaleLoaderStateError`` (an ``InvalidArgumentError``)
+        when, saved before version 4, it stops inside a window that holds damage this loader
+        skips (``STATE_VERSION``).
         """
-        if not isinstance(state, dict) or state.get("version") not in (1, 2, STATE_VERSION):
+        if not isinstance(state, dict) or state.get("version") not in (1, 2, 3, STATE_VERSION):
             raise InvalidArgumentError(f"not a DMI loader state (version {STATE_VERSION}): {state!r:.200}")
         if state["version"] == 1 and self.config.drop_last:
             raise InvalidArgumentError("this state was saved by a loader whose drop_last cut each share on its own "
@@ -450,12 +457,43 @@ class TokenLoader:
         epoch, cursors, turn = _state_int(state, "epoch"), self._state_cursors(state), _state_int(state, "next")
         if turn >= self.slots_per_rank:
             raise InvalidArgumentError(f"state next={turn} names no worker of {self.slots_per_rank}")
+        if state["version"] < 4 and self.config.on_error == "skip":
+            self._refuse_shifted_cursors(state["version"], epoch, cursors)
         self._position = _Position(epoch, tuple(cursors), turn)
+
+    def _refuse_shifted_cursors(self, version: int, epoch: int, cursors: list[tuple[int, int]]) -> None:
+        """Refuse a state older than version 4 (cursor rows counting kept rows only) that stops
+        a worker inside a window holding damage: only there do kept rows and positions differ.
+        The window is read to find out; a loader that raises on damage needs no check (such a
+        window raises its ``PackError`` when read)."""
+        for local, (w, row) in enumerate(cursors):
+            skipped = self._skipped_in_window(epoch, local, w) if row > 0 else 0
+            if skipped:
+                raise StaleLoaderStateError(
+                    f"this loader state (version {version}) stops worker {local} at row {row} of window {w}, which "
+                    f"holds {skipped} rows skipped as damaged: a state before version {STATE_VERSION} counted a "
+                    "window's rows without the skipped ones, in an order drawn over the kept rows alone, and does "
+                    "not record the damage it met, so which rows it had yielded cannot be told; resumed, rows "
+                    f"would come twice or never. Start the epoch again (set_epoch({epoch})) or go on with the next "
+                    f"(set_epoch({epoch + 1})); states saved from now on (version {STATE_VERSION}) resume exactly")
+
+    def _skipped_in_window(self, epoch: int, local: int, w: int) -> int:
+        """How many rows of window ``w`` of local slot ``local``'s share in ``epoch`` are
+        skipped as damaged now (its records read, in stream order, into memory of its own)."""
+        c = self.config
+        slot, n_slots = self.rank * self.slots_per_rank + local, self.world_size * self.slots_per_rank
+        order = EpochOrder(self.plan, seed=c.seed, epoch=epoch, shuffle=c.shuffle)
+        slices = window_slices(order, slot, n_slots, c.shuffle_buffer, w,
+                               whole_batches=c.batch_size if c.drop_last else None)
+        with ThreadPoolExecutor(c.read_threads, thread_name_prefix="dmi-loader-io") as io_pool:
+            reader = WindowReader(self.plan, self.packs, c.fmt, max_gap=c.max_gap, on_error="skip",
+                                  io_pool=io_pool, memory=LoaderMemory(1), direct_io=c.direct_io)
+            return reader.read(slices, None).skipped_rows
 
     def _check_fingerprint(self, theirs: Any, version: int) -> None:
         """Refuse a state of another loader; warn for one too old to hold the selection's digest."""
         mine = self._fingerprint()
-        if version < STATE_VERSION and isinstance(theirs, dict) and "selection" not in theirs:
+        if version < 3 and isinstance(theirs, dict) and "selection" not in theirs:  # the digest came with 3
             mine.pop("selection")
             warnings.warn(f"this loader state (version {version}) predates the selection digest: that it "
                           "comes from the same selection cannot be checked", RuntimeWarning, stacklevel=3)

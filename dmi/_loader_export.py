@@ -6,15 +6,19 @@ Each batch becomes one shard (``shard-00000.safetensors``, ``.npy`` or ``.pt``, 
 ``manifest.json`` records the selection's features, dtype, order (``from_epoch_start``: false
 when the loader was mid-epoch, so the shards hold the epoch's remaining batches), shard list
 and what ``on_error="skip"`` (``skipped_rows``, ``damaged_records``) and ``drop_last``
-(``dropped_rows``) left out. The manifest is written last: a directory without one holds
-an export that did not finish. Every file, the manifest and the index included, is written
-under a temporary name and renamed into place when complete (:func:`dmi._export.write_file`),
-so a full disk leaves no partial file, and never an empty manifest, and raises ``ExportError``.
+(``dropped_rows``) left out, and where the values came from: per feature, the codecs its
+records are stored with and the worst error a lossy one measured at capture (``lossy``,
+``codecs``), so a trainer knows when the values are decoded approximations. The manifest is
+written last: a directory without one holds an export that did not finish. Every file, the
+manifest and the index included, is written under a temporary name and renamed into place
+when complete (:func:`dmi._export.write_file`), so a full disk leaves no partial file, and
+never an empty manifest, and raises ``ExportError``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +30,7 @@ import pyarrow.parquet as pq
 import torch
 
 from dmi._export import EXPORT_FORMATS, check_format, export_tensor, write_file
-from dmi.storage import torch_dtype
+from dmi.storage import LOSSY_CODECS, torch_dtype
 from dmi.storage.errors import InvalidArgumentError
 
 _TOKEN_SCHEMA = pa.schema([("shard", pa.int64()), ("row", pa.int64()), ("run_id", pa.string()),
@@ -42,8 +46,9 @@ def export_epoch(loader: Any, directory: str | os.PathLike[str], *, suffix: str 
     written (progress). Raises ``InvalidArgumentError`` for an unknown suffix, a directory that
     cannot be made or is not empty, or a dtype the format cannot hold exactly (all checked
     before a batch is read), what writing a shard, the token index or the manifest raises
-    (``ExportError`` for a full disk), and what iterating the loader raises. An export that raises leaves the loader where it stood (position and counts), so
-    no batch is consumed by an export that did not finish."""
+    (``ExportError`` for a full disk), and what iterating the loader raises. An export that
+    raises leaves the loader where it stood (position and counts), so no batch is consumed by
+    an export that did not finish."""
     if suffix not in EXPORT_FORMATS:
         raise InvalidArgumentError(f"suffix must be one of {', '.join(EXPORT_FORMATS)}, not {suffix!r}")
     check_format(_torch_dtype(loader), suffix)
@@ -90,7 +95,7 @@ def _write_shards(loader: Any, root: Path, suffix: str, on_shard: Callable[[dict
                   before: _Position) -> dict[str, Any]:
     """One epoch of ``loader`` as shard files (and ``tokens.parquet``) under ``root``; returns
     the manifest. The epoch's iterator is closed before this returns or raises."""
-    epoch, shards, rows, index = loader.epoch, [], 0, []
+    epoch, shards, rows, index, codecs = loader.epoch, [], 0, [], _feature_codecs(loader.plan)
     batches = iter(loader)
     try:
         for i, batch in enumerate(batches):
@@ -116,7 +121,36 @@ def _write_shards(loader: Any, root: Path, suffix: str, on_shard: Callable[[dict
             "scales": loader.scales, "rank": loader.rank, "world_size": loader.world_size,
             "skipped_rows": loader.skipped_rows - before.skipped,
             "dropped_rows": loader.dropped_rows - before.dropped,
-            "damaged_records": loader.damaged_records[before.damaged:], "shards": shards}
+            "damaged_records": loader.damaged_records[before.damaged:],
+            "lossy": any(f["lossy"] for f in codecs.values()), "codecs": codecs, "shards": shards}
+
+
+def _feature_codecs(plan: Any) -> dict[str, dict[str, Any]]:
+    """Per feature (by name): the codecs of the selection's records of it, whether any is
+    lossy, and the worst error measured when they were written (the catalog's
+    ``codec_max_abs_error`` and ``codec_rel_l2_error``, in the captured values' units, before
+    any ``dtype`` conversion or ``normalize`` scaling; 0 for lossless codecs). Taken over
+    every record of the loader's selection, all ranks' shares included, so it bounds the
+    rows of any one export; ``None`` where a record's error is not a number (its values held
+    a NaN), which JSON cannot write and no bound can be drawn from."""
+    codecs = {}
+    for f, feature in enumerate(plan.features):
+        metas = [e.meta for unit in plan.units for e in unit.records[f]]
+        names = sorted({m.codec for m in metas})
+        codecs[feature.name] = {"codecs": names, "lossy": any(name in LOSSY_CODECS for name in names),
+                                "max_abs_error": _worst(m.codec_max_abs_error for m in metas),
+                                "rel_l2_error": _worst(m.codec_rel_l2_error for m in metas)}
+    return codecs
+
+
+def _worst(errors: Any) -> float | None:
+    """The largest of ``errors``; ``None`` when one is NaN (the worst cannot be told)."""
+    worst = 0.0
+    for error in errors:
+        if math.isnan(error):
+            return None
+        worst = max(worst, error)
+    return worst
 
 
 def _empty_directory(root: Path) -> Path:

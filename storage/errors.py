@@ -12,7 +12,8 @@ exception types. Builtin mix-ins are added where callers naturally expect them.
     ├── InvalidArgumentError (ValueError)        bad input rejected where it enters
     │   ├── InvalidIdentifierError               model/request id, scope, db/table name
     │   ├── PlanError                            a capture plan file refused, at a field path
-    │   └── LossyCodecError                      a lossy codec (fp8, int8) asked for integer values
+    │   ├── LossyCodecError                      a lossy codec (fp8, int8) asked for integer values
+    │   └── StaleLoaderStateError                an old loader state that cannot say where it stopped
     ├── PackError                                the pack files (format, storage)
     │   ├── PackNotFoundError (FileNotFoundError)
     │   ├── PackCorruptError                     checksum mismatch, undecodable payload
@@ -63,6 +64,7 @@ __all__ = [
     "InvalidIdentifierError",
     "PlanError",
     "LossyCodecError",
+    "StaleLoaderStateError",
     "PackError",
     "PackNotFoundError",
     "PackCorruptError",
@@ -137,6 +139,13 @@ class PlanError(InvalidArgumentError):
 class LossyCodecError(InvalidArgumentError):
     """A lossy codec (``fp8``, ``int8``) was asked to store integer or boolean values (token
     ids, router choices, token text): those are stored losslessly or not at all."""
+
+
+class StaleLoaderStateError(InvalidArgumentError):
+    """A loader state saved before version 4 stops inside a window that holds rows skipped as
+    damaged: its row counted only the kept rows, in an order drawn over them alone, and the
+    state records neither the damage it met nor its ``on_error``, so which rows it had yielded
+    cannot be told. Resumed, rows would come twice or never; it is refused instead."""
 
 
 class PackError(DMIError):
