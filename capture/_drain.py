@@ -181,6 +181,7 @@ class Drain:
         self.lost_keys: list[tuple[RecordKey, str]] = []  # each lost record's key and reason
         self._discarded_counted: list[BaseException] = []  # failures whose discarded records are counted
         self._not_written = 0  # records counted lost (DRAIN_FAILED) because the drain had failed
+        self._discarded_after = 0  # records counted lost (PACK_NOT_WRITTEN) by failures after the drain's error
         self._sealed_counted = 0  # the first packs of ctx.sealed already counted in packs_sealed
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._publish_interval = publish_interval  # seal_soon seals at most this often (seconds)
@@ -218,6 +219,10 @@ class Drain:
             tail = "" if not unpublished else (
                 f"; {unpublished} sealed pack(s) are not published: they stay whole in the store, and "
                 "`dmi recover` publishes them once the cause is fixed")
+            if settled and self._discarded_after:
+                tail += (f"; {self._discarded_after} more record(s) were lost with pack(s) whose write failed after "
+                         "it (records_lost, and the catalog's losses where it answers: reason "
+                         f"{PACK_NOT_WRITTEN!r})")
             if settled and self._not_written:
                 tail += (f"; {self._not_written} record(s) it had not written yet are counted as lost "
                          f"(records_lost, and the catalog's losses where it answers: reason {DRAIN_FAILED!r})")
@@ -379,8 +384,9 @@ class Drain:
 
     def _take(self, slot) -> None:
         """Cut ``slot`` into records and write them; at a step's edge, seal and publish. A write
-        that fails there makes its failure the drain's error, and the slot's other records are
-        counted as lost (:meth:`_write`); nothing is then published after it."""
+        or a cut that fails there makes its failure the drain's error, and the slot's other
+        records are counted as lost (:meth:`_write`, :meth:`_process`); nothing is then published
+        after it."""
         t0 = time.perf_counter()
         sealed_before = len(self.ctx.sealed)
         try:
@@ -513,11 +519,12 @@ class Drain:
         failure — into ``ctx.sealed`` at the flush (or seal) that reached the failure, as the
         writer's close would later: the count of unpublished packs a settled error gives is
         then final, where a pack the close sealed after it went uncounted. A seal that fails
-        too leaves it to the close; the drain's first error is the one raised."""
+        too (the disk is full by now) discards the pack: its records are counted as lost
+        (:meth:`_count_discarded`); the drain's first error is the one raised."""
         try:
             self._seal_open()
-        except BaseException:  # noqa: BLE001, S110 - the drain's first error is the one raised
-            pass
+        except BaseException as exc:  # noqa: BLE001 - the drain's first error is the one raised
+            self._count_discarded(exc)
 
     def _after_failure(self) -> None:
         """Once the drain has failed: count what the failure discarded and the decode rows still
@@ -540,6 +547,8 @@ class Drain:
             return
         self._discarded_counted.append(exc)
         self._lose_keys(keys, PACK_NOT_WRITTEN)
+        if exc is not self.error:  # not in its cause's message: the error's own says how many
+            self._discarded_after += len(keys)
 
     def _publish_after_failure(self) -> None:
         """Once the drain has failed, publish the packs it sealed whole before the failure, where
@@ -702,30 +711,49 @@ class Drain:
         self._codec = self._fallback if behind else None
 
     def _process(self, slot) -> None:
-        if slot.event is not None:
-            slot.event.synchronize()
+        """Cut ``slot`` into records and hand them to the writer. A failure cutting it (on CUDA
+        the wait for its event, a view that fails) fails the drain as a failed write does: what
+        of the slot was not handed to the writer is counted as lost (:data:`DRAIN_FAILED`)."""
+        try:
+            if slot.event is not None:
+                slot.event.synchronize()
+        except BaseException as exc:  # noqa: BLE001 - the drain's error; the slot is counted as lost below
+            self._fail(exc)
         self._choose_codec()
-        buf = slot.buffer
-        chunk = self.decode_chunk_steps
         for i, e in enumerate(slot.entries):
-            if self.error is not None:  # a write of this slot failed: the rest is counted as lost
+            records = None if self.error is not None else self._cut(slot.buffer, e)
+            if records is None:  # a write or a cut of this slot failed: the rest is counted as lost
                 self._lose_entries(slot.entries[i:])
                 break
+            for span, rec in records:
+                self._append(e.hook, e.layer, e.plan, span, rec)
+        self.stats.slots += 1
+
+    def _cut(self, buf, e) -> list | None:
+        """Entry ``e`` of a slot's buffer ``buf`` as ``[(span, record)]`` to append — none where
+        its decode rows are staged — cut whole before any is appended; ``None`` where cutting
+        failed (the failure is the drain's error, and none of the entry was appended)."""
+        try:
             plan = e.plan
             data = buf[e.offset : e.offset + e.nbytes].view(e.dtype)
             self.stats.bytes += e.nbytes
             if HOOKS[e.hook].key_axis is not None:  # emitted per request, already [heads, q, kv]
                 s = plan.spans[e.span_index]
-                self._append(e.hook, e.layer, plan, s, data.view(-1, s.n, e.kv_tokens - s.kv_pad))
-                continue
+                return [(s, data.view(-1, s.n, e.kv_tokens - s.kv_pad))]
             rows = data.view(e.rows, -1)
-            if chunk > 1 and plan.phase == "decode":
+            if self.decode_chunk_steps > 1 and plan.phase == "decode":
                 self._stage(e.hook, e.layer, plan, rows)
-                continue
+                return []
             tail = HOOKS[e.hook].token_shape(rows.shape[1], self.ctx.geometry)
-            for s in plan.spans:
-                self._append(e.hook, e.layer, plan, s, rows[s.offset : s.offset + s.n].view(s.n, *tail))
-        self.stats.slots += 1
+            return [(s, rows[s.offset : s.offset + s.n].view(s.n, *tail)) for s in plan.spans]
+        except BaseException as exc:  # noqa: BLE001 - the drain's error; the caller counts the entry as lost
+            self._fail(exc)
+            return None
+
+    def _fail(self, exc: BaseException) -> None:
+        """``exc`` fails the drain, unless it has already failed (its first failure is its error)."""
+        if self.error is None:
+            self.error = exc
 
     # -- decode coalescing: consecutive decode steps of one call become one record per request
     def _stage(self, hook, layer, plan, rows) -> None:
@@ -757,21 +785,40 @@ class Drain:
 
     def _emit_runs(self, hook, layer, st: "_Staged", only) -> None:
         """One record per run of ``st`` (a request's rows at consecutive steps and positions);
-        with ``only``, just those requests' runs, marked as emitted."""
+        with ``only``, just those requests' runs, marked as emitted. A failure cutting them
+        fails the drain, and their rows are counted as lost (:meth:`_lose_staged`)."""
+        try:
+            records = self._staged_records(hook, st, only)
+        except BaseException as exc:  # noqa: BLE001 - the drain's error; none of them was appended
+            self._fail(exc)
+            self._lose_staged(hook, layer, st, only)
+            records = []
+        for plan, span, rec, n in records:
+            self._append(hook, layer, plan, span, rec, n_tokens=n)
+        if only is not None:
+            st.emitted |= only
+
+    def _staged_records(self, hook, st: "_Staged", only) -> list[tuple]:
+        """The records of :meth:`_emit_runs`, each ``(plan, span, record, tokens)``, cut whole
+        before any is appended."""
         rows = st.rows()
         tail = HOOKS[hook].token_shape(rows.shape[1], self.ctx.geometry)
         if only is None and not st.emitted and _same_spans(st.plans):  # the batch kept its rows: cut the steps
             k = len(st.plans)
             steps = rows.view(k, -1, rows.shape[1])  # [steps, rows, features]
-            for s in st.plans[0].spans:
-                rec = steps[:, s.offset : s.offset + s.n].reshape(k * s.n, *tail)
-                self._append(hook, layer, st.plans[0], s, rec, n_tokens=k * s.n)
-            return
-        for run in self._runs_of(st, only):
-            rec = rows[run.first : run.first + run.n] if run.index is None else rows.index_select(0, run.index)
-            self._append(hook, layer, run.plan, run.span, rec.reshape(run.n, *tail), n_tokens=run.n)
-        if only is not None:
-            st.emitted |= only
+            return [(st.plans[0], s, steps[:, s.offset : s.offset + s.n].reshape(k * s.n, *tail), k * s.n)
+                    for s in st.plans[0].spans]
+        return [(run.plan, run.span, (rows[run.first : run.first + run.n] if run.index is None else
+                                      rows.index_select(0, run.index)).reshape(run.n, *tail), run.n)
+                for run in self._runs_of(st, only)]
+
+    def _lose_staged(self, hook, layer, st: "_Staged", only) -> None:
+        """Count the rows of ``st`` not yet stored (of ``only``'s requests) as lost
+        (:data:`DRAIN_FAILED`): one record per span and step, as uncoalesced."""
+        for plan in st.plans:
+            spans = [s for s in plan.spans
+                     if s.request_id not in st.emitted and (only is None or s.request_id in only)]
+            self._lose_spans(hook, layer, plan, spans, DRAIN_FAILED)
 
     def _runs_of(self, st: "_Staged", only) -> list["_Run"]:
         """:func:`_runs`, worked out once for every hook and layer staged over the same steps."""
