@@ -38,7 +38,7 @@ SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidde
             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True)
 
 
-KINDS = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "olmoe", "gpt2")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt2")
 
 
 def build(kind: str, geometry: str, dtype: torch.dtype):
@@ -52,11 +52,14 @@ def build(kind: str, geometry: str, dtype: torch.dtype):
             "llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
             "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
             "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+            "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
             "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM), "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
         }[kind]
         kw = dict(SMOL if geometry == "smol" else SMALL)
         if kind == "mixtral":
             kw.update(num_local_experts=4, num_experts_per_tok=2)
+        if kind == "qwen2_moe":  # every layer sparse, and a shared expert beside the routed ones
+            kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
         if kind == "qwen3_moe":
             kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8)
         if kind == "olmoe":
@@ -157,6 +160,9 @@ def main() -> None:
     parser.add_argument("--kinds", default=",".join(KINDS), help="tiny models, comma-separated, of " + ", ".join(KINDS))
     args = parser.parse_args()
     kinds = ["llama", "gpt2"] if args.quick else args.kinds.split(",")
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        parser.error(f"--kinds: unknown {', '.join(unknown)}; choose from {', '.join(KINDS)}")
     runs = [(k, "tiny", (7, 4, 6, 2), 6) for k in kinds]
     if not args.quick and "llama" in kinds:
         runs.append(("llama", "smol", (24, 9, 17, 3), 8))

@@ -10,6 +10,13 @@ tensor in one of three layouts:
 * ``"bt"``: ``[batch, tokens, ...]`` (most hooks)
 * ``"flat"``: ``[batch * tokens, ...]`` (MoE routers flatten tokens)
 * ``"pattern"``: ``[batch, heads, q_tokens, kv_tokens]``
+
+MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) share the Llama-like table: ``mlp_out`` is
+the whole MoE block's output (Qwen2-MoE's includes its sigmoid-gated shared expert), the
+router hooks are ``mlp.gate``'s outputs, and ``mlp_post`` does not exist (no dense
+``mlp.down_proj``). A hook is available only if every layer has its module, so a model with
+dense layers among sparse ones (``decoder_sparse_step``, ``mlp_only_layers``) offers neither
+router hooks nor ``mlp_post``.
 """
 
 from __future__ import annotations
@@ -132,6 +139,7 @@ _FAMILIES: dict[str, _Family] = {
     "qwen2": _LLAMA_LIKE,
     "qwen3": _LLAMA_LIKE,
     "mixtral": _LLAMA_LIKE,
+    "qwen2_moe": _LLAMA_LIKE,
     "qwen3_moe": _LLAMA_LIKE,
     "olmoe": _LLAMA_LIKE,
     "gpt2": _GPT2,

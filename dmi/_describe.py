@@ -1,8 +1,8 @@
 """``dmi describe-model``: a model's geometry and every hook DMI offers on it, from its config alone.
 
 No weights are loaded and ``transformers`` is not needed: ``config.json`` is read as JSON,
-for the families capture supports (Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE, OLMoE, GPT-2 and its
-``n_embd``/``n_layer``/``n_head``/``n_inner`` naming). The geometry is
+for the families capture supports (Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+GPT-2 and its ``n_embd``/``n_layer``/``n_head``/``n_inner`` naming). The geometry is
 ``dmi.capture.ModelGeometry.from_config`` — the same reading of the config the capture
 runtime does — and every shape, dtype, scope and tensor-parallel axis comes from the hook
 catalogue (``dmi.capture.HOOKS``). Encoder-decoder and unknown architectures are refused
@@ -131,7 +131,7 @@ def model_geometry(config: dict[str, Any], *, where: str = "the config", dtype: 
 def offered_hooks(geometry: Any, config: dict[str, Any] | None = None) -> tuple[str, ...]:
     """The catalogue hooks a model of this geometry has. The router hooks need a router on
     every layer and ``mlp_post`` a dense MLP on every layer (the experts share no down
-    projection to hook), so a model mixing dense and sparse layers (Qwen3-MoE's
+    projection to hook), so a model mixing dense and sparse layers (Qwen2-MoE's and Qwen3-MoE's
     ``mlp_only_layers`` or ``decoder_sparse_step``, read from ``config``) has neither; without
     ``config`` every layer of an MoE model is taken as sparse. The test over real models of
     every family checks this agrees with what the runtime finds on the modules."""

@@ -25,12 +25,16 @@ def tiny(kind: str = "llama", *, attn: str = "sdpa", dtype=torch.float32, seed: 
             "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
             "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
             "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+            "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
             "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
             "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
         }[kind]
         kw = dict(SMALL)
         if kind == "mixtral":
             kw.update(num_local_experts=4, num_experts_per_tok=2)
+        if kind == "qwen2_moe":  # every layer sparse (decoder_sparse_step 1), each with its shared expert
+            kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=24)
         if kind == "qwen3_moe":
             kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8)
         if kind == "olmoe":

@@ -31,7 +31,7 @@ def _per_row(ref_steps, layer_index, row, pad):
     return torch.cat(parts)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "olmoe", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt2"])
 def test_resid_stream_bit_exact_over_prefill_and_decode(kind):
     model = tiny(kind)
     ids, mask = left_padded_batch()

@@ -19,7 +19,7 @@ from dmi.capture import HOOKS, ModelGeometry, resolve_architecture
 from dmi.storage.errors import InvalidArgumentError
 from tests._models import tiny
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "olmoe", "gpt2"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt2"]
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -66,6 +66,20 @@ CONFIGS = {
                       "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000, "torch_dtype": "bfloat16"},
                      dict(n_layers=32, hidden=4096, n_heads=32, n_kv_heads=8, head_dim=128, intermediate=14336,
                           vocab=32000, dtype=torch.bfloat16, n_experts=8, top_k=2)),
+    "qwen1.5-moe-a2.7b": ({"model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_size": 5632,
+                           "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+                           "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                           "shared_expert_intermediate_size": 5632, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                           "vocab_size": 151936, "torch_dtype": "bfloat16"},
+                          dict(n_layers=24, hidden=2048, n_heads=16, n_kv_heads=16, head_dim=128, intermediate=5632,
+                               vocab=151936, dtype=torch.bfloat16, n_experts=60, top_k=4)),
+    "qwen2-57b-a14b": ({"model_type": "qwen2_moe", "hidden_size": 3584, "intermediate_size": 18944,
+                        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                        "num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": 2560,
+                        "shared_expert_intermediate_size": 20480, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                        "vocab_size": 151936, "torch_dtype": "bfloat16"},
+                       dict(n_layers=28, hidden=3584, n_heads=28, n_kv_heads=4, head_dim=128, intermediate=18944,
+                            vocab=151936, dtype=torch.bfloat16, n_experts=64, top_k=8)),
     "gpt2": ({"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None, "vocab_size": 50257,
               "n_positions": 1024},
              dict(n_layers=12, hidden=768, n_heads=12, n_kv_heads=12, head_dim=64, intermediate=3072, vocab=50257,

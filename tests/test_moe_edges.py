@@ -1,7 +1,8 @@
 """MoE routing capture at its edges, bit-exact against the model's own routing: generation
 (prefill and decode) from a left-padded batch through a real store, top-k ties, the model's
-``output_router_logits=True`` — for Mixtral, Qwen3-MoE and OLMoE — and the MoE architecture
-DMI refuses."""
+``output_router_logits=True`` — for Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE; Qwen2-MoE's shared
+expert inside ``mlp_out``; models mixing dense and sparse layers (no router hook, every other
+hook bit-exact); and the architectures DMI refuses."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 import dmi
-from dmi.capture import attach
-from dmi.storage.errors import AttachError
+from dmi.capture import HOOKS, SUPPORTED_MODEL_TYPES, attach
+from dmi.storage.errors import AttachError, HookSelectionError
 
 from ._models import MemoryWriter, left_padded_batch, tiny
 
@@ -57,7 +58,7 @@ def _request_rows(calls, part: int, row: int, pad: int, width: int) -> torch.Ten
     return torch.cat([prefill] + [c[part][row : row + 1] for c in calls[1:]])
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_router_records_equal_the_gate_over_prefill_and_decode_through_the_store(tmp_path, dtype, kind):
     model = _tiny_moe(kind, dtype)
@@ -100,7 +101,7 @@ def test_tied_router_logits_record_the_experts_the_model_chose():
             assert {frozenset(pair) for pair in got.tolist()} <= {frozenset({0, 1}), frozenset({2, 3})}
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 def test_router_logits_equal_the_models_own_output_router_logits(kind):
     model = _tiny_moe(kind, torch.float32)
     ids, mask = left_padded_batch()
@@ -115,39 +116,140 @@ def test_router_logits_equal_the_models_own_output_router_logits(kind):
             assert torch.equal(got, own[layer][row * width + pads[row] : (row + 1) * width])
 
 
-def _moe(kind: str):
+def _moe(kind: str, **over):
+    """A 2-layer, 4-expert, top-2 model of ``kind``, every layer sparse unless ``over`` says
+    otherwise (``decoder_sparse_step``, ``mlp_only_layers``)."""
     import transformers as tf
 
     common = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, num_experts_per_tok=2, num_experts=4)
-    if kind == "qwen2_moe":  # a shared expert, and layer 0 dense (sparse every 2nd layer)
-        return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(decoder_sparse_step=2, moe_intermediate_size=16,
-                                                         shared_expert_intermediate_size=16, **common))
+                  num_key_value_heads=2, num_experts_per_tok=2, num_experts=4, **over)
+    if kind == "qwen2_moe":
+        return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                                         **common))
     if kind == "qwen3_moe":
         return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(moe_intermediate_size=16, head_dim=8, **common))
     return tf.OlmoeForCausalLM(tf.OlmoeConfig(eos_token_id=1, **common))
 
 
-def test_qwen2_moe_is_refused_naming_the_supported_ones():
-    """Its shared expert and its dense layers among sparse ones are not mapped."""
-    model = _moe("qwen2_moe").eval()
-    with pytest.raises(AttachError, match=r"^cannot attach to a model of type 'qwen2_moe' .*supported model types: "
-                                          r"gpt2, llama, mistral, mixtral, olmoe, qwen2, qwen3, qwen3_moe$"):
+def test_the_supported_model_types_and_the_refusal_naming_them():
+    """Qwen2-MoE is among them; an MoE type with no module map is refused listing them all."""
+
+    class Unmapped(torch.nn.Module):
+        config = type("Config", (), {"model_type": "phimoe"})()
+
+    assert SUPPORTED_MODEL_TYPES == ("gpt2", "llama", "mistral", "mixtral", "olmoe", "qwen2", "qwen2_moe", "qwen3",
+                                     "qwen3_moe")
+    with pytest.raises(AttachError) as info:
+        with attach(Unmapped(), hooks="router", writer=MemoryWriter()):
+            pass
+    assert str(info.value) == ("cannot attach to a model of type 'phimoe' (Unmapped); supported model types: "
+                               "gpt2, llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_moe")
+
+
+def _dense_then_sparse(kind):
+    """Layer 0 dense (a plain MLP, no gate), layer 1 sparse: ``decoder_sparse_step=2`` for
+    Qwen2-MoE, ``mlp_only_layers=[0]`` for Qwen3-MoE."""
+    over = dict(decoder_sparse_step=2) if kind == "qwen2_moe" else dict(mlp_only_layers=[0])
+    torch.manual_seed(0)
+    model = _moe(kind, **over).eval()
+    assert [hasattr(layer.mlp, "gate") for layer in model.model.layers] == [False, True]
+    return model
+
+
+HOOKS_BUT_ROUTERS_AND_MLP_POST = ("token_ids", "embed", "resid_pre", "attn_q", "attn_k", "attn_v", "attn_z",
+                                  "attn_pattern", "attn_out", "resid_mid", "mlp_out", "resid_post", "final_norm",
+                                  "logits")
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe"])
+def test_dense_layers_among_sparse_ones_refuse_the_router_hooks_by_name(kind):
+    """No router hook is on every layer: the group leaves nothing, a hook named alone is refused
+    listing what the model has, and ``all`` holds everything else (no ``mlp_post`` either: the
+    sparse layer has no dense down projection)."""
+    model = _dense_then_sparse(kind)
+    with pytest.raises(HookSelectionError) as info:
         with attach(model, hooks="router", writer=MemoryWriter()):
             pass
-
-
-def test_a_qwen3_moe_with_dense_layers_among_sparse_ones_refuses_the_router_hooks():
-    """``mlp_only_layers``: layer 0 has no gate, so no router hook is on every layer."""
-    import transformers as tf
-
-    from dmi.storage.errors import HookSelectionError
-
-    common = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, num_experts_per_tok=2, num_experts=4)
-    model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(moe_intermediate_size=16, head_dim=8, mlp_only_layers=[0],
-                                                     **common)).eval()
-    with pytest.raises(HookSelectionError, match=r"^selection 'router' leaves no hook available on model type "
-                                                 r"'qwen3_moe'"):
-        with attach(model, hooks="router", writer=MemoryWriter()):
+    assert str(info.value) == f"selection 'router' leaves no hook available on model type {kind!r}"
+    with pytest.raises(HookSelectionError) as info:
+        with attach(model, hooks="router_topk", writer=MemoryWriter()):
             pass
+    assert str(info.value) == (f"hook 'router_topk' does not exist on model type {kind!r}; available: "
+                               + ", ".join(HOOKS_BUT_ROUTERS_AND_MLP_POST))
+    model.set_attn_implementation("eager")
+    with attach(model, hooks="all", writer=MemoryWriter()) as cap:
+        pass
+    assert cap.hooks == {h: ((0, 1) if HOOKS[h].per_layer else (-1,)) for h in HOOKS_BUT_ROUTERS_AND_MLP_POST}
+
+
+def _block_outputs(model, ids, mask):
+    """Per layer, what an uncaptured forward's ``mlp`` (dense MLP or MoE block) returned, seen by
+    a plain forward hook; and the forward's own hidden states."""
+    seen = {}
+
+    def keep(layer):
+        return lambda module, args, out: seen.__setitem__(layer, out.detach().clone())
+
+    handles = [blk.mlp.register_forward_hook(keep(i)) for i, blk in enumerate(model.model.layers)]
+    try:
+        ref = model(ids, attention_mask=mask, output_hidden_states=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen, ref.hidden_states
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe"])
+def test_dense_layers_among_sparse_ones_capture_the_other_hooks_bit_exact(kind):
+    """The residual stream against ``output_hidden_states``, ``mlp_out`` against the block's
+    own output on the dense layer and the sparse one, and each layer's residual add."""
+    model = _dense_then_sparse(kind)
+    ids, mask = left_padded_batch()
+    pads = mask.eq(0).sum(1).tolist()
+    blocks, hidden = _block_outputs(model, ids, mask)
+    w = MemoryWriter()
+    with attach(model, hooks="resid_pre resid_mid mlp_out resid_post", writer=w) as cap:
+        rids, _ = cap.forward(ids, attention_mask=mask)
+    for row, rid in enumerate(rids):
+        got = {(k.hook, k.layer): d for k, d, _ in w.records if k.request_id == rid}
+        assert set(got) == {(h, layer) for h in ("resid_pre", "resid_mid", "mlp_out", "resid_post") for layer in (0, 1)}
+        for layer in (0, 1):
+            assert torch.equal(got["resid_pre", layer], hidden[layer][row, pads[row]:])
+            assert torch.equal(got["mlp_out", layer], blocks[layer][row, pads[row]:])
+            assert torch.equal(got["resid_post", layer], got["resid_mid", layer] + got["mlp_out", layer])
+        assert torch.equal(got["resid_post", 0], hidden[1][row, pads[row]:])
+
+
+@pytest.mark.parametrize("over", [{}, dict(decoder_sparse_step=2)], ids=["all-sparse", "dense-then-sparse"])
+def test_qwen2_moe_mlp_out_is_the_routed_experts_plus_the_gated_shared_expert(over):
+    """On a sparse layer ``mlp_out`` is the whole block: the routed experts' sum plus
+    ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``, each part seen by a plain hook on its
+    own module in an uncaptured forward."""
+    torch.manual_seed(0)
+    model = _moe("qwen2_moe", **over).eval()
+    ids, mask = left_padded_batch()
+    pads, width = mask.eq(0).sum(1).tolist(), ids.shape[1]
+    sparse = [i for i, blk in enumerate(model.model.layers) if hasattr(blk.mlp, "shared_expert")]
+    assert sparse == ([0, 1] if not over else [1])
+    parts = {}
+
+    def keep(layer, name):
+        return lambda module, args, out: parts.__setitem__((layer, name), out.detach().clone())
+
+    handles = [getattr(model.model.layers[i].mlp, name).register_forward_hook(keep(i, name))
+               for i in sparse for name in ("experts", "shared_expert", "shared_expert_gate")]
+    try:
+        model(ids, attention_mask=mask)
+    finally:
+        for h in handles:
+            h.remove()
+    w = MemoryWriter()
+    with attach(model, hooks="mlp_out", writer=w) as cap:
+        rids, _ = cap.forward(ids, attention_mask=mask)
+    for layer in sparse:
+        whole = parts[layer, "experts"] + torch.sigmoid(parts[layer, "shared_expert_gate"]) * parts[
+            layer, "shared_expert"]
+        assert not torch.equal(whole, parts[layer, "experts"])
+        for row, rid in enumerate(rids):
+            (got,) = [d for k, d in w.by("mlp_out", rid) if k.layer == layer]
+            assert torch.equal(got, whole[row * width + pads[row] : (row + 1) * width])

@@ -1,4 +1,4 @@
-"""Qwen3-MoE and OLMoE through the paths Mixtral takes: ``store.audit`` (exact and batched,
+"""Qwen2-MoE, Qwen3-MoE and OLMoE through the paths Mixtral takes: ``store.audit`` (exact and batched,
 honest and tampered), ``dmi describe-model`` on configs that mix dense and sparse layers, and
 capture under transformers' own tensor parallelism (2 gloo ranks) read back merged."""
 
@@ -18,7 +18,7 @@ from ._models import left_padded_batch, tiny
 from .test_audit import HOOKS as AUDIT_HOOKS
 from .test_audit import Tamper, _capture
 
-MOE = ["qwen3_moe", "olmoe"]
+MOE = ["qwen2_moe", "qwen3_moe", "olmoe"]
 
 
 @pytest.fixture
@@ -87,14 +87,17 @@ def test_tampered_router_records_fail(store, kind, change, hook, layer, exact):
     assert all(c.first_fail == 0 for c in report.checks if c.verdict == "fail")
 
 
+@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe"])
 @pytest.mark.parametrize(("over", "sparse"), [(dict(mlp_only_layers=[0]), 2), (dict(decoder_sparse_step=2), 1),
-                                             (dict(mlp_only_layers=[0, 1, 2]), 0), ({}, 3)])
-def test_describe_matches_the_runtime_when_dense_and_sparse_layers_mix(over, sparse, tmp_path):
+                                             (dict(decoder_sparse_step=3), 1), (dict(mlp_only_layers=[0, 1, 2]), 0),
+                                             ({}, 3)])
+def test_describe_matches_the_runtime_when_dense_and_sparse_layers_mix(kind, over, sparse, tmp_path):
     """Router hooks need a router on every layer, ``mlp_post`` a dense MLP on every layer:
     describe-model reads ``mlp_only_layers`` / ``decoder_sparse_step`` and offers what the
     runtime finds on the modules of the same model."""
-    model = tiny("qwen3_moe", **over)
-    assert sum(type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in model.model.layers) == sparse
+    model = tiny(kind, **over)
+    block = {"qwen2_moe": "Qwen2MoeSparseMoeBlock", "qwen3_moe": "Qwen3MoeSparseMoeBlock"}[kind]
+    assert sum(type(layer.mlp).__name__ == block for layer in model.model.layers) == sparse
     model.config.save_pretrained(tmp_path)
     names = [h.name for h in describe_model(str(tmp_path)).hooks]
     arch = resolve_architecture(model)
@@ -128,9 +131,9 @@ TP_HOOKS = ["token_ids", "resid_pre", "resid_mid", "attn_q", "attn_k", "attn_v",
             "logits", "router_logits", "router_topk"]
 
 
-def _tp_capture(rank: int, world: int, home: str, path: str, name: str, gathered: bool) -> dict:
-    """On one rank: load ``path`` with transformers' own TP plan and capture a generate;
-    ``gathered`` says the attention hooks are whole on every rank (``tp_layout``)."""
+def _tp_capture(rank: int, world: int, home: str, path: str, name: str, gathered: bool, hooks: list) -> dict:
+    """On one rank: load ``path`` with transformers' own TP plan and capture ``hooks`` over a
+    generate; ``gathered`` says the attention hooks are whole on every rank (``tp_layout``)."""
     import torch
 
     from dmi.capture import TPReplicated, load_tensor_parallel
@@ -140,43 +143,53 @@ def _tp_capture(rank: int, world: int, home: str, path: str, name: str, gathered
     model = load_tensor_parallel(path, world, dtype=torch.float32).eval()
     ids, mask = left_padded_batch()
     with dmi.open(home=home) as store, torch.no_grad():
-        with store.capture(model, hooks=TP_HOOKS, model_id=name, run_id="tp2", tp_layout=layout) as cap:
+        with store.capture(model, hooks=hooks, model_id=name, run_id="tp2", tp_layout=layout) as cap:
             rids, seq = cap.generate(ids, attention_mask=mask, **TP_GEN)
     return dict(request_ids=list(rids), tokens=seq, ranks=(cap.tp_rank, cap.tp_size))
 
 
-@pytest.mark.parametrize(("kind", "gathered"), [
-    ("qwen3_moe", False),
-    ("olmoe", False),
-    ("olmoe", True),
-])
-def test_transformers_tp_capture_merges_to_the_tp1_capture(kind, gathered, tmp_path):
+DENSE_THEN_SPARSE = dict(decoder_sparse_step=2)
+"""Qwen2-MoE with layers 0 and 2 dense, their MLPs cut by the TP plan; no router hook."""
+
+
+@pytest.mark.parametrize(("kind", "over", "gathered"), [
+    ("qwen2_moe", {}, False),
+    ("qwen2_moe", DENSE_THEN_SPARSE, False),
+    ("qwen3_moe", {}, False),
+    ("olmoe", {}, False),
+    ("olmoe", {}, True),
+], ids=["qwen2_moe", "qwen2_moe-dense-then-sparse", "qwen3_moe", "olmoe", "olmoe-gathered"])
+def test_transformers_tp_capture_merges_to_the_tp1_capture(kind, over, gathered, tmp_path):
     """Two gloo ranks with transformers' TP plan: tokens equal TP=1, ``router_topk`` bit for
     bit (and ``token_ids``), float hooks merged to the reduction-order noise of the mixtral TP test (1e-4). The
     vocabulary is even: transformers 5.19 refuses to gather an lm_head of 97 rows over 2 ranks.
     OLMoE's plan gathers q/k/v and splits o_proj's input inside the module: its attention hooks
     are whole on every rank, which the session reads from the plan (``gathered=False``) or the
-    caller declares (``gathered``)."""
+    caller declares (``gathered``). Qwen2-MoE's plan cuts only dense MLPs: with every layer
+    sparse nothing in the MoE block is cut, with dense layers among sparse ones (no router hook)
+    their MLPs are, and ``mlp_out`` is still whole on every rank."""
     import torch
     import transformers
 
     from ._tp_harness import RankFailed, run_ranks
 
     path = str(tmp_path / kind)
-    tiny(kind, num_key_value_heads=2, vocab_size=98).save_pretrained(path)
+    tiny(kind, num_key_value_heads=2, vocab_size=98, **over).save_pretrained(path)
+    routers = () if over else ("router_logits", "router_topk")
+    hooks = [h for h in TP_HOOKS if h in routers or not h.startswith("router_")]
     home = str(tmp_path / "home")
-    results = run_ranks(_tp_capture, 2, tmp_path / "ranks", home, path, kind, gathered, timeout=300)
+    results = run_ranks(_tp_capture, 2, tmp_path / "ranks", home, path, kind, gathered, hooks, timeout=300)
     failed = [r for r in results if isinstance(r, (RankFailed, int))]
     assert not failed, failed[0].traceback if isinstance(failed[0], RankFailed) else failed
     assert [r["ranks"] for r in results] == [(0, 2), (1, 2)]
     full = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     ids, mask = left_padded_batch()
     with dmi.open(home=home) as store:
-        with torch.no_grad(), store.capture(full, hooks=TP_HOOKS, model_id=kind, run_id="tp1") as cap:
+        with torch.no_grad(), store.capture(full, hooks=hooks, model_id=kind, run_id="tp1") as cap:
             rids1, tokens = cap.generate(ids, attention_mask=mask, **TP_GEN)
         assert all(torch.equal(r["tokens"], tokens) for r in results)
         for rid2, rid1 in zip(results[0]["request_ids"], rids1):
-            for hook in TP_HOOKS:
+            for hook in hooks:
                 tp2 = store.get_internal(kind, rid2, hook, run_id="tp2")
                 tp1 = store.get_internal(kind, rid1, hook, run_id="tp1")
                 if hook in ("token_ids", "router_topk"):
@@ -185,7 +198,7 @@ def test_transformers_tp_capture_merges_to_the_tp1_capture(kind, gathered, tmp_p
                     torch.testing.assert_close(tp2, tp1, atol=1e-4, rtol=1e-4, msg=lambda m: f"{hook}: {m}")
         report = store.audit(kind, model=full, request_ids=results[0]["request_ids"], run_id="tp2")
         assert report.passed, [c.describe() for c in report.failures]
-        assert {"router_logits", "router_topk", "attn_q"} <= {c.hook for c in report.checks}
+        assert {*routers, "attn_q", "mlp_out"} <= {c.hook for c in report.checks}
 
 
 def test_the_tp_plan_styles_that_leave_a_hook_whole_on_every_rank():
@@ -200,6 +213,7 @@ def test_the_tp_plan_styles_that_leave_a_hook_whole_on_every_rank():
     assert whole_by_tp_plan(tf.OlmoeConfig.base_model_tp_plan) == {
         h: TPReplicated() for h in ("attn_q", "attn_k", "attn_v", "attn_z")}
     assert whole_by_tp_plan(tf.Qwen3MoeConfig.base_model_tp_plan) == {}
+    assert whole_by_tp_plan(tf.Qwen2MoeConfig.base_model_tp_plan) == {}
     assert whole_by_tp_plan({"layers.*.mlp.down_proj": "rowwise_split_input"}) == {"mlp_post": TPReplicated()}
     assert whole_by_tp_plan(None) == {}
 
