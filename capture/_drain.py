@@ -106,8 +106,9 @@ CAPTURE_STOPPED = "capture stopped"
 PACK_NOT_WRITTEN = "pack not written"
 """The losses' reason for the records a failed pack write discarded (a full disk)."""
 DRAIN_FAILED = "drain failed"
-"""The losses' reason for the records a failed drain had not handed to the writer: decode rows
-it held staged, the rest of the slot it failed in, and the slots handed to it afterwards."""
+"""The losses' reason for the records a failed drain had not handed to the writer: a record it
+failed to prepare (its shard geometry, its token strings), decode rows it held staged, the rest
+of the slot it failed in, and the slots handed to it afterwards."""
 
 
 @dataclass(slots=True)
@@ -121,6 +122,7 @@ class LostRecords:
 
 
 _IDLE = object()
+_FAILED = object()  # what :meth:`Drain._prepare` returns where preparing a record failed
 _POLL_SECONDS = 0.1  # how often a flush waiting for the thread checks that it still runs
 
 
@@ -383,10 +385,10 @@ class Drain:
                 self.ring.release(item)
 
     def _take(self, slot) -> None:
-        """Cut ``slot`` into records and write them; at a step's edge, seal and publish. A write
-        or a cut that fails there makes its failure the drain's error, and the slot's other
-        records are counted as lost (:meth:`_write`, :meth:`_process`); nothing is then published
-        after it."""
+        """Cut ``slot`` into records and write them; at a step's edge, seal and publish. A write,
+        a cut or a record's preparation that fails there makes its failure the drain's error, and
+        the slot's other records are counted as lost (:meth:`_write`, :meth:`_process`,
+        :meth:`_append`); nothing is then published after it."""
         t0 = time.perf_counter()
         sealed_before = len(self.ctx.sealed)
         try:
@@ -634,13 +636,16 @@ class Drain:
         return ShardGeometry(axis, c.shard_rank * local, tuple(full))
 
     def _append(self, hook, layer, plan, span, rec, *, n_tokens=None) -> None:
-        """Write one record (and its text records); once the drain has failed, count them as lost."""
+        """Write one record (and its text records); once the drain has failed, count them as lost.
+        A failure working out its shard geometry (a record that does not fit the TP layout) fails
+        the drain, and the record is counted as lost with its text records: the caller goes on
+        counting the rest of its slot or staged rows, none of it uncounted."""
         key = self._key(hook, layer, plan, span, n_tokens)
-        if self.error is not None:
+        shard = _FAILED if self.error is not None else self._prepare(self._shard, hook, tuple(rec.shape))
+        if shard is _FAILED:
             self._lose_keys(self._with_texts(key), DRAIN_FAILED)
             return
         spec = HOOKS[hook]
-        shard = self._shard(hook, tuple(rec.shape))
         if self._codec is None and hook in self._hook_codecs:
             self._write(key, rec, shard=shard, token_axis=spec.token_axis, key_axis=spec.key_axis,
                         codec=self._hook_codecs[hook])
@@ -655,13 +660,25 @@ class Drain:
 
     def _append_text(self, key: RecordKey, ids) -> None:
         """The strings of one ``token_ids`` record, under its key: its tokens' strings, and the
-        prompt's text beside a prefill (or scoring forward) record."""
+        prompt's text beside a prefill (or scoring forward) record. A payload that fails (a
+        tokenizer whose ``decode`` raises on some ids) fails the drain: it and the text records
+        after it are counted as lost, like those of a ``token_ids`` record whose write failed."""
         records = {TOKEN_TEXT: self.texts.token_record, PROMPT_TEXT: self.texts.prompt_record}
         for hook in self._text_hooks(key):
-            if self.error is not None:  # the token_ids record's write failed
+            payload = _FAILED if self.error is not None else self._prepare(records[hook], ids)
+            if payload is _FAILED:
                 self._lose_keys([replace(key, hook=hook)], DRAIN_FAILED)
             else:
-                self._write(replace(key, hook=hook), records[hook](ids))
+                self._write(replace(key, hook=hook), payload)
+
+    def _prepare(self, make, *args):
+        """``make(*args)``: what a record needs before its write (its shard geometry, a text
+        payload); :data:`_FAILED` where it raised, its failure then the drain's error."""
+        try:
+            return make(*args)
+        except BaseException as exc:  # noqa: BLE001 - the drain's error; the caller counts the record as lost
+            self._fail(exc)
+            return _FAILED
 
     def _write(self, key: RecordKey, data, **options) -> bool:
         """``writer.append``, here or on an encoding thread (waited for by :meth:`_wait_writes`);
