@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # torch and the reader (which imports torch) load on the firs
     from dmi._lazy import LazyInternal
     from dmi._tokens import RequestTokens
     from dmi.reader import FooterCache
+    from dmi.storage import WholePack
 
 __all__ = ["Store", "open", "capture", "default_home", "PACKS_ENV", "HOME_ENV", "CATALOG_ENV"]
 
@@ -697,16 +698,15 @@ class Store:
     def _verify_pack(self, pack_id: str, entries: list[RecordEntry]) -> list[Problem]:
         """Problems of one pack: one for a missing file or an unreadable index (with how many
         records it holds), then one per record whose bytes fail their checksum or decoding."""
-        from dmi.reader import FooterCache, load_footer, read_record, read_records
+        from dmi.reader import FooterCache, load_footer, read_record
 
-        fresh = FooterCache()  # a fresh footer each time: verify must not trust an earlier read
         try:
-            read_records(self.packs, entries, cache=fresh)
-            return self._damage_beside_records(pack_id, len(entries))
+            found = self._verify_whole(pack_id, entries)
         except PackNotFoundError as exc:
             return [Problem("missing", pack_id, None, f"{len(entries)} records lost: {exc}")]
-        except PackError:
-            pass
+        if found is not None:
+            return found
+        fresh = FooterCache()  # a fresh footer each time: verify must not trust an earlier read
         problems = []
         try:
             load_footer(self.packs, pack_id, cache=fresh)
@@ -720,18 +720,36 @@ class Store:
                 problems.append(Problem("corrupt", pack_id, entry.meta.key, str(exc)))
         return problems
 
-    def _damage_beside_records(self, pack_id: str, n_records: int) -> list[Problem]:
-        """A pack whose records read back whole, read again as a whole file (rows against its
-        index, every checksum, the leading schema message against the footer:
-        :func:`dmi.storage.verify_pack`): damage no record's read touches, which a copy, a
-        recovery or a tool reading the file from its start would meet, is a ``"damaged"``
-        problem."""
-        from dmi.storage import verify_pack
+    def _verify_whole(self, pack_id: str, entries: list[RecordEntry]) -> list[Problem] | None:
+        """The pack read once, whole (:func:`dmi.storage.read_whole_pack`): its records read back
+        from those bytes (against its own index, their checksums, their decoding), then, if all
+        read back whole, the same bytes checked as a file (:meth:`_damage_beside_records`).
+        ``None`` when a record does not read back or the file cannot be read whole: the caller
+        then checks record by record. A missing pack raises ``PackNotFoundError``."""
+        from dmi.reader import check_records
+        from dmi.storage import read_whole_pack
 
         try:
-            verify_pack(self.packs, pack_id)
+            pack = read_whole_pack(self.packs, pack_id)
+            check_records(pack.descriptor, pack.data, entries)
+        except PackNotFoundError:
+            raise
+        except PackError:
+            return None
+        return self._damage_beside_records(pack, len(entries))
+
+    def _damage_beside_records(self, pack: WholePack, n_records: int) -> list[Problem]:
+        """A pack whose records read back whole, checked as a whole file from the same bytes (rows
+        against its index, every checksum, the leading schema message against the footer:
+        :func:`dmi.storage.check_whole_pack`): damage no record's read touches, which a copy, a
+        recovery or a tool reading the file from its start would meet, is a ``"damaged"``
+        problem."""
+        from dmi.storage import check_whole_pack
+
+        try:
+            check_whole_pack(pack)
         except PackError as exc:
-            return [Problem("damaged", pack_id, None,
+            return [Problem("damaged", pack.descriptor.pack_id, None,
                             f"the file is damaged beside its {n_records} records, which read back whole: {exc}")]
         return []
 

@@ -3,7 +3,7 @@
 from dmi.reader._assemble import assemble
 from dmi.reader._footer_cache import CacheStats, FooterCache
 from dmi.reader._ranges import DEFAULT_MAX_GAP, PlannedRead, plan_reads
-from dmi.reader._read import PackFooter, find_record, load_footer, read_by_key, read_record, read_records
+from dmi.reader._read import PackFooter, check_records, find_record, load_footer, read_by_key, read_record, read_records
 
 __all__ = [
     "read_record",
@@ -11,6 +11,7 @@ __all__ = [
     "read_by_key",
     "find_record",
     "load_footer",
+    "check_records",
     "PackFooter",
     "plan_reads",
     "PlannedRead",

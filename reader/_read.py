@@ -26,7 +26,7 @@ from dmi.storage.records import PackDescriptor, RecordEntry, RecordKey
 from dmi.reader._footer_cache import FooterCache
 from dmi.reader._ranges import DEFAULT_MAX_GAP, PlannedRead, plan_reads
 
-__all__ = ["PackFooter", "read_record", "read_records", "load_footer", "find_record", "read_by_key"]
+__all__ = ["PackFooter", "read_record", "read_records", "load_footer", "find_record", "read_by_key", "check_records"]
 
 _ENTRY_COST = 1024  # estimated bytes of Python objects per indexed record
 _FOOTER_BASE_COST = 4096
@@ -51,8 +51,12 @@ def load_footer(store: PackStore, pack_id: str, *, cache: FooterCache | None = N
 
     With ``source`` (the pack, opened), a cached index read from another version of the file
     (:attr:`PackInput.version`: for a local pack its size, times and inode; for an S3 pack its
-    size and ETag; for other stores its size) is reloaded from ``source``: the file under that name was replaced since it was
-    cached, and its old index would refuse every record of the new one as stale or corrupt."""
+    size and ETag; for other ``pyarrow.fs`` stores its size and modification time) is reloaded
+    from ``source``: the file under that name was replaced since it was cached, and its old
+    index would refuse the records of the new one as stale or corrupt, or locate a key at the
+    bytes it had in the old one. A ``source`` whose version is ``None`` (its filesystem gives
+    no modification time) has its index read again every time: nothing tells it from a
+    replacement of the same size."""
 
     def load() -> tuple[PackFooter, int]:
         if source is not None:
@@ -65,8 +69,10 @@ def load_footer(store: PackStore, pack_id: str, *, cache: FooterCache | None = N
     if cache is None:
         return load()[0]
     key = (store.uri, pack_id)
-    footer = cache.get_or_load(key, load)
-    if source is not None and footer.version != source.version:
+    if source is None:
+        return cache.get_or_load(key, load)
+    footer = None if source.version is None else cache.get_or_load(key, load)
+    if footer is None or footer.version != source.version:
         footer, nbytes = load()
         cache.put(key, footer, nbytes)
     return footer
@@ -75,7 +81,11 @@ def load_footer(store: PackStore, pack_id: str, *, cache: FooterCache | None = N
 def _parse_footer(store: PackStore, pack_id: str, source: PackInput) -> PackFooter:
     """The index of the opened pack ``source``, by key, with the version of the file read."""
     version = source.version
-    descriptor = read_pack_index(source, store.location(pack_id))
+    return _footer_of(read_pack_index(source, store.location(pack_id)), version)
+
+
+def _footer_of(descriptor: PackDescriptor, version: Hashable = None) -> PackFooter:
+    """``descriptor``'s records by key."""
     by_key: dict[RecordKey, tuple[RecordEntry, ...]] = {}
     for e in descriptor.records:
         by_key[e.meta.key] = (*by_key.get(e.meta.key, ()), e)
@@ -148,6 +158,20 @@ def read_records(
                     rel = entries[i].payload.offset - plan.range.offset
                     out[i] = _decode(entries[i], buffer[rel : rel + entries[i].payload.length], memory)
     return out  # type: ignore[return-value]
+
+
+def check_records(descriptor: PackDescriptor, data, entries: Sequence[RecordEntry]) -> None:
+    """Read ``entries`` (rows of the pack ``descriptor`` indexes) back from ``data``, the pack's
+    whole file already in memory (uint8): each checked against the pack's own index, its
+    checksum and its decoding, as :func:`read_records` with a fresh cache checks them, with
+    no read of the file. Raises the first failure's :class:`PackError`. Each decoded record is
+    dropped at once: ``dmi verify`` checks, it keeps nothing (``verify_pack``'s checks of the
+    same bytes: ``dmi.storage.check_whole_pack``)."""
+    entries = list(entries)
+    _check_listed(entries, _footer_of(descriptor))
+    held = torch.from_numpy(data)
+    for e in entries:  # listed: in the file's range (``read_pack_index`` refuses an index that is not)
+        _decode(e, held[e.payload.offset : e.payload.end], _new_bytes)
 
 
 def _read_single(source: PackInput, entry: RecordEntry) -> torch.Tensor:
@@ -242,7 +266,11 @@ class _Sized:
 
 
 def _check_against_footer(store: PackStore, entries: list[RecordEntry], cache: FooterCache, source: PackInput) -> None:
-    footer = load_footer(store, source.pack_id, cache=cache, source=source)
+    _check_listed(entries, load_footer(store, source.pack_id, cache=cache, source=source))
+
+
+def _check_listed(entries: list[RecordEntry], footer: PackFooter) -> None:
+    """Refuse any of ``entries`` that ``footer``'s index does not hold as it is."""
     for e in entries:
         if not _listed(e, footer.by_key.get(e.meta.key, ())):
             raise PackCorruptError(

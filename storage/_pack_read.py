@@ -4,10 +4,14 @@
 catalog recovery can rebuild every index row of a pack it never saw sealed.
 :func:`verify_pack` reads everything and cross-checks the index against the rows and the
 payload bytes against their checksums, and the file's leading magic and schema message (what a
-stream reader, or any tool that ignores the footer, reads) against its footer.
+stream reader, or any tool that ignores the footer, reads) against its footer. It is
+:func:`read_whole_pack` then :func:`check_whole_pack`, apart so that ``dmi verify`` reads each
+pack once: it reads its records back from the bytes it checks (``dmi.reader.check_records``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -18,7 +22,7 @@ from dmi.storage._store import PackInput, PackStore
 from dmi.storage.errors import PackCorruptError, PackFormatError
 from dmi.storage.records import PackDescriptor, RecordEntry
 
-__all__ = ["read_pack_descriptor", "read_pack_index", "verify_pack"]
+__all__ = ["WholePack", "read_pack_descriptor", "read_pack_index", "verify_pack", "read_whole_pack", "check_whole_pack"]
 
 _MAGIC = b"ARROW1"
 """The Arrow IPC file magic, at the file's start (then 2 padding bytes) and at its end."""
@@ -74,27 +78,49 @@ def _check_ranges(pack_id: str, entries: list[RecordEntry], size: int) -> None:
             )
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class WholePack:
+    """A sealed pack read whole: its index (from its footer) and every byte of the file (uint8)."""
+
+    descriptor: PackDescriptor
+    data: np.ndarray
+
+
 def verify_pack(store: PackStore, pack_id: str) -> PackDescriptor:
     """Read the whole pack; raise unless rows, index, byte offsets and checksums all agree, and the
     file read as a stream (from its leading schema message) is the file its footer describes."""
+    pack = read_whole_pack(store, pack_id)
+    check_whole_pack(pack)
+    return pack.descriptor
+
+
+def read_whole_pack(store: PackStore, pack_id: str) -> WholePack:
+    """The pack's index and all its bytes, read once through one open (:class:`PackCorruptError`
+    for an unreadable index, :class:`PackNotFoundError` for a missing file)."""
     with store.open_input(pack_id) as source:
         descriptor = read_pack_index(source, store.location(pack_id))
-        whole = bytearray(source.size)
-        source.read_into(0, whole)
-    buffer = pa.py_buffer(whole)
-    entries = iter(descriptor.records)
+        data = np.empty(source.size, dtype=np.uint8)
+        source.read_into(0, data)
+    return WholePack(descriptor, data)
+
+
+def check_whole_pack(pack: WholePack) -> None:
+    """Raise :class:`PackCorruptError` unless the held pack's rows, index, byte offsets and
+    checksums all agree, and its bytes read as a stream are the file its footer describes."""
+    pack_id = pack.descriptor.pack_id
+    buffer = pa.py_buffer(pack.data)
+    entries = iter(pack.descriptor.records)
     try:
         by_footer = pa.ipc.open_file(pa.BufferReader(buffer))
-        _scan_rows(pack_id, by_footer, buffer, whole, entries)
+        _scan_rows(pack_id, by_footer, buffer, pack.data, entries)
         _check_stream(pack_id, by_footer, buffer)
     except (pa.ArrowException, OSError, ValueError) as exc:  # ValueError: damaged buffer sizes
         raise PackCorruptError(f"pack {pack_id}: record batches unreadable: {exc}") from exc
     if next(entries, None) is not None:
         raise PackCorruptError(f"pack {pack_id}: index lists more records than the file holds")
-    return descriptor
 
 
-def _scan_rows(pack_id: str, reader: pa.ipc.RecordBatchFileReader, buffer: pa.Buffer, whole: bytearray,
+def _scan_rows(pack_id: str, reader: pa.ipc.RecordBatchFileReader, buffer: pa.Buffer, whole: np.ndarray,
                entries) -> None:
     """Walk every data batch; payload offsets come from buffer addresses, not the index."""
     for i in range(reader.num_record_batches - 1):

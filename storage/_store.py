@@ -100,10 +100,10 @@ class PackInput:
     @property
     def version(self) -> Hashable:
         """What tells this file apart from another put under its name since: a pack replaced by
-        one of another version must not be read through the index cached for the old one. Here
-        (a ``pyarrow.fs`` store) the size alone — all this input knows without another request
-        (its modification time would take one), so a replacement of the same size goes unseen."""
-        return self.size
+        one of another version must not be read through the index cached for the old one.
+        ``None``: nothing does (this input knows no more than its bytes), so a reader holding a
+        cached index reads the index again from this input rather than trust it."""
+        return None
 
     def read_into(self, offset: int, out) -> None:
         """Fill the writable buffer ``out`` with the bytes at ``[offset, offset + len(out))``."""
@@ -228,6 +228,48 @@ class _LocalPackInput(PackInput):
             if fd >= 0:
                 os.close(fd)
         self._fd = self._direct_fd = -1
+
+
+class _FileSystemPackInput(PackInput):
+    """A pack of a :class:`FileSystemPackStore`, with the modification time its filesystem gave
+    for it just before the open (``FileInfo.mtime_ns``; ``None`` where the filesystem gives none)."""
+
+    def __init__(self, pack_id: str, file: pa.NativeFile, filesystem: pafs.FileSystem, path: str,
+                 modified_ns: int | None):
+        super().__init__(pack_id, file)
+        self._filesystem = filesystem
+        self._path = path
+        self._modified_ns = modified_ns
+        self._version: Hashable = _UNASKED
+
+    @property
+    def version(self) -> Hashable:
+        """Size and modification time, when the time taken before the open is the time the file
+        has still when first asked (one more ``get_file_info``): then the bytes opened are that
+        version's. ``None`` (the index is read again) where the filesystem gives no time, the
+        file changed around the open, or its time cannot be asked now (an ``OSError``: the reads
+        that follow meet it, or not, on their own). Unseen: a replacement of the same size given
+        the same time (a copy that keeps times, or one within the filesystem's time resolution)."""
+        if self._version is _UNASKED:
+            self._version = None if self._modified_ns is None else self._version_now()
+        return self._version
+
+    def _version_now(self) -> Hashable:
+        try:
+            now = _modified_ns(self._filesystem, self._path)
+        except OSError:
+            return None
+        return (self.size, now) if now == self._modified_ns else None
+
+
+_UNASKED = object()
+"""A :class:`_FileSystemPackInput` whose version no one has asked for yet."""
+
+
+def _modified_ns(filesystem: pafs.FileSystem, path: str) -> int | None:
+    """``path``'s modification time in nanoseconds, ``None`` where the filesystem gives none (or
+    nothing is there: the open that follows says so)."""
+    return filesystem.get_file_info(path).mtime_ns
 
 
 class PackSink(ABC):
@@ -609,8 +651,12 @@ class FileSystemPackStore(PackStore):
         return [info.base_name for info in infos if info.type == pafs.FileType.File]
 
     def _open_input(self, pack_id: str) -> PackInput:
+        """The pack, with its modification time taken first: a version read before the bytes can
+        be older than them (the index is then read again), never newer (a stale one kept)."""
+        path = self._path(pack_id)
         try:
-            return PackInput(pack_id, self.filesystem.open_input_file(self._path(pack_id)))
+            modified = _modified_ns(self.filesystem, path)
+            return _FileSystemPackInput(pack_id, self.filesystem.open_input_file(path), self.filesystem, path, modified)
         except OSError as exc:
             if _is_missing(exc):
                 raise PackNotFoundError(f"pack {pack_id} not found in {self._uri}") from exc
