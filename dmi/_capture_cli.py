@@ -21,12 +21,15 @@ is told apart from one left out; :func:`apply_plan` fills in the defaults."""
 def apply_plan(args: argparse.Namespace) -> Any:
     """Load ``--plan`` (``None`` without it): refuse flags the plan also sets (any given at all),
     take the model and the store location from the plan where the command line leaves them
-    out. Flags left out then take their defaults (``_PLAN_FLAGS``), with a plan or without."""
+    out. Flags left out then take their defaults (``_PLAN_FLAGS``), with a plan or without.
+    Everything the command line alone can get wrong is refused here, before a store is
+    opened or a model loaded (:func:`_check_run`)."""
     from dmi._plan_file import load_plan
 
     if args.plan is None:
         if args.model is None:
             raise InvalidArgumentError("no model: give --model DIR|NAME, or --plan FILE with a model")
+        _check_run(args, None)
         _fill_defaults(args)
         return None
     plan = load_plan(args.plan)
@@ -40,8 +43,56 @@ def apply_plan(args: argparse.Namespace) -> Any:
         args.model = plan.model
     if not any((args.home, args.catalog, args.packs)):
         args.home, args.catalog, args.packs = plan.store.home, plan.store.catalog, plan.store.packs
+    _check_run(args, plan)
     _fill_defaults(args)
     return plan
+
+
+def _check_run(args: argparse.Namespace, plan: Any) -> None:
+    """Refuse counts out of range, a blank ``--model-id`` (a plan refuses a blank ``model_id``
+    the same way) and phases that capture nothing of the run ``--max-new-tokens`` asks for:
+    without this a ``--phases forward`` generation, or a plan of ``[prefill, decode]`` under
+    ``--max-new-tokens 0``, exits 0 having stored no record."""
+    if args.max_new_tokens < 0:
+        raise InvalidArgumentError("--max-new-tokens must be at least 0")
+    if args.batch_size < 1:
+        raise InvalidArgumentError("--batch-size must be at least 1")
+    if args.model_id is not None and not args.model_id.strip():
+        raise InvalidArgumentError("--model-id is blank (only whitespace); give a model id with a visible "
+                                   "character, or leave --model-id out")
+    if plan is not None:
+        _check_phases(plan.schedule.phases, args.max_new_tokens,
+                      f"the plan {args.plan} captures phases {', '.join(plan.schedule.phases)}", "schedule.phases")
+    elif args.phases is not None:
+        _check_phases(_phase_names(args.phases), args.max_new_tokens, f"--phases {args.phases}", "--phases")
+
+
+def _phase_names(text: str) -> tuple[str, ...]:
+    """``--phases`` as the names it lists (``"prefill, decode"`` → ``("prefill", "decode")``)."""
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+def _run_phases(max_new_tokens: int) -> tuple[str, ...]:
+    """The phases a run of ``--max-new-tokens N`` produces: a scoring forward for 0, a prefill
+    alone for 1, a prefill and ``N - 1`` decode steps otherwise."""
+    return ("forward",) if max_new_tokens == 0 else ("prefill",) if max_new_tokens == 1 else ("prefill", "decode")
+
+
+def _check_phases(selected: tuple[str, ...], max_new_tokens: int, what: str, where: str) -> None:
+    """Refuse a selection of (known) phases that shares none with the run's; unknown names are
+    left to ``Schedule``, which names the valid ones."""
+    from dmi.storage.records import PHASES
+
+    produced = _run_phases(max_new_tokens)
+    if not selected or not set(selected) <= set(PHASES) or set(selected) & set(produced):
+        return
+    run = ("one scoring pass (phase forward)" if max_new_tokens == 0 else
+           f"{'a prefill alone' if max_new_tokens == 1 else 'a prefill and decode steps'} "
+           f"(phases {', '.join(produced)})")
+    raise InvalidArgumentError(
+        f"{what}, none of which this run produces: --max-new-tokens {max_new_tokens} runs {run}; "
+        f"change {where} or --max-new-tokens (0: a scoring pass, 1: a prefill, N: a prefill and N - 1 "
+        "decode steps)")
 
 
 def _fill_defaults(args: argparse.Namespace) -> None:
@@ -75,18 +126,19 @@ def run_capture(
 ) -> dict[str, Any]:
     """Capture ``prompts`` through the model ``args.model`` into ``store``; returns ids and totals.
 
-    ``--max-new-tokens 0`` runs one scoring pass per batch (phase ``forward``); otherwise
-    ``generate`` runs greedily and ``--phases`` chooses prefill and/or decode. With a
-    ``plan`` (``--plan``), the plan gives hooks, layers, schedule, ids, codec and ring.
-    ``status(text)`` shows what happens while torch and the model load (seconds to
-    minutes, with no countable progress); ``progress(total)`` then counts prompts. The
-    model's tokenizer goes to capture: each request keeps its prompt text and token strings.
-    A real model (``smollm2``) is cached in ``store.home``, the home the command writes to.
+    ``args`` as :func:`apply_plan` left them. ``--max-new-tokens 0`` runs one scoring pass
+    per batch (phase ``forward``); otherwise ``generate`` runs greedily and ``--phases``
+    chooses prefill and/or decode. With a ``plan`` (``--plan``), the plan gives hooks,
+    layers, schedule, ids, codec and ring. ``status(text)`` shows what happens while torch
+    and the model load (seconds to minutes, with no countable progress); ``progress(total)``
+    then counts prompts. The model's tokenizer goes to capture: each request keeps its
+    prompt text and token strings. A real model (``smollm2``) is cached in ``store.home``,
+    the home the command writes to. Every prompt is tokenized and checked before the first
+    forward (:func:`_encode`), so a refused prompt leaves no earlier batch stored. The
+    request ids returned are those that stored records: one the schedule skipped
+    (``request_stride``, ``warmup``) has nothing to show or read.
     """
-    if args.max_new_tokens < 0:
-        raise InvalidArgumentError("--max-new-tokens must be at least 0")
-    if args.batch_size < 1:
-        raise InvalidArgumentError("--batch-size must be at least 1")
+    _check_prompt_text(prompts)
     with status(f"loading model {args.model}"):
         import torch
 
@@ -95,21 +147,20 @@ def run_capture(
         from dmi.capture import Schedule
 
         scoring = args.max_new_tokens == 0
-        phases = ("forward",) if scoring else tuple(p.strip() for p in args.phases.split(",") if p.strip())
+        phases = ("forward",) if scoring else _phase_names(args.phases)
         schedule = Schedule(phases=phases, step_stride=args.step_stride,
                             request_stride=args.request_stride, warmup=args.warmup)
         _quiet_transformers()
         loaded = load_model(args.model, attn_implementation=args.attn_implementation, home=store.home,
                             progress=model_progress(quiet=args.quiet))
     tokenizer = loaded.tokenizer
+    batches = _encode(tokenizer, prompts, args, _position_limit(loaded.model))
     request_ids: list[str] = []
     options = ({"plan": args.plan} if plan is not None else
                {"hooks": args.hooks, "layers": layers, "model_id": args.model_id, "schedule": schedule})
     with dmi.capture(loaded.model, store=store, tokenizer=tokenizer, **options) as session, \
             progress(len(prompts)) as bar:
-        for start in range(0, len(prompts), args.batch_size):
-            batch = list(prompts[start:start + args.batch_size])
-            enc = tokenizer(batch, return_tensors="pt", padding=True)
+        for enc in batches:
             with torch.inference_mode():
                 if scoring:
                     result = session.forward(enc["input_ids"], enc["attention_mask"])
@@ -118,11 +169,61 @@ def run_capture(
                                               max_new_tokens=args.max_new_tokens, do_sample=False,
                                               pad_token_id=tokenizer.pad_token_id)
             request_ids.extend(result.request_ids)
-            bar.update(len(batch))
+            bar.update(len(enc["input_ids"]))
         session.flush()
         published = list(session.published)
         model_id, run_id = session.model_id, session.run_id
-    return {"model_id": model_id, "run_id": run_id, "request_ids": request_ids, **stored_totals(published)}
+    stored = {entry.meta.key.request_id for d in published for entry in d.records}
+    return {"model_id": model_id, "run_id": run_id, "request_ids": [r for r in request_ids if r in stored],
+            **stored_totals(published)}
+
+
+def _check_prompt_text(prompts: Sequence[str]) -> None:
+    """Refuse a prompt that is not text a tokenizer can take: stdin bytes that are not UTF-8
+    arrive as lone surrogates (``surrogateescape``), on which tokenizers raise a bare
+    ``TypeError``."""
+    for number, prompt in enumerate(prompts, 1):
+        bad = next((c for c in prompt if "\ud800" <= c <= "\udfff"), None)
+        if bad is not None:
+            byte = f"byte 0x{ord(bad) - 0xDC00:02x}" if "\udc80" <= bad <= "\udcff" else f"U+{ord(bad):04X}"
+            raise InvalidArgumentError(f"prompt {number} is not UTF-8 text ({byte} cannot be read); "
+                                       "give prompts as UTF-8")
+
+
+def _position_limit(model: Any) -> int | None:
+    """How many positions the model can take at all: the size of a learned position table
+    (GPT-2's ``n_positions``: a later position is an ``IndexError`` inside the model). Rotary
+    models have none (``max_position_embeddings`` is the trained length, and scaled rotary
+    models run past it), so they are not limited here."""
+    return getattr(model.config, "n_positions", None)
+
+
+def _encode(tokenizer: Any, prompts: Sequence[str], args: argparse.Namespace, limit: int | None) -> list[Any]:
+    """Every batch of ``--batch-size`` prompts, tokenized (left-padded), before capture starts:
+    a prompt that tokenizes to nothing, or that with ``--max-new-tokens`` needs more positions
+    than the model has, is refused by its number here rather than failing mid-run with the
+    batches before it already stored."""
+    batches = []
+    for start in range(0, len(prompts), args.batch_size):
+        enc = tokenizer(list(prompts[start:start + args.batch_size]), return_tensors="pt", padding=True)
+        for row, n in enumerate(enc["attention_mask"].sum(dim=1).tolist()):
+            _check_length(start + row + 1, n, args.max_new_tokens, limit)
+        batches.append(enc)
+    return batches
+
+
+def _check_length(number: int, tokens: int, max_new_tokens: int, limit: int | None) -> None:
+    """Prompt ``number`` of ``tokens`` tokens must hold a token and, with the ``max_new_tokens - 1``
+    decode inputs after it, fit ``limit`` positions."""
+    if tokens == 0:
+        raise InvalidArgumentError(f"prompt {number} is empty: the tokenizer gives it no token; "
+                                   "remove it or give it some text")
+    needed = tokens + max(max_new_tokens - 1, 0)
+    if limit is not None and needed > limit:
+        more = f" and --max-new-tokens {max_new_tokens} feeds {max_new_tokens - 1} more" if max_new_tokens > 1 else ""
+        raise InvalidArgumentError(
+            f"prompt {number} is {tokens} tokens{more}: {needed} positions, past the model's {limit} "
+            f"(n_positions in its config); shorten the prompt{' or lower --max-new-tokens' if more else ''}")
 
 
 def _quiet_transformers() -> None:

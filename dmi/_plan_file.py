@@ -35,6 +35,11 @@ PLAN_VERSION = 1
 
 _PHASES = ("prefill", "decode", "forward")
 
+_MAX_INT = (1 << 63) - 1
+"""The largest integer a plan field takes: counts and sizes go to torch and the catalog as
+64-bit integers, where a larger one fails deep inside (an overflow, or a drain failure
+printing torch's C++ frames) instead of at its field."""
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulePlan:
@@ -141,11 +146,23 @@ def load_plan(path: str | os.PathLike[str]) -> CapturePlan:
     """Read and validate a plan file. Raises :class:`PlanError` (an ``InvalidArgumentError``)."""
     source = os.fspath(path)
     try:
-        with open(source, encoding="utf-8") as handle:
-            text = handle.read()
+        with open(source, "rb") as handle:
+            data = handle.read()
     except OSError as exc:
         raise PlanError(source, "(file)", f"cannot read the plan: {exc.strerror or exc}") from exc
-    return parse_plan(text, source=source)
+    return parse_plan(_utf8(data, source), source=source)
+
+
+def _utf8(data: bytes, source: str) -> str:
+    """The plan's bytes as text; bytes that are not UTF-8 are a :class:`PlanError` naming the
+    first one and its line (a plan saved as Latin-1 would otherwise escape as a raw
+    ``UnicodeDecodeError``)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise PlanError(source, "(file)", f"not UTF-8 text: byte 0x{data[exc.start]:02x} on line {line} "
+                                          "cannot be read; save the plan as UTF-8") from exc
 
 
 def parse_plan(text: str, *, source: str = "<string>") -> CapturePlan:
@@ -262,7 +279,7 @@ class _Reader:
         d = self.mapping(doc, "(document)", _TOP)
         if "version" not in d:
             raise self.fail("version", f"required (this DMI reads plan version {PLAN_VERSION})")
-        version = self.integer(d["version"], "version", minimum=1)
+        version = self.integer(d["version"], "version", minimum=1, maximum=None)
         if version != PLAN_VERSION:
             raise self.fail("version", f"plan version {version} is not readable by this DMI, which reads "
                                        f"version {PLAN_VERSION}")
@@ -290,11 +307,14 @@ class _Reader:
             raise self.fail(path, f"must be a non-empty string; got {_kind(value)}")
         return value
 
-    def integer(self, value: Any, path: str, *, minimum: int) -> int:
+    def integer(self, value: Any, path: str, *, minimum: int, maximum: int | None = _MAX_INT) -> int:
+        """``value`` as an integer of at least ``minimum`` and at most ``maximum`` (``None``: no bound)."""
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.fail(path, f"must be an integer; got {_kind(value)}")
         if value < minimum:
             raise self.fail(path, f"must be at least {minimum}; got {value}")
+        if maximum is not None and value > maximum:
+            raise self.fail(path, f"must be at most {maximum} (a 64-bit integer); got {value}")
         return value
 
     def number(self, value: Any, path: str) -> float:
@@ -401,9 +421,14 @@ class _Reader:
     def ring(self, value: Any) -> RingPlan:
         d = self.mapping(value, "ring", _RING_KEYS)
         default = RingPlan()
+        slots = self.integer(d.get("slots", default.slots), "ring.slots", minimum=1)
+        slot_bytes = self.integer(d.get("slot_bytes", default.slot_bytes), "ring.slot_bytes", minimum=16)
+        if slots * slot_bytes > _MAX_INT:
+            raise self.fail("ring", f"{slots} slots of {slot_bytes} bytes is {slots * slot_bytes} bytes of host "
+                                    f"memory, past {_MAX_INT} (a 64-bit size); lower ring.slots or ring.slot_bytes")
         return RingPlan(
-            slots=self.integer(d.get("slots", default.slots), "ring.slots", minimum=1),
-            slot_bytes=self.integer(d.get("slot_bytes", default.slot_bytes), "ring.slot_bytes", minimum=16),
+            slots=slots,
+            slot_bytes=slot_bytes,
             timeout=self.number(d.get("timeout", default.timeout), "ring.timeout"),
             drop_policy=self.choice(d.get("drop_policy", default.drop_policy), "ring.drop_policy", _DROP_POLICIES),
         )

@@ -238,6 +238,10 @@ def _read_prompts(path: str) -> list[str]:
                 text = handle.read()
     except OSError as exc:
         raise InvalidArgumentError(f"cannot read prompts from {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        line = exc.object.count(b"\n", 0, exc.start) + 1
+        raise InvalidArgumentError(f"{path}: not UTF-8 text: byte 0x{exc.object[exc.start]:02x} on line {line} "
+                                   "cannot be read; save the prompts as UTF-8") from exc
     return [line for line in (raw.strip() for raw in text.splitlines()) if line]
 
 
