@@ -62,7 +62,7 @@ from ._ring import Entry, Ring
 from ._schedule import Schedule
 from ._selection import Selection, select
 from ._tp import resolve_parallel_ranks
-from ._tp_layout import TPLayout, emitted_hooks, whole_by_tp_plan
+from ._tp_layout import TPLayout, check_model_cut, emitted_hooks, whole_by_tp_plan
 from ._token_text import TokenStrings, with_token_ids
 
 __all__ = ["attach", "CaptureSession", "derive_model_id", "new_run_id"]
@@ -1019,6 +1019,7 @@ def attach(
         selection = with_token_ids(selection)
     layout = TPLayout(geometry, tp_rank, tp_size, tp_layout,
                       defaults=whole_by_tp_plan(getattr(model.config, "base_model_tp_plan", None)))
+    check_model_cut(arch, selection.hooks, layout)
     emitted = emitted_hooks(selection.hooks, layout, tp_replicas)
     writer_options, hook_codecs = resolve_codecs(codec, writer_options, tuple(selection.hooks), geometry,
                                                  texts is not None)

@@ -16,6 +16,12 @@ documented in docs/capture.md, "Tensor parallel"). ``axis`` is an axis of the st
 record (``attn_q``: ``[tokens, heads, head_dim]``, so heads are axis 1), ``offset`` is
 where this rank's block starts on it, and ``full`` the model's size along it. Hooks not
 named keep the catalogue's rule.
+
+At attach, :func:`check_model_cut` reads the projections' weights (no forward) and refuses a
+model whose cut does not match ``tp_rank`` / ``tp_size``: an unsharded model given
+``tp_size=2``, a 2-way shard given ``tp_size=1`` or ``4`` — before the model runs, where the
+drain would otherwise refuse every record late, or store shards as whole tensors or at the
+wrong offset.
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from dmi.storage.errors import CaptureError, InvalidArgumentError
+from dmi.storage.errors import AttachError, CaptureError, InvalidArgumentError
 from dmi.storage.records import ShardGeometry
 
+from ._arch import Architecture
 from ._hooks import HOOKS, ModelGeometry
 
-__all__ = ["TPShard", "TPReplicated", "TPLayout", "TP_REPLICAS", "emitted_hooks", "whole_by_tp_plan"]
+__all__ = ["TPShard", "TPReplicated", "TPLayout", "TP_REPLICAS", "check_model_cut", "emitted_hooks",
+           "whole_by_tp_plan"]
 
 TP_REPLICAS = ("rank0", "all")
 """Who writes a replicated hook: TP rank 0 only (default), or every rank (to check copies)."""
@@ -179,3 +187,86 @@ def emitted_hooks(selected: Mapping[str, tuple[int, ...]], layout: TPLayout, rep
     if replicas == "all" or layout.rank == 0:
         return dict(selected)
     return {hook: layers for hook, layers in selected.items() if not layout.replicated(hook)}
+
+
+_PROJECTIONS = {
+    "attn_q": ("self_attn.q_proj", 0),
+    "attn_k": ("self_attn.k_proj", 0),
+    "attn_v": ("self_attn.v_proj", 0),
+    "attn_z": ("self_attn.o_proj", 1),
+    "mlp_post": ("mlp.down_proj", 1),
+}
+"""Hook → (its projection in a layer, the weight axis that holds the hook's features): a
+column-parallel projection's output (axis 0 of ``[out, in]``) or a row-parallel one's input
+(axis 1). On a rank that projection is as wide as the rank's block of the hook's tensor."""
+
+
+def check_model_cut(arch: Architecture, selected: Mapping[str, tuple[int, ...]], layout: TPLayout) -> None:
+    """Refuse, before the model runs, a model whose projections are not cut as ``layout``'s
+    rank and size say: each selected hook the catalogue shards (and neither ``tp_layout=`` nor
+    the model's TP plan describes) must come from a projection as wide as this rank's block —
+    the whole width on one rank. Reads weight shapes only (a DTensor's local shard); hooks of
+    other architectures, quantised or missing weights, and a projection wider than the
+    catalogue's whole tensor are left to the drain's check.
+
+    Raises :class:`AttachError` naming the projection, its width and the width expected."""
+    for hook, layers in selected.items():
+        if hook not in _PROJECTIONS or hook in layout.overrides:
+            continue
+        path, axis = _PROJECTIONS[hook]
+        if arch.family.per_layer.get(hook, ("",))[0] != path:
+            continue
+        unit, full_units = _feature_unit(hook, layout.geometry)
+        expected = _block_units(hook, full_units, layout) * unit
+        for layer in layers:
+            width = _weight_width(arch.layers[layer], path, axis)
+            if width is not None and width != expected and width <= full_units * unit:
+                raise AttachError(_cut_message(hook, layer, path, width, expected, full_units * unit, layout))
+
+
+def _feature_unit(hook: str, geometry: ModelGeometry) -> tuple[int, int]:
+    """(features per unit a rank holds whole, units in the model): heads of ``head_dim`` for
+    attention, single features for the MLP."""
+    if hook == "mlp_post":
+        return 1, geometry.intermediate
+    return geometry.head_dim, geometry.n_kv_heads if HOOKS[hook].kv_heads else geometry.n_heads
+
+
+def _block_units(hook: str, full_units: int, layout: TPLayout) -> int:
+    """How many of ``full_units`` this rank holds: all when ``hook`` is replicated (one rank,
+    or fewer kv heads than ranks), else its ``torch.chunk`` block (``ceil(full / size)``, the
+    last rank's possibly shorter)."""
+    if layout.replicated(hook):
+        return full_units
+    block = -(-full_units // layout.size)
+    return max(0, min(block, full_units - layout.rank * block))
+
+
+def _weight_width(layer, path: str, axis: int) -> int | None:
+    """The width of ``layer``'s projection at ``path`` along ``axis`` of its local weight, or
+    ``None`` where it cannot be read as a plain floating ``[out, in]`` matrix."""
+    try:
+        module = layer.get_submodule(path)
+    except AttributeError:
+        return None
+    weight = getattr(module, "weight", None)
+    to_local = getattr(weight, "to_local", None)
+    if to_local is not None:
+        weight = to_local()
+    if weight is None or not hasattr(weight, "is_floating_point") or weight.ndim != 2 or not weight.is_floating_point():
+        return None
+    return int(weight.shape[axis])
+
+
+def _cut_message(hook: str, layer: int, path: str, width: int, expected: int, full: int, layout: TPLayout) -> str:
+    """What was found, what ``tp_size`` expects, and what to do about it."""
+    found = (f"hook {hook!r}: layer {layer}'s {path} holds {width} of the model's {full} features, where TP rank "
+             f"{layout.rank} of {layout.size} expects {expected}")
+    if width == full:
+        return (f"{found}: the model is not sharded. Shard it (from_pretrained(..., tp_plan=\"auto\") under "
+                f"torchrun, or dmi.capture.load_tensor_parallel), or pass tp_size=1")
+    if width and full % width == 0:
+        cut = f"looks cut {full // width} ways. Pass this process's tp_rank= and tp_size={full // width}"
+    else:
+        cut = "is cut otherwise. Pass this process's tp_rank= and tp_size="
+    return f"{found}: the model {cut}, or say how it is cut with tp_layout={{{hook!r}: TPShard(axis, offset, full)}}"

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import pytest
 
-from dmi.capture import attach
+from dmi.capture import TPShard, attach
 from dmi.capture._token_text import PROMPT_TEXT, TOKEN_TEXT
 from dmi.catalog import open_catalog
 from dmi.storage import LocalPackStore, verify_pack
@@ -89,11 +89,13 @@ def _stored_keys(store) -> list:
 
 @pytest.mark.parametrize("encode_threads", [1, 2])
 def test_a_record_that_does_not_fit_the_tp_layout_counts_the_rest(tmp_path, encode_threads):
-    """A real case: ``tp_rank=1, tp_size=2`` given for a model that is not sharded (each rank
-    holds the whole ``mlp_post``), so the drain's shard geometry for the first record (the
-    prefill's first request) raises ``CaptureError``: nothing of ``mlp_post`` is stored, all of
-    it is counted. Rank 1 does not write the replicated ``resid_post``."""
+    """A real case: a ``tp_layout`` placing rank 1's ``mlp_post`` at offset 24 of 48 on a model
+    that is not sharded (each rank holds the whole ``mlp_post``; attach takes the user's
+    layout as given), so the drain's shard geometry for the first record (the prefill's first
+    request) raises ``CaptureError``: nothing of ``mlp_post`` is stored, all of it is counted.
+    Rank 1 does not write the replicated ``resid_post``."""
     store, cap, ledger, error, losses = _run(tmp_path, hooks="resid_post mlp_post", tp_rank=1, tp_size=2,
+                                             tp_layout={"mlp_post": TPShard(axis=1, offset=24, full=48)},
                                              encode_threads=encode_threads)
     assert isinstance(error.__cause__, CaptureError)
     assert "a record of shape (7, 48) does not fit the layout" in str(error.__cause__)

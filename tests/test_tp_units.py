@@ -15,8 +15,8 @@ from dmi.capture._tp_load import replicated_kv_plan
 from dmi.reader import assemble
 from dmi.storage import RecordEntry, RecordKey, RecordMeta, ShardGeometry
 from dmi.storage.errors import (
+    AttachError,
     CaptureError,
-    DrainError,
     DuplicateChunkError,
     InvalidArgumentError,
     MissingShardError,
@@ -143,13 +143,13 @@ def test_attach_on_rank_1_writes_no_replicated_copy_by_default():
 
 
 def test_an_unsharded_model_captured_as_rank_1_is_refused_not_mislabelled():
+    """Refused at attach, before the model runs (``check_model_cut``; the drain's own check of
+    each record's shape is what stops a cut no weight shows: ``test_tp_attach_mismatch.py``)."""
     model = tiny("llama")
-    ids, mask = left_padded_batch()
-    with pytest.raises(DrainError) as info:
-        with attach(model, hooks="attn_q", writer=MemoryWriter(), tp_rank=1, tp_size=2) as cap:
-            cap.forward(ids, attention_mask=mask)
-            cap.flush()
-    assert isinstance(info.value.__cause__, CaptureError)
+    with pytest.raises(AttachError, match=r"^hook 'attn_q': layer 0's self_attn.q_proj holds 32 of the model's 32 "
+                                          r"features, where TP rank 1 of 2 expects 16: the model is not sharded"):
+        with attach(model, hooks="attn_q", writer=MemoryWriter(), tp_rank=1, tp_size=2):
+            pass
 
 
 # ------------------------------------------------------------------------------ DP / PP ranks
