@@ -44,6 +44,7 @@ Also:
 from __future__ import annotations
 
 import numbers
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -116,6 +117,21 @@ class RingStats:
     steps_packed: int = 0  # of those, the ends at which the slot stayed open for the next step
 
 
+def _check_fits_memory(n_slots: int, slot_bytes: int) -> None:
+    """Refuse a ring larger than the machine's physical memory before allocating any of it: its
+    slots are allocated one by one, so a mistyped size would otherwise fail (or page) only
+    after the first ones took what memory there is."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name: nothing to check by
+        return
+    total = n_slots * slot_bytes
+    if physical > 0 and total > physical:
+        raise InvalidArgumentError(
+            f"a ring of {n_slots} slots of {slot_bytes} bytes is {total} bytes of host memory, more than this "
+            f"machine has ({physical} bytes); lower ring_slots or slot_bytes")
+
+
 class Ring:
     """Bounded slots; one producer (the model thread), one consumer (the drain thread)."""
 
@@ -136,6 +152,7 @@ class Ring:
             raise InvalidArgumentError(f"drop_policy must be 'wait' or 'drop', got {drop_policy!r}")
         if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
             raise InvalidArgumentError(f"ring_timeout must be a number of seconds >= 0, got {timeout!r}")
+        _check_fits_memory(n_slots, slot_bytes)
         self.pin = torch.cuda.is_available() if pin is None else bool(pin)
         self.slot_bytes = slot_bytes
         self.timeout = float(timeout)

@@ -13,6 +13,7 @@ their one hook at their one layer (see ``_aliases``).
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -69,8 +70,10 @@ def resolve_hooks(hooks) -> tuple[str, ...]:
         elif p in GROUPS:
             chosen.update(GROUPS[p])
         else:
+            near = difflib.get_close_matches(p, (*HOOKS, *GROUPS), n=1, cutoff=0.5)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise HookSelectionError(
-                f"unknown hook or group {p!r}; valid hooks: {', '.join(HOOKS)}; "
+                f"unknown hook or group {p!r}{hint}; valid hooks: {', '.join(HOOKS)}; "
                 f"groups: {', '.join(GROUPS)}"
             )
     return tuple(h for h in HOOKS if h in chosen)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -158,7 +159,7 @@ def run_capture(
     request_ids: list[str] = []
     options = ({"plan": args.plan} if plan is not None else
                {"hooks": args.hooks, "layers": layers, "model_id": args.model_id, "schedule": schedule})
-    with dmi.capture(loaded.model, store=store, tokenizer=tokenizer, **options) as session, \
+    with _cli_wording(), dmi.capture(loaded.model, store=store, tokenizer=tokenizer, **options) as session, \
             progress(len(prompts)) as bar:
         for enc in batches:
             with torch.inference_mode():
@@ -176,6 +177,21 @@ def run_capture(
     stored = {entry.meta.key.request_id for d in published for entry in d.records}
     return {"model_id": model_id, "run_id": run_id, "request_ids": [r for r in request_ids if r in stored],
             **stored_totals(published)}
+
+
+@contextlib.contextmanager
+def _cli_wording() -> Iterator[None]:
+    """Say what to type where the API's refusal says what to call: ``attn_pattern`` on a model
+    loaded without eager attention is ``--attn-implementation eager`` here (a bad argument,
+    exit 2), not ``model.set_attn_implementation``."""
+    from dmi.storage.errors import AttentionImplementationError
+
+    try:
+        yield
+    except AttentionImplementationError as exc:
+        raise InvalidArgumentError(
+            f"{str(exc).split('. ')[0]}; pass --attn-implementation eager, or leave attn_pattern out "
+            "(--hooks all_but_patterns)") from exc
 
 
 def _check_prompt_text(prompts: Sequence[str]) -> None:

@@ -159,3 +159,25 @@ def test_the_request_ids_printed_are_those_stored(tmp_path):
     assert result["request_ids"] == [f"{run}-000000", f"{run}-000002"]
     with dmi.open(home=home) as store:
         assert [r.request_id for r in store.requests("tiny-llama")] == result["request_ids"]
+
+
+def test_a_misspelled_hook_is_refused_with_the_nearest_name(tmp_path):
+    from dmi.capture import GROUPS, HOOKS
+
+    rc, out, err = _cli("capture", "--model", "tiny-llama", "--prompt", "hi", "--hooks", "resid_pots",
+                        "--home", str(tmp_path / "home"))
+    assert (rc, out) == (2, "")
+    assert err == (f"dmi: error: unknown hook or group 'resid_pots' (did you mean 'resid_post'?); valid hooks: "
+                   f"{', '.join(HOOKS)}; groups: {', '.join(GROUPS)}\n")
+
+
+def test_attn_pattern_without_eager_attention_names_the_flag(tmp_path, gpt2_dirs):
+    rc, out, err = _cli("capture", "--model", gpt2_dirs["bos"], "--prompt", "hi", "--hooks", "attn_pattern",
+                        "--home", str(tmp_path / "home"), "-q")
+    assert (rc, out) == (2, "")
+    assert err == ("dmi: error: 'attn_pattern' needs eager attention, but the model uses 'sdpa' (which never "
+                   "materialises the attention weights); pass --attn-implementation eager, or leave attn_pattern "
+                   "out (--hooks all_but_patterns)\n")
+    rc, out, err = _cli("capture", "--model", gpt2_dirs["bos"], "--prompt", "hi", "--hooks", "attn_pattern",
+                        "--attn-implementation", "eager", "--home", str(tmp_path / "home"), "-q")
+    assert (rc, err) == (0, "") and len(out.split()) == 1
