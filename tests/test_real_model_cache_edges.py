@@ -162,14 +162,31 @@ def test_dmi_demo_on_a_damaged_cache_fails_in_one_line(clean, tmp_path, capsys):
 # --- a cache converted from another package or transformers version ------------------------------
 
 
-@pytest.mark.parametrize("key", ["package", "gguf_sha256", "transformers"])
-def test_a_cache_from_another_source_is_converted_anew(clean, tmp_path, monkeypatch, key):
+def _source_set_older(key: str):
+    def older(cache: Path) -> str:
+        manifest = json.loads((cache / MANIFEST).read_text())
+        installed = manifest["source"][key]
+        manifest["source"][key] = "older"
+        (cache / MANIFEST).write_text(json.dumps(manifest))
+        return f"{key} older -> {installed}"
+    return older
+
+
+def _manifest_removed(cache: Path) -> str:
+    (cache / MANIFEST).unlink()
+    return f"no {MANIFEST}: converted by an older DMI, or not by DMI"
+
+
+STALE = {"package": _source_set_older("package"), "gguf_sha256": _source_set_older("gguf_sha256"),
+         "transformers": _source_set_older("transformers"), "no manifest (an older DMI's cache)": _manifest_removed}
+
+
+@pytest.mark.parametrize("stale", STALE)
+def test_a_cache_from_another_source_is_converted_anew(clean, tmp_path, monkeypatch, stale):
     cache, reference = clean
     copy = _copy(cache, tmp_path)
-    manifest = json.loads((copy / MANIFEST).read_text())
-    installed = dict(manifest["source"])
-    manifest["source"][key] = "older"
-    (copy / MANIFEST).write_text(json.dumps(manifest))
+    installed = json.loads((copy / MANIFEST).read_text())["source"]
+    reason = STALE[stale](copy)
     calls: list[Path] = []
     monkeypatch.setattr(_real_model, "_convert", _copies_the_clean_cache(cache, calls))
 
@@ -177,29 +194,11 @@ def test_a_cache_from_another_source_is_converted_anew(clean, tmp_path, monkeypa
     loaded = _load(tmp_path, said)
     gguf = _real_model.locate_gguf(SPEC)
     assert len(calls) == 1
-    assert said[0] == (f"smollm2: converting {gguf} ({gguf.stat().st_size / 1e6:.0f} MB) anew "
-                       f"({key} older -> {installed[key]}) into {copy}")
+    assert said[0] == f"smollm2: converting {gguf} ({gguf.stat().st_size / 1e6:.0f} MB) anew ({reason}) into {copy}"
     assert said[-1].startswith("smollm2: cached (")
     assert torch.equal(_logits(loaded), reference)
     assert json.loads((copy / MANIFEST).read_text())["source"] == installed
     assert [p.name for p in (tmp_path / "models").iterdir()] == ["smollm2"], "the stale cache was left aside"
-
-
-def test_a_cache_without_a_manifest_is_converted_anew(clean, tmp_path, monkeypatch):
-    """What an older DMI left (no manifest to check it by), or a manifest removed since."""
-    cache, reference = clean
-    copy = _copy(cache, tmp_path)
-    (copy / MANIFEST).unlink()
-    calls: list[Path] = []
-    monkeypatch.setattr(_real_model, "_convert", _copies_the_clean_cache(cache, calls))
-    said: list[str] = []
-    loaded = _load(tmp_path, said)
-    gguf = _real_model.locate_gguf(SPEC)
-    assert len(calls) == 1
-    assert said[0] == (f"smollm2: converting {gguf} ({gguf.stat().st_size / 1e6:.0f} MB) anew "
-                       f"(no {MANIFEST}: converted by an older DMI, or not by DMI) into {copy}")
-    assert torch.equal(_logits(loaded), reference)
-    assert (copy / MANIFEST).is_file()
 
 
 def test_without_the_package_a_cache_without_a_manifest_is_refused_by_name(clean, tmp_path, monkeypatch):
