@@ -21,6 +21,10 @@ needs a conditional PUT (``If-None-Match: *``) that pyarrow cannot send:
   suffix-range GET that also tells the size and whether the pack exists), so the footer
   cache loads a footer in that one round trip. Each :meth:`PackInput.read_into` is one GET
   of exactly the planned (coalesced) range, streamed straight into the caller's buffer.
+  It carries ``If-Match`` with the ETag of the GET that opened the pack, so an object put
+  under the key since (a restore, a re-seal) is refused by S3 (412), and the read fails with
+  a :class:`PackReplacedError` saying the pack was replaced while it was being read — never the new
+  object's bytes behind the opened one's footer.
 * **Listing** is ``ListObjectsV2`` on the prefix (recovery finds sealed packs that way).
 
 boto3 is an optional dependency (``pip install 'dmi-capture[s3]'``); without it, opening an
@@ -44,6 +48,7 @@ from dmi.storage.errors import (
     InvalidArgumentError,
     PackError,
     PackNotFoundError,
+    PackReplacedError,
     PackSealError,
     PackStoreNotInstalledError,
 )
@@ -254,7 +259,8 @@ class _S3PackInput(PackInput):
     @property
     def version(self) -> Hashable:
         """Size and ETag, both from the GET that opened the pack: an object put again under the
-        pack's key (even of the same size) has another ETag."""
+        pack's key (even of the same size) has another ETag. Every later ranged GET of this
+        input requires that ETag, so all its bytes come from this version."""
         return (self._size, self._etag)
 
     def read_into(self, offset: int, out) -> None:
@@ -296,14 +302,20 @@ class _S3PackInput(PackInput):
         return size, tail, reply.get("ETag")
 
     def _get_into(self, offset: int, view: memoryview) -> None:
-        """One ranged GET of exactly ``view``'s length at ``offset``, streamed into ``view``."""
+        """One ranged GET of exactly ``view``'s length at ``offset``, streamed into ``view``.
+
+        It carries ``If-Match`` with the ETag seen at open, so S3 refuses (412) to serve the
+        bytes of an object put under the key since: they would be read behind the opened
+        object's footer (another object's bytes, silently where the layouts match)."""
         store = self.store
         end = offset + view.nbytes - 1
         filled = 0
         with _translated(f"pack {self.pack_id}: read at {offset} failed in {store.uri}",
-                         missing=f"pack {self.pack_id} not found in {store.uri}"):
+                         missing=f"pack {self.pack_id} not found in {store.uri}",
+                         replaced=self._replaced_message()):
             reply = store.client.get_object(
-                Bucket=store.s3.bucket, Key=store._key(self.pack_id), Range=f"bytes={offset}-{end}"
+                Bucket=store.s3.bucket, Key=store._key(self.pack_id), Range=f"bytes={offset}-{end}",
+                **self._unchanged(),
             )
             for chunk in reply["Body"].iter_chunks(_CHUNK_BYTES):
                 take = min(len(chunk), view.nbytes - filled)
@@ -311,6 +323,19 @@ class _S3PackInput(PackInput):
                 filled += take
         if filled != view.nbytes:
             raise self._truncated(offset, view.nbytes, filled)
+
+    def _unchanged(self) -> dict[str, str]:
+        """The GET's condition that the object is still the one opened (none where the
+        endpoint gave no ETag: nothing then tells the objects apart)."""
+        return {"IfMatch": self._etag} if self._etag else {}
+
+    def _replaced_message(self) -> str:
+        """What a 412 to a ranged GET means: the object was replaced after this input opened it."""
+        return (
+            f"pack {self.pack_id} was replaced in {self.store.uri} while it was being read (it was opened as "
+            f"ETag {self._etag}; the object under its key now has another): read it again, which opens "
+            "the pack as it is now"
+        )
 
 
 class _RangedReader:
@@ -389,8 +414,9 @@ def _make_client(location: S3Location):
 
 @contextmanager
 def _translated(what: str, *, error: type[PackError] = PackError, missing: str | None = None,
-                exists: str | None = None) -> Iterator[None]:
-    """Turn botocore's errors into the store's: 404 → ``missing``, 409/412 → ``exists``, else ``error``."""
+                exists: str | None = None, replaced: str | None = None) -> Iterator[None]:
+    """Turn botocore's errors into the store's: 404 → ``missing``, 409/412 → ``exists`` (a
+    conditional PUT), 412 → ``replaced`` (a GET's ``If-Match``), else ``error``."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
@@ -404,6 +430,8 @@ def _translated(what: str, *, error: type[PackError] = PackError, missing: str |
             raise PackNotFoundError(missing) from exc
         if exists is not None and (status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict")):
             raise PackSealError(exists) from exc
+        if replaced is not None and (status == 412 or code == "PreconditionFailed"):
+            raise PackReplacedError(replaced) from exc
         raise error(f"{what}: {code or status}: {exc}") from exc
     except PackError:
         raise

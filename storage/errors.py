@@ -20,6 +20,7 @@ exception types. Builtin mix-ins are added where callers naturally expect them.
     │   │   └── PackTruncatedError               file shorter than its records claim
     │   ├── PackFormatError                      not a DMI pack, or an unknown version
     │   ├── PackSealError (OSError)              could not make a pack durable (disk full, ...)
+    │   ├── PackReplacedError                    replaced under its name while being read (S3 If-Match refused)
     │   ├── RecoveryIncompleteError              recover went around entries that are no pack files
     │   ├── PackStoreNotInstalledError (ImportError)   a pack store's optional package (boto3 for s3://)
     │   └── UnsupportedDtypeError (TypeError)
@@ -71,6 +72,7 @@ __all__ = [
     "PackTruncatedError",
     "PackFormatError",
     "PackSealError",
+    "PackReplacedError",
     "RecoveryIncompleteError",
     "PackStoreNotInstalledError",
     "UnsupportedDtypeError",
@@ -176,6 +178,11 @@ class PackSealError(PackError, OSError):
     def __init__(self, *args, lost_keys=()):
         super().__init__(*args)
         self.lost_keys = tuple(lost_keys)
+
+
+class PackReplacedError(PackError):
+    """The pack was replaced under its name after it was opened and before a read finished;
+    reading it again opens it as it is now."""
 
 
 class RecoveryIncompleteError(PackError):
