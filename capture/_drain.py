@@ -780,7 +780,7 @@ class Drain:
             st = None
         if st is None:
             st = self._staged[(hook, layer)] = _Staged(plan.call_id)
-        st.add(rows, self.decode_chunk_steps)  # copied: the slot is freed after this
+        st.add(rows, self.decode_chunk_steps, self.decode_chunk_bytes)  # copied: the slot is freed after this
         st.plans.append(plan)
         st.last_step = plan.step
         if len(st.plans) >= self.decode_chunk_steps or st.nbytes >= self.decode_chunk_bytes:
@@ -862,18 +862,29 @@ class _Staged:
     def nbytes(self) -> int:
         return 0 if self._buffer is None else self._used * self._buffer.shape[1] * self._buffer.element_size()
 
-    def add(self, rows: torch.Tensor, steps: int) -> None:
-        """Copy one step's ``rows`` after the others (room for ``steps`` such steps at first)."""
+    def add(self, rows: torch.Tensor, steps: int, max_bytes: int) -> None:
+        """Copy one step's ``rows`` after the others. Where they do not fit, the buffer grows to
+        what the chunk holds if each of its steps to come has as many rows (:meth:`_steps_to_come`):
+        the reservation follows both of the drain's bounds on a chunk, ``steps`` steps and
+        ``max_bytes``, so a huge ``decode_chunk_steps`` reserves no more than the bytes bound allows."""
         n = rows.shape[0]
         buf = self._buffer
         if buf is None or self._used + n > buf.shape[0]:
-            grown = torch.empty((max(n * steps, 2 * self._used + n), rows.shape[1]), dtype=rows.dtype)
+            room = self._used + n * self._steps_to_come(rows, steps, max_bytes)
+            grown = torch.empty((room, rows.shape[1]), dtype=rows.dtype)
             if buf is not None:
                 grown[: self._used].copy_(buf[: self._used])
             buf = self._buffer = grown
         buf[self._used : self._used + n].copy_(rows)
         self._used += n
         self.part_rows.append(n)
+
+    def _steps_to_come(self, rows: torch.Tensor, steps: int, max_bytes: int) -> int:
+        """How many steps of ``rows``' size the chunk can still take, this one included: those
+        left of its ``steps``, and no more than take its staged bytes to ``max_bytes`` (the drain
+        emits it at that step). The buffer thus never holds more than ``max_bytes`` and one step."""
+        step_bytes = max(1, rows.numel() * rows.element_size())
+        return max(1, min(steps - len(self.plans), -(-(max_bytes - self.nbytes) // step_bytes)))
 
     def rows(self) -> torch.Tensor:
         """Every staged row, ``[rows, features]`` (the steps' rows one after another)."""
