@@ -18,7 +18,8 @@ hook            taken from (layer ``L`` of ``n``)
 ``attn_out``    ``o_proj`` output
 ``resid_mid``   the residual ``post_attention_layernorm`` returns
 ``mlp_post``    ``down_proj`` input
-``mlp_out``     the MLP block's output (the MoE block's, on a mixture-of-experts model)
+``mlp_out``     the MLP block's output (the MoE block's, on a mixture-of-experts model: on
+                Qwen2-MoE with its sigmoid-gated shared expert, which vLLM's fused experts run)
 ``router_logits``  the MoE gate's output
 ``router_topk``    the ``top_k`` experts with the largest router logits (one ``topk`` on the
                 model's thread: vLLM's fused kernel keeps its choice to itself; offered only
@@ -31,10 +32,16 @@ hook            taken from (layer ``L`` of ``n``)
                 token (the only positions vLLM materialises)
 ==============  ===========================================================================
 
+A per-layer hook is offered only where every decoder layer has its module (as on the Hugging
+Face path): a model mixing dense and sparse layers offers neither ``mlp_post`` nor the router hooks.
 ``attn_pattern`` does not exist here (vLLM's attention kernels never materialise weights).
-Residual-stream values are buffers vLLM later overwrites in place; :data:`MUTATED_IN_PLACE`
-names them so the session can copy them before that happens on an asynchronous device (the
-step's ``input_ids``, a persistent buffer refilled every step, is copied the same way).
+Several values are buffers vLLM later overwrites in place: the residual (the next fused
+add + RMSNorm adds into it), the attention and MLP blocks' outputs (that same fused op may
+write the normalised sum over its input, ``fused_add_rms_norm.maybe_inplace``), and the q and
+k slices of ``qkv_proj``'s output (the rotary embedding's CUDA kernel rotates them in place).
+:data:`MUTATED_IN_PLACE` names them so the session copies them before that happens on an
+asynchronous device (the step's ``input_ids``, a persistent buffer refilled every step, is
+copied the same way).
 """
 
 from __future__ import annotations
@@ -51,8 +58,9 @@ from ._arch import Emission, Tap
 
 __all__ = ["VLLMArchitecture", "resolve_vllm_architecture", "MUTATED_IN_PLACE", "STEP_HOOKS"]
 
-MUTATED_IN_PLACE = frozenset({"resid_pre", "resid_mid", "resid_post"})
-"""Hooks whose tensor is a residual buffer a later fused add overwrites in place."""
+MUTATED_IN_PLACE = frozenset({"resid_pre", "resid_mid", "resid_post", "attn_q", "attn_k", "attn_out", "mlp_out"})
+"""Hooks whose tensor vLLM overwrites in place later in the step: the residual and the blocks'
+outputs (the next fused add + RMSNorm), q and k (the rotary embedding's in-place kernel)."""
 
 STEP_HOOKS = frozenset({"token_ids", "logits"})
 """Hooks the session emits itself (from the step's ``input_ids`` and the logits processor)."""
@@ -137,6 +145,14 @@ def _path(layer: nn.Module, hook: str) -> str | None:
     return path.replace("mlp", moe, 1) if moe is not None and path.split(".")[0] == "mlp" else path
 
 
+def _layer_has(layer: nn.Module, hook: str) -> bool:
+    """Whether ``layer`` has the module of a per-layer hook (and, for ``router_topk``, plain top-k routing)."""
+    path = _path(layer, hook)
+    if hook == "router_topk" and _plain_topk(layer) is None:
+        return False
+    return path is not None and _get(layer, path) is not None
+
+
 def _get(root: nn.Module, path: str) -> nn.Module | None:
     mod = root
     for part in path.split("."):
@@ -160,15 +176,14 @@ class VLLMArchitecture:
         return len(self.layers)
 
     def available(self, hook: str) -> bool:
+        """Whether the hook can be tapped on every decoder layer: a model mixing dense and sparse
+        layers (Qwen2-MoE's ``decoder_sparse_step``, ``mlp_only_layers``) offers neither
+        ``mlp_post`` nor the router hooks, as on the Hugging Face path."""
         if hook in STEP_HOOKS:
             return hook != "logits" or isinstance(getattr(self.model, "logits_processor", None), nn.Module)
         if hook in ("embed", "final_norm"):
             return _get(self.base, "embed_tokens" if hook == "embed" else "norm") is not None
-        first = self.layers[0]
-        path = _path(first, hook)
-        if hook == "router_topk" and _plain_topk(first) is None:
-            return False
-        return path is not None and _get(first, path) is not None
+        return all(_layer_has(layer, hook) for layer in self.layers)
 
     def taps(self, selected: dict[str, tuple[int, ...]]) -> list[Tap]:
         """One :class:`Tap` per (module, pre/post) that serves the selected hooks."""
