@@ -15,26 +15,11 @@ from dmi.capture import _drain
 from dmi.capture._drain import Drain, KeyContext
 from dmi.capture._plan import RowSpan, StepPlan
 from tests._models import MemoryWriter, left_padded_batch, tiny
+from tests.test_drain_coalescing import _Records
 
 SMALL = ModelGeometry("llama", 2, 8, 2, 2, 4, 16, 32, torch.float32)  # resid_post: 8 floats, 32 bytes a row
 LLAMA_8B = ModelGeometry("llama", 32, 4096, 32, 8, 128, 14336, 128256, torch.bfloat16)  # 8 KiB a row
 HOOKS = {"resid_post": (0,)}
-
-
-class _Records:
-    """A writer that keeps what it is given."""
-
-    def __init__(self):
-        self.records = []
-
-    def append(self, key, data, **options):
-        self.records.append((key, data.clone()))
-
-    def seal(self):
-        return None
-
-    def close(self):
-        return None
 
 
 def _reserved(monkeypatch) -> list[int]:
