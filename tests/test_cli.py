@@ -404,7 +404,7 @@ def test_capture_from_a_model_directory(tmp_path):
         [*common, "--hooks", "attn_pattern,logits", "--layers", "1", "--attn-implementation", "eager"],
         ["models", "--json"],
     )
-    assert_one_line_error(sdpa, 1, "eager")
+    assert_one_line_error(sdpa, 2, "--attn-implementation eager")  # a flag left out: a bad argument
     result = parsed(eager)
     assert result["model_id"] == str(model_dir) and len(result["request_ids"]) == 2  # the default id: its path
     # a scoring pass: one attn_pattern record (layer 1) and one logits record per request, and the
