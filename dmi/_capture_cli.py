@@ -159,7 +159,7 @@ def run_capture(
     request_ids: list[str] = []
     options = ({"plan": args.plan} if plan is not None else
                {"hooks": args.hooks, "layers": layers, "model_id": args.model_id, "schedule": schedule})
-    with _cli_wording(), dmi.capture(loaded.model, store=store, tokenizer=tokenizer, **options) as session, \
+    with _cli_wording(loaded.model), dmi.capture(loaded.model, store=store, tokenizer=tokenizer, **options) as session, \
             progress(len(prompts)) as bar:
         for enc in batches:
             with torch.inference_mode():
@@ -180,7 +180,7 @@ def run_capture(
 
 
 @contextlib.contextmanager
-def _cli_wording() -> Iterator[None]:
+def _cli_wording(model: Any) -> Iterator[None]:
     """Say what to type where the API's refusal says what to call: ``attn_pattern`` on a model
     loaded without eager attention is ``--attn-implementation eager`` here (a bad argument,
     exit 2), not ``model.set_attn_implementation``."""
@@ -189,8 +189,10 @@ def _cli_wording() -> Iterator[None]:
     try:
         yield
     except AttentionImplementationError as exc:
+        used = getattr(model.config, "_attn_implementation", None)
         raise InvalidArgumentError(
-            f"{str(exc).split('. ')[0]}; pass --attn-implementation eager, or leave attn_pattern out "
+            f"'attn_pattern' needs eager attention, but the model uses {used!r} (which never materialises the "
+            "attention weights); pass --attn-implementation eager, or leave attn_pattern out "
             "(--hooks all_but_patterns)") from exc
 
 
