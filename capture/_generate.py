@@ -14,7 +14,7 @@ import torch
 from dmi.storage.errors import InvalidArgumentError, UnsupportedGenerationError
 
 __all__ = ["CaptureResult", "SequenceEnds", "cached_tokens", "eos_token_ids", "prepare_batch", "left_pads",
-           "sequences_per_prompt"]
+           "refuse_past_vocabulary", "sequences_per_prompt"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,8 @@ class CaptureResult:
 
 def prepare_batch(input_ids, attention_mask=None, *, pad_token_id: int | None = None):
     """``(input_ids [b, t], attention_mask [b, t])``; lists of token ids are left-padded.
-    Anything else is refused here with :class:`InvalidArgumentError`, before the model runs."""
+    Anything else (a negative token id included) is refused here with
+    :class:`InvalidArgumentError`, before the model runs."""
     if isinstance(input_ids, torch.Tensor):
         return _tensor_batch(input_ids, attention_mask)
     if attention_mask is not None:
@@ -79,6 +80,7 @@ def _tensor_batch(input_ids: torch.Tensor, attention_mask):
     ids = input_ids if input_ids.dim() == 2 else input_ids.unsqueeze(0)
     if ids.numel() == 0:
         raise InvalidArgumentError(f"input_ids needs at least one row and one token, got shape {tuple(ids.shape)}")
+    _refuse_negative(ids.detach().min().item())
     if attention_mask is None:
         return ids, torch.ones_like(ids)
     if not isinstance(attention_mask, torch.Tensor):
@@ -116,14 +118,50 @@ def _prompts(input_ids) -> list[list[int]]:
     """``input_ids`` given as prompts: a non-empty list of them, each a non-empty sequence of
     token ids (ints; a string is text, not token ids)."""
     try:
-        prompts = [[operator.index(token) for token in p] for p in input_ids]
+        prompts = [[_token_id(token) for token in p] for p in input_ids]
     except TypeError as exc:
         raise InvalidArgumentError(
             "input_ids must be a [batch, tokens] tensor or a list of prompts, each a list of token ids "
             f"(ints), got {_describe(input_ids)}") from exc
     if not prompts or any(len(p) == 0 for p in prompts):
         raise InvalidArgumentError("every prompt needs at least one token")
+    _refuse_negative(min(min(p) for p in prompts))
     return prompts
+
+
+def _token_id(token) -> int:
+    """One token id of a prompt given as a list: an int (a NumPy or 0-d tensor integer too),
+    never a bool — ``True`` would silently be token 1, where a bool tensor is refused."""
+    if isinstance(token, bool) or (isinstance(token, torch.Tensor) and token.dtype == torch.bool):
+        raise TypeError("a bool is not a token id")
+    return operator.index(token)
+
+
+def _refuse_negative(lowest: int) -> None:
+    """Refuse a batch whose smallest token id is negative, before the model runs: its embedding
+    would fail with a bare ``IndexError`` after capture had already stored the prefill's
+    ``token_ids`` record of a request that never ran."""
+    if lowest < 0:
+        raise InvalidArgumentError(
+            f"input_ids hold a negative token id ({lowest}); token ids (padding included) must be >= 0: "
+            "pad with the tokenizer's pad_token_id and mark padding in attention_mask")
+
+
+def refuse_past_vocabulary(ids: torch.Tensor, model) -> None:
+    """Refuse token ids at or past the model's vocabulary (``config.vocab_size``, the text
+    model's in a composite config), before the model runs: the embedding would fail with a bare
+    ``IndexError`` after capture had already stored the prefill's ``token_ids`` record of a
+    request that never ran. A config without ``vocab_size`` is not checked."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    if not isinstance(vocab, int) or ids.numel() == 0:
+        return
+    highest = int(ids.max())
+    if highest >= vocab:
+        raise InvalidArgumentError(
+            f"input_ids hold token id {highest}, past the model's vocabulary of {vocab} (ids 0-{vocab - 1}): "
+            "encode the prompts with this model's tokenizer")
 
 
 def _describe(value) -> str:

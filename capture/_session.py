@@ -55,7 +55,7 @@ from ._compiled import (Staging, check_compiled_selection, compiled_form, guard_
                         install_compiled_taps, outside_graph, traced_before, unguard_hooks)
 from ._drain import Drain, KeyContext, cuda_event_for_submission
 from ._generate import (CaptureResult, SequenceEnds, cached_tokens, eos_token_ids, left_pads, prepare_batch,
-                        sequences_per_prompt)
+                        refuse_past_vocabulary, sequences_per_prompt)
 from ._hooks import HOOKS, ModelGeometry
 from ._plan import StepPlan
 from ._ring import Entry, Ring
@@ -405,6 +405,7 @@ class CaptureSession:
         if isinstance(pad, (list, tuple)):
             pad = pad[0] if pad else None
         ids, mask = prepare_batch(input_ids, attention_mask, pad_token_id=pad)
+        refuse_past_vocabulary(ids, self.model)
         dev = _model_device(self.model)
         return ids.to(dev), mask.to(dev)
 

@@ -65,8 +65,7 @@ class TokenStrings:
                     f"tokenizer= needs a Hugging Face tokenizer (with {method}); got {type(tokenizer).__name__}"
                 )
         try:
-            known = len(tokenizer)
-            strings = list(tokenizer.convert_ids_to_tokens(list(range(known))))
+            strings = list(tokenizer.convert_ids_to_tokens(list(range(_id_count(tokenizer)))))
         except Exception as exc:  # noqa: BLE001 - any tokenizer failure is the caller's argument
             raise InvalidArgumentError(f"tokenizer= cannot list its vocabulary: {exc!r}") from exc
         bad = next((s for s in strings if s is not None and not isinstance(s, str)), None)
@@ -99,6 +98,17 @@ class TokenStrings:
         """The ``prompt_text`` payload: the prompt's ids decoded, special tokens skipped."""
         text = self.tokenizer.decode(ids.reshape(-1).tolist(), skip_special_tokens=True)
         return encode_strings([text])
+
+
+def _id_count(tokenizer: Any) -> int:
+    """How many ids the table covers: one past the tokenizer's largest id. ``len(tokenizer)``
+    counts its tokens, which is that only where the ids run without gaps; a vocabulary with a
+    gap (ids ``0..3`` and ``10``) holds ids at and past ``len``, which would otherwise have no
+    string though ``convert_ids_to_tokens`` has one for them (ids in a gap: ``None``)."""
+    count = len(tokenizer)
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    ids = get_vocab().values() if callable(get_vocab) else ()
+    return max(count, 1 + max(ids, default=-1))
 
 
 def encode_strings(strings: Sequence[str | None]) -> torch.Tensor:

@@ -28,7 +28,8 @@ class RequestTokens(_AsDict):
     for); ``phases[i]`` says whether the model saw it in the ``"prefill"``, a ``"decode"``
     step or a scoring ``"forward"``. The positions are those capture stored (the prompt's
     real tokens, then one per captured decode step), so they line up with a read's token
-    axis. ``prompt_text``: the prompt's ids decoded (special tokens skipped); ``None`` when
+    axis. ``prompt_text``: the captured prompt ids decoded (special tokens skipped): the
+    whole prompt, or the part a schedule's ``last_tokens``/``positions`` keeps; ``None`` when
     the prefill was not captured (e.g. a decode-only schedule).
     """
 
