@@ -398,7 +398,7 @@ class Store:
         finished = self.catalog.purge_deleted(self.packs)
         deletions = self.catalog.delete_runs(model_id, run_id, deleted_by=f"{socket.gethostname()}:{os.getpid()}")
         if not deletions:
-            if not finished and not self.catalog.deletions(model_id, run_id):
+            if not self.catalog.deletions(model_id, run_id):
                 self._diagnose(model_id, None, None, run_id=run_id)
             return DeleteReport(model_id, (), 0, tuple(finished), ())
         removed = finished + self.catalog.purge_deleted(self.packs)

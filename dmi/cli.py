@@ -306,13 +306,14 @@ def _cmd_delete(args: argparse.Namespace) -> int:
     from dmi._human import human_bytes, human_count
 
     with _open_store(args) as store:
-        targets = [r for r in store.runs() if r.model_id == args.model_id and args.run in (None, r.run_id)]
+        targets = _delete_targets(store, args)
         if targets and not args.yes:
             what = (f"run {args.run} of model {args.model_id}" if args.run is not None
                     else f"model {args.model_id} ({len(targets)} run{'s' if len(targets) != 1 else ''})")
             size = (f"{human_count(sum(r.records for r in targets))} records, "
                     f"{human_bytes(sum(r.stored_bytes for r in targets))} stored")
             _confirm(f"delete {what}: {size}?")
+            _refuse_changed(targets, _delete_targets(store, args))
         report = store.delete(args.model_id, args.run)
     if args.json:
         _emit_json(report.as_dict())
@@ -327,6 +328,25 @@ def _cmd_delete(args: argparse.Namespace) -> int:
         _say(args, f"kept {len(report.packs_kept)} pack file{'s' if len(report.packs_kept) != 1 else ''} "
                    "that other runs still have records in")
     return EXIT_OK
+
+
+def _delete_targets(store, args: argparse.Namespace) -> list:
+    """The runs ``dmi delete`` would delete now (``RunSummary`` rows), in the store's order."""
+    return [r for r in store.runs() if r.model_id == args.model_id and args.run in (None, r.run_id)]
+
+
+def _refuse_changed(asked: list, now: list) -> None:
+    """Refuse to delete when what the user said yes to changed while the question waited (a
+    writer published another run, or more records of one): yes was said to the runs and
+    sizes in the question, not to what came after."""
+    def summary(runs: list) -> list[tuple[str, int]]:
+        return [(r.run_id, r.records) for r in runs]
+
+    if summary(asked) != summary(now):
+        listed = ", ".join(f"{run} ({records} records)" for run, records in summary(now)) or "nothing"
+        raise InvalidArgumentError(
+            f"not deleted: the selection changed while you were asked (it now holds {listed}); "
+            "run dmi delete again to be asked about what it holds now")
 
 
 def _confirm(question: str) -> None:

@@ -226,3 +226,42 @@ def test_a_killed_dmi_delete_is_all_or_nothing_and_the_next_one_finishes_it(home
         assert [(r.model_id, r.run_id) for r in store.runs()] == [("m", "keep"), ("other", "drop")]
         for request, tensor in tensors(store, "m", "keep", CAPTURES[0][2]).items():
             assert torch.equal(tensor, keep[request])
+
+
+def test_a_mistyped_model_is_unknown_even_when_the_call_finishes_an_interrupted_delete(home):
+    with dmi.open(home=home.path) as store:
+        dropped = packs_of(store, "m", "drop")
+        store.catalog.delete_runs("m", "drop")  # a delete killed after its tombstone, before its files
+        assert dropped <= set(store.packs.list_packs())
+        with pytest.raises(RecordNotFoundError, match="no model 'nope'"):
+            store.delete("nope")
+        assert not dropped & set(store.packs.list_packs())  # the interrupted delete was still finished
+        assert [(r.model_id, r.run_id) for r in store.runs()] == [("m", "keep"), ("other", "drop")]
+
+
+def test_cli_delete_refuses_when_a_run_arrives_while_it_asks(home, capsys, monkeypatch, model):
+    import dmi.cli as cli
+
+    opened = []
+    open_store = cli._open_store
+    monkeypatch.setattr(cli, "_open_store", lambda args: opened.append(open_store(args)) or opened[-1])
+
+    class Answering(Terminal):
+        """A terminal whose user says yes after another writer published run "late" of model m
+        (in this process, through the command's own store: chDB is one process at a time)."""
+
+        def readline(self, *args):
+            ids, mask = left_padded_batch()
+            with opened[0].capture(model, hooks=HOOKS, model_id="m", run_id="late") as cap, torch.inference_mode():
+                cap.forward(ids, mask, request_ids=["l1", "l2", "l3"])
+            return super().readline(*args)
+
+    monkeypatch.setattr(sys, "stdin", Answering("y\n"))
+    rc, out, err = run_cli(capsys, "delete", "m", "--home", str(home.path))
+    assert out.startswith("delete model m (2 runs): 24 records")
+    assert rc == 2 and err == ("dmi: error: not deleted: the selection changed while you were asked (it now holds "
+                               "drop (12 records), keep (12 records), late (12 records)); run dmi delete again to "
+                               "be asked about what it holds now\n")
+    with dmi.open(home=home.path) as store:
+        assert [(r.model_id, r.run_id) for r in store.runs()] == [
+            ("m", "drop"), ("m", "keep"), ("m", "late"), ("other", "drop")]
