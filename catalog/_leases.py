@@ -15,7 +15,9 @@ append-only rows and read-backs, and safety comes from terms and fences, not clo
 * **confirm** — the lease is now held until ``expires_at``; **renew** extends it;
   **release** ends it early.
 * **watermark** — ``(scope, term, seq, packs)``, written after the holder re-checked on the
-  server that its term is still the confirmed one and that no later fence exists.
+  server that its term is still the confirmed one and that no later fence exists, then read
+  back against the fences: a successor that fenced in between cut it, so :meth:`Publisher.publish`
+  raises ``LeaseLostError`` rather than return a watermark no reader will ever see.
 
 Any write whose outcome is unknown (the connection broke after the statement may have
 reached the server) **quarantines** the publisher: it drops its term and refuses to
@@ -211,7 +213,7 @@ class Publisher:
         self._quarantine_cause: str | None = None
         self._quarantined_term: int | None = None  # the term a quarantine dropped
         self._nonces: set[str] = set()  # every nonce this publisher claimed with
-        self._unknown_watermark: Watermark | None = None  # written, its landing unknown (this publish)
+        self._unknown_watermark: Watermark | None = None  # written; landing or visibility unknown (this publish)
         self._lock = threading.RLock()
 
     # ----------------------------------------------------------------- state
@@ -317,7 +319,10 @@ class Publisher:
             why = "it was released"
         else:
             why = f"it expired {now - state.expires_at:.1f} s ago"
-        return LeaseLostError(f"publisher {self.holder!r} lost term {term} of scope {self.scope!r}: {why}")
+        return LeaseLostError(
+            f"publisher {self.holder!r} lost term {term} of scope {self.scope!r}: {why}; what it published "
+            "before stays published, this call published nothing: acquire() again, then repeat the call"
+        )
 
     # ----------------------------------------------------------------- protocol
     @_locked
@@ -341,7 +346,8 @@ class Publisher:
             if state.live(now) and state.holder != self.holder:
                 raise LeaseHeldError(
                     f"scope {self.scope!r} is held by {state.holder!r} (term {state.term}) for another "
-                    f"{state.expires_at - now:.1f} s"
+                    f"{state.expires_at - now:.1f} s; acquire() again once that holder has released it or "
+                    "its lease has expired (a holder that died frees the scope when its lease expires)"
                 )
             term = max(state.max_term, state.max_fence) + 1
             nonce = uuid.uuid4().hex
@@ -474,13 +480,17 @@ class Publisher:
             self._unknown_watermark = watermark
             raise
         self._seq = seq
+        self._unknown_watermark = watermark  # landed; a retry after a failed _cut asks _visible instead
+        if self._cut(watermark):
+            raise self._lost(read_state(self._target, self.scope), self._clock())
+        self._unknown_watermark = None
         return watermark
 
     def _visible(self, watermark: Watermark) -> bool:
         """Whether ``watermark`` (of a term this publisher held) landed and is visible: no fence
-        of a later term cuts below it. Asked once a later term of this publisher has fenced
-        its term, when the answer can no longer change. (One holder per term: a row of its
-        term and seq is this publisher's.)"""
+        of a later term cuts below it. Asked once the answer can no longer change: a later term
+        of this publisher has fenced its term, or the watermark landed (see :meth:`_cut`).
+        (One holder per term: a row of its term and seq is this publisher's.)"""
         t = self._target.tables
         params = {"scope": self.scope, "term": watermark.term, "seq": watermark.seq}
         landed = self._target.backend.query(
@@ -488,12 +498,20 @@ class Publisher:
             "AND seq = %(seq)s",
             params,
         ).to_pylist()[0]["n"]
-        cut = self._target.backend.query(
-            f"SELECT count() AS n FROM {t['fences']} WHERE scope = %(scope)s AND fencing_term > %(term)s "
-            "AND (cut_term < %(term)s OR (cut_term = %(term)s AND cut_seq < %(seq)s))",
-            params,
-        ).to_pylist()[0]["n"]
-        return bool(landed) and not cut
+        return bool(landed) and not self._cut(watermark)
+
+    def _cut(self, watermark: Watermark) -> bool:
+        """Whether a fence of a later term cuts below ``watermark``, so it can never be visible.
+
+        Asked right after a watermark landed: the lease check before it cannot stop a successor
+        fencing in between (no compare-and-set). A fence written after the watermark landed
+        counts it below its cut, so once this says no, the watermark stays visible."""
+        rows = self._target.backend.query(
+            f"SELECT count() AS n FROM {self._target.tables['fences']} WHERE scope = %(scope)s "
+            "AND fencing_term > %(term)s AND (cut_term < %(term)s OR (cut_term = %(term)s AND cut_seq < %(seq)s))",
+            {"scope": self.scope, "term": watermark.term, "seq": watermark.seq},
+        )
+        return bool(rows.to_pylist()[0]["n"])
 
     # ----------------------------------------------------------------- riding out an outage
     def _riding_out(self, what: str, attempt: Callable[[], object], *, holding: bool = True):
