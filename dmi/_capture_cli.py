@@ -135,11 +135,13 @@ def run_capture(
     then counts prompts. The model's tokenizer goes to capture: each request keeps its
     prompt text and token strings. A real model (``smollm2``) is cached in ``store.home``,
     the home the command writes to. Every prompt is tokenized and checked before the first
-    forward (:func:`_encode`), so a refused prompt leaves no earlier batch stored. The
-    request ids returned are those that stored records: one the schedule skipped
-    (``request_stride``, ``warmup``) has nothing to show or read.
+    forward (:func:`_encode`), so a refused prompt leaves no earlier batch stored, and a
+    schedule that keeps no step of the run is refused before the model loads
+    (:func:`_check_schedule`). The request ids returned are those that stored records: one
+    the schedule skipped (``request_stride``, ``warmup``) has nothing to show or read.
     """
     _check_prompt_text(prompts)
+    _check_schedule(args, len(prompts), plan)
     with status(f"loading model {args.model}"):
         import torch
 
@@ -159,7 +161,8 @@ def run_capture(
     request_ids: list[str] = []
     options = ({"plan": args.plan} if plan is not None else
                {"hooks": args.hooks, "layers": layers, "model_id": args.model_id, "schedule": schedule})
-    with _cli_wording(loaded.model), dmi.capture(loaded.model, store=store, tokenizer=tokenizer, **options) as session, \
+    with _cli_wording(loaded.model, plan.hooks if plan is not None else args.hooks), \
+            dmi.capture(loaded.model, store=store, tokenizer=tokenizer, **options) as session, \
             progress(len(prompts)) as bar:
         for enc in batches:
             with torch.inference_mode():
@@ -179,21 +182,113 @@ def run_capture(
             **stored_totals(published)}
 
 
+def _check_schedule(args: argparse.Namespace, count: int, plan: Any) -> None:
+    """Refuse a schedule under which ``count`` prompts store nothing: a warmup of as many model
+    forwards as the run makes at most (a batch makes ``max(--max-new-tokens, 1)``; generation
+    ending early makes fewer), or one that leaves only forwards of requests the request
+    stride skips or of phases not kept. Without this the run exits 0 having stored no record.
+    Values out of range are left to ``Schedule``, which refuses them in its own words."""
+    s = plan.schedule if plan is not None else args
+    if s.step_stride < 1 or s.request_stride < 1 or s.warmup < 0:
+        return
+    phases = plan.schedule.phases if plan is not None else (
+        ("forward",) if args.max_new_tokens == 0 else _phase_names(args.phases))
+    per_batch, batches = max(args.max_new_tokens, 1), -(-count // args.batch_size)
+    if any(_stores(b, k, args, count, s, phases) for b in range(s.warmup // per_batch, batches)
+           for k in range(per_batch)):
+        return
+    flag = ((lambda name: f"schedule.{name}") if plan is not None else
+            (lambda name: "--" + name.replace("_", "-")))
+    raise InvalidArgumentError(_nothing_stored(args, count, s, phases, flag, per_batch * batches))
+
+
+def _nothing_stored(args: argparse.Namespace, count: int, schedule: Any, phases: tuple[str, ...],
+                    flag: Callable[[str], str], total: int) -> str:
+    """Why :func:`_check_schedule` refuses: the warmup outlasts the run, the request stride keeps
+    no request of the batches the warmup leaves, or what is left is of phases (or decode steps)
+    not kept; each names the numbers and the flags (or plan fields) to change."""
+    from dmi._human import plural
+
+    where = f"the plan {args.plan}: " if args.plan is not None else ""
+    batches = -(-count // args.batch_size)
+    run = (f"{batches} batch{'' if batches == 1 else 'es'} of up to {args.batch_size} (--batch-size), "
+           f"{_batch_forwards(args.max_new_tokens)} each")
+    skip = f"{flag('warmup')} {schedule.warmup} skips the first {plural(schedule.warmup, 'model forward')}"
+    if schedule.warmup >= total:
+        return (f"{where}{skip}, but this run of {plural(count, 'prompt')} makes at most {total} ({run}), "
+                f"so nothing would be stored; give {flag('warmup')} below {total}, or more prompts")
+    first = schedule.warmup // max(args.max_new_tokens, 1) * args.batch_size + 1
+    left = f"request {count}" if first == count else f"requests {first}-{count}"
+    if not any(n % schedule.request_stride == 0 for n in range(first - 1, count)):
+        return (f"{where}{skip} ({run}), and {flag('request_stride')} {schedule.request_stride} keeps none of the "
+                f"requests in the batches left ({left} of {count}), so nothing would be stored; lower "
+                f"{flag('warmup')} or {flag('request_stride')}, or give more prompts")
+    stride = (f" of a request {flag('request_stride')} {schedule.request_stride} keeps"
+              if schedule.request_stride > 1 else "")
+    return (f"{where}{skip} of this run's {total} ({run}), and none left is{stride} of a phase {flag('phases')} "
+            f"keeps ({', '.join(phases)}{_with_stride(flag, schedule.step_stride)}), so nothing would be stored; "
+            f"lower {flag('warmup')} or change {flag('phases')}")
+
+
+def _stores(batch: int, step: int, args: argparse.Namespace, count: int, schedule: Any,
+            phases: tuple[str, ...]) -> bool:
+    """Whether step ``step`` (0: the prefill or scoring pass) of batch ``batch`` stores a record
+    under ``schedule``, as ``dmi.capture.Schedule`` decides, if the model makes that step."""
+    first = batch * args.batch_size
+    phase = "forward" if args.max_new_tokens == 0 else "prefill" if step == 0 else "decode"
+    return (batch * max(args.max_new_tokens, 1) + step >= schedule.warmup and phase in phases
+            and (phase != "decode" or (step - 1) % schedule.step_stride == 0)
+            and any(n % schedule.request_stride == 0 for n in range(first, min(first + args.batch_size, count))))
+
+
+def _batch_forwards(max_new_tokens: int) -> str:
+    """The model forwards one batch of a ``--max-new-tokens N`` run makes, in words."""
+    if max_new_tokens <= 1:
+        return "one forward (a scoring pass)" if max_new_tokens == 0 else "one forward (a prefill)"
+    return f"{max_new_tokens} forwards (a prefill and {max_new_tokens - 1} decode steps)"
+
+
+def _with_stride(flag: Callable[[str], str], step_stride: int) -> str:
+    """``"; decode steps 1, 1 + N, ... with --step-stride N"`` when a step stride thins decode steps."""
+    if step_stride == 1:
+        return ""
+    return f"; decode steps 1, {1 + step_stride}, ... with {flag('step_stride')} {step_stride}"
+
+
 @contextlib.contextmanager
-def _cli_wording(model: Any) -> Iterator[None]:
+def _cli_wording(model: Any, hooks: Any) -> Iterator[None]:
     """Say what to type where the API's refusal says what to call: ``attn_pattern`` on a model
     loaded without eager attention is ``--attn-implementation eager`` here (a bad argument,
-    exit 2), not ``model.set_attn_implementation``."""
+    exit 2), not ``model.set_attn_implementation``. ``hooks`` (what the user typed, on the
+    command line or in the plan) names the subject: a TransformerLens alias
+    (``blocks.0.attn.hook_pattern``) is named as typed, not only as the DMI hook it stands for."""
     from dmi.storage.errors import AttentionImplementationError
 
     try:
         yield
     except AttentionImplementationError as exc:
         used = getattr(model.config, "_attn_implementation", None)
+        typed = _eager_aliases(hooks)
+        subject, leave = ((f"{', '.join(typed)} (DMI hook 'attn_pattern')", ", ".join(typed)) if typed else
+                          ("'attn_pattern'", "attn_pattern"))
+        hint = "" if typed else " (--hooks all_but_patterns)"
         raise InvalidArgumentError(
-            f"'attn_pattern' needs eager attention, but the model uses {used!r} (which never materialises the "
-            "attention weights); pass --attn-implementation eager, or leave attn_pattern out "
-            "(--hooks all_but_patterns)") from exc
+            f"{subject} need{'' if len(typed) > 1 else 's'} eager attention, but the model uses {used!r} (which "
+            f"never materialises the attention weights); pass --attn-implementation eager, or leave {leave} "
+            f"out{hint}") from exc
+
+
+def _eager_aliases(hooks: Any) -> list[str]:
+    """The TransformerLens names in ``hooks`` that stand for a hook needing eager attention —
+    empty when a plain name or group selects such a hook, as the API then refuses that first."""
+    from dmi.capture import HOOKS, resolve_alias, resolve_hooks
+
+    tokens = " ".join([hooks] if isinstance(hooks, str) else hooks).replace(",", " ").split()
+    aliases = {token: resolve_alias(token) for token in tokens}
+    plain = [token for token, alias in aliases.items() if alias is None]
+    if plain and any(HOOKS[name].needs_eager for name in resolve_hooks(plain)):
+        return []
+    return [token for token, alias in aliases.items() if alias is not None and HOOKS[alias.hook].needs_eager]
 
 
 def _check_prompt_text(prompts: Sequence[str]) -> None:

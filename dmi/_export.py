@@ -6,21 +6,28 @@ such as ``bfloat16``, instead of widening them). A file is written under a tempo
 beside its final one and renamed into place when complete, so a write that fails (disk
 full, a file size limit) or is interrupted (Ctrl-C) leaves nothing behind, not a truncated
 file under the final name.
+
+Values stored with a lossy codec (``fp8``, ``int8``) are decoded approximations: given their
+:class:`CodecLoss`, a ``.safetensors`` file records it in its ``__metadata__``; ``.npy`` and
+``.pt`` have no metadata to carry it, so :func:`loss_note` gives the line the CLI prints to
+stderr instead. Lossless values carry no such mark.
 """
 
 from __future__ import annotations
 
 import errno
+import math
 import os
 import uuid
-from collections.abc import Callable
-from typing import BinaryIO
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, BinaryIO
 
 import torch
 
 from dmi.storage.errors import InvalidArgumentError, ExportError
 
-__all__ = ["EXPORT_FORMATS", "check_format", "export_tensor", "write_file"]
+__all__ = ["EXPORT_FORMATS", "CodecLoss", "check_format", "export_tensor", "loss_note", "write_file"]
 
 EXPORT_FORMATS = (".safetensors", ".npy", ".pt")
 
@@ -29,10 +36,70 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 bad path, but the condition a write that fails part-way reports (:class:`ExportError`)."""
 
 
-def export_tensor(tensor: torch.Tensor, path: str | os.PathLike[str], *, name: str) -> str:
+@dataclass(frozen=True, slots=True)
+class CodecLoss:
+    """That some values were stored with a lossy codec: the codecs (sorted, lossless ones
+    included where records mix them) and the worst error measured when they were written
+    (the catalog's ``codec_max_abs_error`` / ``codec_rel_l2_error``, in the captured values'
+    units; ``None`` where a record's error is NaN, its values held one)."""
+
+    codecs: tuple[str, ...]
+    max_abs_error: float | None
+    rel_l2_error: float | None
+
+    @classmethod
+    def of(cls, metas: Iterable[Any]) -> "CodecLoss | None":
+        """The loss of the records ``metas`` (``RecordMeta``s); ``None`` when every codec is lossless."""
+        from dmi.storage import LOSSY_CODECS
+
+        metas = list(metas)
+        codecs = tuple(sorted({m.codec for m in metas}))
+        if not set(codecs) & set(LOSSY_CODECS):
+            return None
+        return cls(codecs, _worst(m.codec_max_abs_error for m in metas),
+                   _worst(m.codec_rel_l2_error for m in metas))
+
+    def metadata(self) -> dict[str, str]:
+        """The ``.safetensors`` ``__metadata__`` entries saying so (strings, as the format requires)."""
+        return {"dmi_lossy": "true", "dmi_codecs": ",".join(self.codecs),
+                "dmi_codec_max_abs_error": _number(self.max_abs_error),
+                "dmi_codec_rel_l2_error": _number(self.rel_l2_error)}
+
+
+def _worst(errors: Iterable[float]) -> float | None:
+    """The largest of ``errors``; ``None`` when one is NaN (the worst cannot be told)."""
+    worst = 0.0
+    for error in errors:
+        if math.isnan(error):
+            return None
+        worst = max(worst, error)
+    return worst
+
+
+def _number(value: float | None) -> str:
+    """A worst error as text: ``repr`` of the float (exact), ``"unknown"`` for ``None``."""
+    return "unknown" if value is None else repr(value)
+
+
+def loss_note(path: str | os.PathLike[str], loss: CodecLoss | None) -> str | None:
+    """The line saying that ``path`` holds lossy values where its format cannot record it
+    (``.npy``, ``.pt``); ``None`` for lossless values and for ``.safetensors`` (its metadata says so)."""
+    out = os.fspath(path)
+    ext = os.path.splitext(out)[1].lower()
+    if loss is None or ext == ".safetensors":
+        return None
+    return (f"note: {out} holds lossy values (decoded from records stored with {', '.join(loss.codecs)}; worst "
+            f"absolute error {_number(loss.max_abs_error)}, relative L2 {_number(loss.rel_l2_error)} at capture); "
+            f"{ext} has no metadata to record it, .safetensors does")
+
+
+def export_tensor(tensor: torch.Tensor, path: str | os.PathLike[str], *, name: str,
+                  loss: CodecLoss | None = None) -> str:
     """Write ``tensor`` to ``path``; returns the format used (the extension).
 
-    ``name`` is the tensor's key inside a ``.safetensors`` file. Raises
+    ``name`` is the tensor's key inside a ``.safetensors`` file; ``loss``, when the values
+    were stored with a lossy codec, goes into its ``__metadata__`` (:meth:`CodecLoss.metadata`;
+    other formats have none: see :func:`loss_note`). Raises
     ``InvalidArgumentError`` for an unknown extension, a dtype the format cannot
     represent exactly, or a path that cannot be written (no such directory, a directory,
     no permission): checked before anything is written, so every format fails the same way.
@@ -48,7 +115,7 @@ def export_tensor(tensor: torch.Tensor, path: str | os.PathLike[str], *, name: s
     check_format(tensor.dtype, ext)
     if os.path.isdir(out):
         raise InvalidArgumentError(f"cannot write {out}: Is a directory")
-    write_file(out, _writer(tensor, ext, name=name))
+    write_file(out, _writer(tensor, ext, name=name, metadata=loss.metadata() if loss is not None else None))
     return ext
 
 
@@ -112,12 +179,14 @@ def _remove(temp: str) -> None:
         pass
 
 
-def _writer(tensor: torch.Tensor, ext: str, *, name: str) -> Callable[[BinaryIO], object]:
-    """What writes ``tensor`` (a dtype ``check_format`` took) into an open file in format ``ext``."""
+def _writer(tensor: torch.Tensor, ext: str, *, name: str,
+            metadata: dict[str, str] | None) -> Callable[[BinaryIO], object]:
+    """What writes ``tensor`` (a dtype ``check_format`` took) into an open file in format
+    ``ext``; ``metadata``: a ``.safetensors`` file's ``__metadata__`` (other formats have none)."""
     if ext == ".safetensors":
         from safetensors.torch import save
 
-        return lambda handle: handle.write(save({name: tensor}))
+        return lambda handle: handle.write(save({name: tensor}, metadata=metadata))
     if ext == ".npy":
         import numpy as np
 

@@ -17,7 +17,7 @@ import torch
 
 from dmi._values import PhaseSpan, decode_start, phase_spans
 from dmi.storage import torch_dtype
-from dmi.storage.records import GLOBAL_LAYER, RecordEntry
+from dmi.storage.records import GLOBAL_LAYER, RecordEntry, RecordMeta
 
 __all__ = ["LazyInternal"]
 
@@ -110,6 +110,12 @@ class LazyInternal:
     def records(self) -> int:
         """How many records back this view (what reading all of it would fetch)."""
         return len(self._entries)
+
+    @property
+    def metas(self) -> tuple[RecordMeta, ...]:
+        """The index rows of the records behind this view (nothing is read): each record's
+        key, codec and the codec's measured error among them."""
+        return tuple(e.meta for e in self._entries)
 
     @property
     def nbytes(self) -> int:

@@ -425,10 +425,10 @@ def _layer_span(layers: Sequence[int]) -> str:
 
 
 def _cmd_get(args: argparse.Namespace) -> int:
-    from dmi._export import export_tensor
+    from dmi._export import CodecLoss, export_tensor, loss_note
 
     with _open_store(args) as store:
-        tensor = store.get_internal(
+        view = store.lazy(
             args.model_id,
             args.request_id,
             args.hook,
@@ -437,8 +437,14 @@ def _cmd_get(args: argparse.Namespace) -> int:
             merge_shards=args.merge_shards,
             run_id=args.run,
         )
-    export_tensor(tensor, args.output, name=args.hook)
-    info = {"path": args.output, "hook": args.hook, "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
+        tensor = view.read()
+    loss = CodecLoss.of(view.metas)
+    export_tensor(tensor, args.output, name=args.hook, loss=loss)
+    note = loss_note(args.output, loss)
+    if note is not None:
+        print(f"dmi: {note}", file=sys.stderr)
+    info = {"path": args.output, "hook": args.hook, "shape": list(tensor.shape),
+            "dtype": str(tensor.dtype).removeprefix("torch."), "lossy": loss is not None}
     if args.json:
         _emit_json(info)
     else:
