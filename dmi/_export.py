@@ -27,7 +27,7 @@ import torch
 
 from dmi.storage.errors import InvalidArgumentError, ExportError
 
-__all__ = ["EXPORT_FORMATS", "CodecLoss", "check_format", "export_tensor", "loss_note", "write_file"]
+__all__ = ["EXPORT_FORMATS", "CodecLoss", "check_format", "export_tensor", "loss_note", "worst_error", "write_file"]
 
 EXPORT_FORMATS = (".safetensors", ".npy", ".pt")
 
@@ -56,8 +56,8 @@ class CodecLoss:
         codecs = tuple(sorted({m.codec for m in metas}))
         if not set(codecs) & set(LOSSY_CODECS):
             return None
-        return cls(codecs, _worst(m.codec_max_abs_error for m in metas),
-                   _worst(m.codec_rel_l2_error for m in metas))
+        return cls(codecs, worst_error(m.codec_max_abs_error for m in metas),
+                   worst_error(m.codec_rel_l2_error for m in metas))
 
     def metadata(self) -> dict[str, str]:
         """The ``.safetensors`` ``__metadata__`` entries saying so (strings, as the format requires)."""
@@ -66,7 +66,7 @@ class CodecLoss:
                 "dmi_codec_rel_l2_error": _number(self.rel_l2_error)}
 
 
-def _worst(errors: Iterable[float]) -> float | None:
+def worst_error(errors: Iterable[float]) -> float | None:
     """The largest of ``errors``; ``None`` when one is NaN (the worst cannot be told)."""
     worst = 0.0
     for error in errors:

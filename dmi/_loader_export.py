@@ -18,7 +18,6 @@ never an empty manifest, and raises ``ExportError``.
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from dmi._export import EXPORT_FORMATS, check_format, export_tensor, write_file
+from dmi._export import EXPORT_FORMATS, check_format, export_tensor, worst_error, write_file
 from dmi.storage import LOSSY_CODECS, torch_dtype
 from dmi.storage.errors import InvalidArgumentError
 
@@ -138,19 +137,9 @@ def _feature_codecs(plan: Any) -> dict[str, dict[str, Any]]:
         metas = [e.meta for unit in plan.units for e in unit.records[f]]
         names = sorted({m.codec for m in metas})
         codecs[feature.name] = {"codecs": names, "lossy": any(name in LOSSY_CODECS for name in names),
-                                "max_abs_error": _worst(m.codec_max_abs_error for m in metas),
-                                "rel_l2_error": _worst(m.codec_rel_l2_error for m in metas)}
+                                "max_abs_error": worst_error(m.codec_max_abs_error for m in metas),
+                                "rel_l2_error": worst_error(m.codec_rel_l2_error for m in metas)}
     return codecs
-
-
-def _worst(errors: Any) -> float | None:
-    """The largest of ``errors``; ``None`` when one is NaN (the worst cannot be told)."""
-    worst = 0.0
-    for error in errors:
-        if math.isnan(error):
-            return None
-        worst = max(worst, error)
-    return worst
 
 
 def _empty_directory(root: Path) -> Path:

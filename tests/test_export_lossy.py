@@ -82,8 +82,8 @@ def test_a_lossless_export_says_so(store, tmp_path):
 def test_an_error_that_is_not_a_number_gives_no_bound():
     """A record whose values held a NaN has NaN errors (``tests/test_lossy_codecs.py``): the
     manifest says ``null`` rather than a bound taken from the other records."""
-    from dmi._loader_export import _worst
+    from dmi._export import worst_error
 
-    assert _worst([0.25, float("nan"), 2.0]) is None
-    assert _worst([0.25, 2.0, 1.0]) == 2.0
-    assert _worst([]) == 0.0
+    assert worst_error([0.25, float("nan"), 2.0]) is None
+    assert worst_error([0.25, 2.0, 1.0]) == 2.0
+    assert worst_error([]) == 0.0
