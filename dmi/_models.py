@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
 
-from dmi._real_model import REAL_MODELS, pull, say_on_stderr
+from dmi._real_model import REAL_MODELS, reading, say_on_stderr
 from dmi.storage.errors import InvalidArgumentError, ModelCacheError
 
 __all__ = ["BUILTIN_MODELS", "BuiltinModel", "LoadedModel", "load_model", "model_progress", "byte_tokenizer"]
@@ -151,7 +151,8 @@ def load_model(
         return _build_builtin(spec)
     real = REAL_MODELS.get(name_or_dir)
     if real is not None:
-        return _load_real(real.name, pull(real, home=home, progress=progress), attn_implementation)
+        with reading(real, home=home, progress=progress) as folder:  # a reconversion waits for this load
+            return _load_real(real.name, folder, attn_implementation)
     if not os.path.isdir(name_or_dir):
         known = ", ".join([*BUILTIN_MODELS, *REAL_MODELS])
         raise InvalidArgumentError(

