@@ -12,7 +12,9 @@ The workload: requests of ``tokens`` prompt tokens each, ``batch`` per forward, 
 ``new_tokens = 0`` is a scoring pass (phase ``forward``); otherwise ``generate`` with
 ``new_tokens`` new tokens: a prefill (logits: the last position only) and
 ``new_tokens - 1`` decode forwards, coalesced into records of up to ``decode_chunk_steps``
-consecutive steps (one record per step when ``step_stride > 1``, or for ``attn_pattern``).
+consecutive steps (one record per step when ``step_stride > 1``, or for ``attn_pattern``, whose
+key axis grows by one a step — up to the layer's sliding window, where the config sets one:
+:func:`sliding_windows`).
 With ``tp > 1`` the figures are the worst rank's: heads, kv heads (unless fewer than the
 ranks: replicated) and the MLP width divided by ``tp``, rounded up.
 
@@ -32,8 +34,8 @@ from typing import Any
 
 from dmi.storage.errors import InvalidArgumentError, PlanError
 
-__all__ = ["MEASURED_RATIOS", "RATIO_SOURCE", "DECODE_CHUNK_BYTES", "MAX_BATCH", "HookEstimate", "Estimate", "estimate_plan",
-           "estimate_plan_file", "rank_geometry"]
+__all__ = ["MEASURED_RATIOS", "RATIO_SOURCE", "DECODE_CHUNK_BYTES", "MAX_BATCH", "HookEstimate", "Estimate",
+           "estimate_plan", "estimate_plan_file", "rank_geometry", "sliding_windows"]
 
 MEASURED_RATIOS: dict[tuple[str, str], float] = {
     ("split-zstd", "bfloat16"): 1.468,
@@ -94,7 +96,7 @@ class Estimate:
     packs_per_million_tokens: int
     catalog_rows_per_million_tokens: int
     peak_step_bytes: int
-    largest_tensor_bytes: int  # the largest single (hook, layer) reservation of a step
+    largest_tensor_bytes: int  # the largest single ring reservation: a (hook, layer) of a step; a request's pattern
     slot_bytes: int
     ring_slots: int
 
@@ -196,7 +198,40 @@ def _workload(plan: Any, tokens: int, new_tokens: int, batch: int) -> _Workload:
     return w
 
 
-def _hook_estimate(name: str, layers: tuple[int, ...], g: Any, w: _Workload, plan: Any, step: Any) -> HookEstimate:
+def sliding_windows(config: dict[str, Any] | None, n_layers: int) -> tuple[int | None, ...]:
+    """Per layer, the most keys a decode step's attention sees (``None``: all of them). The
+    installed ``transformers`` builds the generation cache from the config: a sliding-attention
+    layer (``layer_types``, else every layer where ``sliding_window`` is set — Mistral's default
+    is 4096) keeps ``sliding_window - 1`` past keys (``DynamicSlidingWindowLayer``; releases
+    without it keep every key), so there the decode records of ``attn_pattern`` stop growing.
+    Without ``config`` every layer is taken as full."""
+    import transformers.cache_utils
+
+    if not config or not hasattr(transformers.cache_utils, "DynamicSlidingWindowLayer"):
+        return (None,) * n_layers
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        cfg = AutoConfig.for_model(config["model_type"], **fields)
+    except Exception as exc:  # noqa: BLE001 - transformers' validation errors differ by release
+        why = " ".join(str(exc).split())
+        raise InvalidArgumentError(f"transformers cannot build a {config['model_type']} config from this one "
+                                   f"({type(exc).__name__}: {why}); fix the config's fields") from exc
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return (window,) * n_layers
+    return tuple(window if t == "sliding_attention" else None for t in types[:n_layers])
+
+
+def _keys(w: _Workload, window: int | None, step: int) -> int:
+    """The keys decode step ``step`` attends to on a layer whose cache keeps ``window`` keys."""
+    return w.tokens + step if window is None else min(w.tokens + step, window)
+
+
+def _hook_estimate(name: str, layers: tuple[int, ...], g: Any, w: _Workload, plan: Any, step: Any,
+                   windows: tuple[int | None, ...]) -> HookEstimate:
     from dmi.capture import HOOKS
 
     spec = HOOKS[name]
@@ -205,34 +240,49 @@ def _hook_estimate(name: str, layers: tuple[int, ...], g: Any, w: _Workload, pla
     if w.prompt_captured:
         n = 1 if name == "logits" and w.prompt_phase == "prefill" else w.tokens
         records, raw = 1, _raw(spec, g, n, w.tokens if pattern else None)
+    records, raw = records * len(layers), raw * len(layers)
     if pattern:
-        records += len(w.decode_steps)
-        raw += sum(_raw(spec, g, 1, w.tokens + d) for d in w.decode_steps)
+        records += len(w.decode_steps) * len(layers)
+        raw += sum(_raw(spec, g, 1, _keys(w, windows[layer], d)) for layer in layers for d in w.decode_steps)
     elif w.decode_steps:
         per_step = _raw(spec, g, 1)
         k = min(plan.decode_chunk_steps, -(-DECODE_CHUNK_BYTES // (w.batch * per_step))) if w.chunked else 1
-        records += -(-len(w.decode_steps) // k)
-        raw += len(w.decode_steps) * per_step
+        records += -(-len(w.decode_steps) // k) * len(layers)
+        raw += len(w.decode_steps) * per_step * len(layers)
     ring = _step_bytes(step, name, w.prompt_phase) * len(layers) if w.prompt_captured else 0
     per_token = spec.dtype(g).itemsize * math.prod(spec.feature_shape(g))
-    return HookEstimate(name, layers, str(spec.dtype(g)).removeprefix("torch."), per_token,
-                        records * len(layers), raw * len(layers), ring)
+    return HookEstimate(name, layers, str(spec.dtype(g)).removeprefix("torch."), per_token, records, raw, ring)
 
 
-def _decode_tensor_bytes(g: Any, hooks: dict[str, tuple[int, ...]], w: _Workload) -> dict[str, int]:
-    """Per hook, what the ring reserves for one layer of the last captured decode step (the
-    largest: its attention pattern has the longest key axis); empty when no decode step is
-    captured."""
+def _decode_tensor_bytes(g: Any, hooks: dict[str, tuple[int, ...]], w: _Workload,
+                         windows: tuple[int | None, ...]) -> dict[tuple[str, int], int]:
+    """Per (hook, layer), what the ring reserves for the last captured decode step (the largest:
+    its attention pattern has the longest key axis — up to the layer's sliding window); empty
+    when no decode step is captured."""
     if not w.decode_steps:
         return {}
     step = _prompt_step(g, hooks, w.batch, 1, "decode")
-    kv = w.tokens + w.decode_steps[-1]
-    return {h: _step_bytes(step, h, "decode", kv) for h in hooks}
+    last = w.decode_steps[-1]
+    kv = {(h, layer): _keys(w, windows[layer], last) if layer >= 0 else None
+          for h, layers in hooks.items() for layer in layers}
+    sizes = {key: _step_bytes(step, key[0], "decode", key[1]) for key in {(h, k) for (h, _), k in kv.items()}}
+    return {(h, layer): sizes[(h, k)] for (h, layer), k in kv.items()}  # a pattern's bytes: once per key count
 
 
-def _peak_step_bytes(hooks: dict[str, tuple[int, ...]], decode: dict[str, int], prompt: int) -> int:
+def _largest_reservation(per_hook: tuple[HookEstimate, ...], decode: dict[tuple[str, int], int], batch: int) -> int:
+    """The largest single region the ring reserves: one (hook, layer) of the prompt step or the
+    last captured decode step — but ``attn_pattern`` reserves one region per request
+    (``StepPlan.hook_bytes``), all alike here (no padding), so its region is the step's ÷ ``batch``."""
+    def region(hook: str, step_bytes: int) -> int:
+        return step_bytes // batch if hook == "attn_pattern" else step_bytes
+
+    return max([*(region(h.hook, h.ring_bytes_per_step // len(h.layers)) for h in per_hook),
+                *(region(h, b) for (h, _), b in decode.items())])
+
+
+def _peak_step_bytes(decode: dict[tuple[str, int], int], prompt: int) -> int:
     """The largest step the ring must hold: the prompt step, or the last captured decode step."""
-    return max(prompt, sum(per_layer * len(hooks[h]) for h, per_layer in decode.items()))
+    return max(prompt, sum(decode.values()))
 
 
 def _ratio(codec: str, hooks: tuple[HookEstimate, ...]) -> float | None:
@@ -259,7 +309,9 @@ def estimate_plan(plan: Any, geometry: Any, *, model: str, tokens: int = 512, ne
     hooks = _selected(plan, geometry, source, config)
     w = _workload(plan, tokens, new_tokens, batch)
     step = _prompt_step(g, hooks, batch, tokens, w.prompt_phase)
-    per_hook = tuple(_hook_estimate(h, layers, g, w, plan, step) for h, layers in hooks.items())
+    patterns = "attn_pattern" in hooks and bool(w.decode_steps)
+    windows = sliding_windows(config, geometry.n_layers) if patterns else (None,) * geometry.n_layers
+    per_hook = tuple(_hook_estimate(h, layers, g, w, plan, step, windows) for h, layers in hooks.items())
     codec = plan.codec or DEFAULT_CODEC
     ratio = _ratio(codec, per_hook)
     raw = sum(h.raw_bytes_per_request for h in per_hook)
@@ -271,7 +323,7 @@ def estimate_plan(plan: Any, geometry: Any, *, model: str, tokens: int = 512, ne
     stored_m = math.ceil(stored * requests)
     packs_m = max(1, math.ceil(records_m / DEFAULT_MAX_RECORDS), math.ceil(stored_m / DEFAULT_MAX_BYTES))
     prompt_ring = sum(h.ring_bytes_per_step for h in per_hook)
-    decode = _decode_tensor_bytes(g, hooks, w)
+    decode = _decode_tensor_bytes(g, hooks, w, windows)
     return Estimate(
         model=model, tokens=tokens, new_tokens=new_tokens, batch=batch, tp=tp, hooks=per_hook, codec=codec,
         ratio=ratio, ratio_source="raw bytes: exact" if codec == "raw" else RATIO_SOURCE,
@@ -280,8 +332,8 @@ def estimate_plan(plan: Any, geometry: Any, *, model: str, tokens: int = 512, ne
         raw_bytes_per_million_tokens=math.ceil(raw * requests), stored_bytes_per_million_tokens=stored_m,
         records_per_million_tokens=records_m, packs_per_million_tokens=packs_m,
         catalog_rows_per_million_tokens=records_m + packs_m,
-        peak_step_bytes=_peak_step_bytes(hooks, decode, prompt_ring),
-        largest_tensor_bytes=max([*(h.ring_bytes_per_step // len(h.layers) for h in per_hook), *decode.values()]),
+        peak_step_bytes=_peak_step_bytes(decode, prompt_ring),
+        largest_tensor_bytes=_largest_reservation(per_hook, decode, batch),
         slot_bytes=plan.ring.slot_bytes, ring_slots=plan.ring.slots,
     )
 
