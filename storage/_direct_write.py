@@ -82,10 +82,14 @@ def open_direct(path: str) -> pa.NativeFile | None:
 
 
 def _take_buffer() -> np.ndarray:
+    """A page-aligned staging buffer, from the pool or new. Private memory: ``mmap``'s default
+    (shared) would let a process forked after the pool filled write into its parent's
+    buffers, each one's pack bytes landing in the other's."""
     with _pool_lock:
         if _pool:
             return _pool.pop()
-    return np.frombuffer(mmap.mmap(-1, STAGING_BYTES), dtype=np.uint8)  # page-aligned
+    region = mmap.mmap(-1, STAGING_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(region, dtype=np.uint8)
 
 
 def _give_back(buffer: np.ndarray) -> None:
