@@ -98,9 +98,9 @@ def test_generate_matches_a_real_capture(schedule, chunk, home, tmp_path):
     assert _per_hook(est) == stored
 
 
-def test_decode_only_largest_tensor_is_the_largest_a_real_decode_step_reserves(home, tmp_path, monkeypatch):
-    """A decode-only plan reserves nothing at the prompt; its largest (hook, layer) tensor is a
-    decode step's (the last one's attention pattern), and it does not fit a 64-byte slot."""
+@pytest.fixture
+def reservations(monkeypatch) -> list:
+    """Every size the ring is asked to reserve, in order."""
     from dmi.capture._ring import Ring
 
     sizes = []
@@ -111,13 +111,19 @@ def test_decode_only_largest_tensor_is_the_largest_a_real_decode_step_reserves(h
         return reserve(self, nbytes, **kwargs)
 
     monkeypatch.setattr(Ring, "reserve", recording)
+    return sizes
+
+
+def test_decode_only_largest_tensor_is_the_largest_a_real_decode_step_reserves(home, tmp_path, reservations):
+    """A decode-only plan reserves nothing at the prompt; its largest (hook, layer) tensor is a
+    decode step's (the last one's attention pattern), and it does not fit a 64-byte slot."""
     model = tiny("llama", attn="eager")
     text = ("version: 1\nhooks: [resid_post, attn_pattern, logits]\nlayers: '1:3'\nschedule: {phases: [decode]}\n"
             "ring: {slot_bytes: 64}\n")
     est = _estimate(model, text, 5, tmp_path)
     stored, _ = _capture(home, model, text, "decode-only", 5)
     assert _per_hook(est) == stored
-    assert est.largest_tensor_bytes == -(-max(sizes) // 16) * 16 > 64  # the ring rounds each up to 16
+    assert est.largest_tensor_bytes == -(-max(reservations) // 16) * 16 > 64  # the ring rounds each up to 16
     assert (est.fits_slot, est.step_fits_ring) == (False, False)
     assert all(h.ring_bytes_per_step == 0 for h in est.hooks)  # nothing reserved at the prompt
 

@@ -14,6 +14,7 @@ from dmi._estimate import estimate_plan, sliding_windows
 from dmi._plan_file import parse_plan
 from dmi.storage.errors import InvalidArgumentError
 from tests._models import tiny
+from tests.test_estimate import reservations  # noqa: F401 - the fixture, shared
 
 TOKENS, BATCH = 6, 2
 
@@ -76,22 +77,6 @@ def test_sliding_window_caps_the_decode_attention_pattern(home, tmp_path):
     assert pattern.raw_bytes_per_request == layers * heads * f32 * (TOKENS * TOKENS + 3 * 4) == 2304
     assert pattern.records_per_request == layers * 4
     assert _per_batch(est) == _captured(home, model, text, "sliding-mistral", 4)
-
-
-@pytest.fixture
-def reservations(monkeypatch) -> list:
-    """Every size the ring is asked to reserve, in order."""
-    from dmi.capture._ring import Ring
-
-    sizes = []
-    reserve = Ring.reserve
-
-    def recording(self, nbytes, **kwargs):
-        sizes.append(nbytes)
-        return reserve(self, nbytes, **kwargs)
-
-    monkeypatch.setattr(Ring, "reserve", recording)
-    return sizes
 
 
 def test_a_patterns_largest_tensor_is_one_requests_region(home, tmp_path, reservations):

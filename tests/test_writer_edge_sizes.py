@@ -5,7 +5,6 @@ on, off and refused by the filesystem, a closed writer, and a write or seal that
 (failures simulated by patching ``os.fsync``/``os.pwrite``/``os.open`` to raise once)."""
 
 import errno
-import math
 import os
 from unittest import mock
 
@@ -16,6 +15,7 @@ from dmi.reader import read_record, read_records
 from dmi.storage import CODECS, LocalPackStore, PackError, PackSealError, PackWriter, RecordKey, verify_pack
 from dmi.storage import _direct_write
 from dmi.storage._pack_format import _DTYPES
+from tests.test_pack_writer import random_tensor, same_bits
 
 STORABLE = sorted(n for n in _DTYPES if not n.startswith(("qint", "quint")))
 
@@ -24,17 +24,6 @@ def key(layer=0, start=0):
     return RecordKey("model", "run", "req-1", "resid_post", layer, start, 4)
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    flat = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(flat(a), flat(b))
-
-
-def random_tensor(dtype: torch.dtype, shape, seed=0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    n = math.prod(shape) * dtype.itemsize
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
 
 
 def fails_once(real, call_number: int, code: int):
