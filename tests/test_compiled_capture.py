@@ -137,11 +137,14 @@ def test_ring_drop_policy_counts_losses_in_compiled_mode():
 
 def test_a_forward_that_raises_stages_nothing_and_the_session_goes_on():
     model = _model()
+    # The config claims more ids than the embedding holds, so ids past the embedding pass
+    # capture's up-front vocabulary check and the forward fails inside the model.
+    model.config.vocab_size += 1000
     ids, mask = left_padded_batch()
     w = MemoryWriter()
     with attach(model, hooks="resid_post", writer=w, compiled=True) as cap:
         with pytest.raises(IndexError):
-            cap.forward(ids + 1000, attention_mask=mask)  # token ids past the vocabulary
+            cap.forward(ids + 1000, attention_mask=mask)  # token ids past the embedding
         rids, _ = cap.forward(ids, attention_mask=mask)
     assert {k.request_id for k, _, _ in w.records} == set(rids) and len(w.records) == 3 * 2
 
