@@ -1,7 +1,8 @@
 """Generation capture against plain ``generate``: a left-padded batch whose rows end at different
 steps (one row fed its end token early), greedy and seeded sampling, read back through
 ``Store.tokens`` and ``get_internal`` and compared bit-exactly with ``output_hidden_states``;
-and token ids capture refuses before the model runs (a negative id, a bool in a list)."""
+and token ids capture refuses before the model runs (a negative id, one past the model's
+vocabulary, a bool in a list)."""
 
 from __future__ import annotations
 
@@ -72,19 +73,29 @@ def test_rows_of_a_padded_batch_that_end_early_match_plain_generate(tmp_path, ki
             assert store.tokens("m", result.request_ids[1]).phases == ("prefill",) * 3 + ("decode",) * fed
 
 
-@pytest.mark.parametrize("prompts", [
-    [[1, -3, 4]],
-    [[5, 6], [-1]],
-    torch.tensor([[-1, 5, 6]]),
-], ids=["list", "second prompt", "tensor padded with -1"])
-def test_a_negative_token_id_is_refused_before_the_model_runs(prompts):
+NEGATIVE = r"negative token id \(-[13]\)"
+PAST_VOCABULARY = r"token id (300|97), past the model's vocabulary of 97 \(ids 0-96\)"
+
+
+@pytest.mark.parametrize(("prompts", "message"), [
+    ([[1, -3, 4]], NEGATIVE),
+    ([[5, 6], [-1]], NEGATIVE),
+    (torch.tensor([[-1, 5, 6]]), NEGATIVE),
+    ([[1, 300, 4]], PAST_VOCABULARY),
+    (torch.tensor([[1, 97, 4]]), PAST_VOCABULARY),
+], ids=["negative in a list", "negative second prompt", "tensor padded with -1",
+        "past the vocabulary in a list", "past the vocabulary in a tensor"])
+def test_a_token_id_the_embedding_cannot_hold_is_refused_before_the_model_runs(prompts, message):
+    """Refused before any hook runs: the request's ``token_ids`` record is never stored, and the
+    capture goes on with the next request as if the refused one had not been asked for."""
     model = tiny("llama")
+    assert model.config.vocab_size == 97
     writer = MemoryWriter()
     with attach(model, hooks="token_ids resid_post", layers=0, writer=writer) as cap:
-        with pytest.raises(InvalidArgumentError, match=r"negative token id \(-[13]\)"):
+        with pytest.raises(InvalidArgumentError, match=message):
             cap.generate(prompts, max_new_tokens=2, do_sample=False)
         assert cap.stats["forwards"] == 0
-        rids, _ = cap.generate([[1, 3, 4]], max_new_tokens=2, do_sample=False)
+        rids, _ = cap.generate([[1, 96, 4]], max_new_tokens=2, do_sample=False)
     assert sorted((k.request_id, k.hook, k.start_token, k.n_tokens) for k, _, _ in writer.records) == [
         (rids[0], "resid_post", 0, 3), (rids[0], "resid_post", 3, 1),
         (rids[0], "token_ids", 0, 3), (rids[0], "token_ids", 3, 1)]
@@ -123,16 +134,3 @@ def test_ids_past_the_length_of_a_tokenizer_with_gaps_keep_their_strings(tmp_pat
     assert got.token_ids == (1, 2, 10, 11, 6, 5, 3)
     assert got.tokens == ("<s>", "a", "c", "d", "</s>", None, "b")  # 5 lies in the gap: no string
     assert got.prompt_text == "a c d b"
-
-
-@pytest.mark.parametrize("prompts", [[[1, 300, 4]], torch.tensor([[1, 97, 4]])], ids=["list", "tensor"])
-def test_a_token_id_past_the_models_vocabulary_is_refused_before_the_model_runs(prompts):
-    model = tiny("llama")
-    assert model.config.vocab_size == 97
-    writer = MemoryWriter()
-    with attach(model, hooks="token_ids resid_post", layers=0, writer=writer) as cap:
-        with pytest.raises(InvalidArgumentError, match=r"token id (300|97), past the model's vocabulary of 97 \(ids 0-96\)"):
-            cap.generate(prompts, max_new_tokens=2, do_sample=False)
-        assert cap.stats["forwards"] == 0
-        rids, _ = cap.generate([[1, 96, 4]], max_new_tokens=2, do_sample=False)
-    assert sorted({k.request_id for k, _, _ in writer.records}) == [rids[0]]
