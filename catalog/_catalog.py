@@ -297,11 +297,17 @@ class Catalog:
         )
 
     def losses(self, model_id: str | None = None, run_id: str | None = None, request_id: str | None = None) -> pa.Table:
-        """Dropped-record counts summed per (model_id, run_id, request_id, hook, layer, reason)."""
+        """Dropped-record counts summed per (model_id, run_id, request_id, hook, layer, reason).
+
+        Losses of a deleted run are hidden like its records: those recorded at or before its
+        tombstone; a run captured again under the same id shows only the losses recorded since
+        (:func:`dmi.catalog._deletion.undeleted_rows`).
+        """
         where, params = self._filters(model_id=model_id, run_id=run_id, request_id=request_id)
+        undeleted = _deletion.undeleted_rows(self, "losses", "recorded_at", where)
         return self._backend.query(
             "SELECT model_id, run_id, request_id, hook, layer, reason, sum(count) AS count "
-            f"FROM {self._tables['losses']} {where} "
+            f"FROM ({undeleted}) "
             "GROUP BY model_id, run_id, request_id, hook, layer, reason "
             "ORDER BY model_id, run_id, request_id, hook, layer, reason",
             params,
@@ -312,7 +318,8 @@ class Catalog:
         """Make ``model_id`` (one run of it if ``run_id``) invisible to every reader at once.
 
         Writes one tombstone per run in one INSERT (all runs vanish together, or none) and
-        returns them; empty when nothing of the selection is visible. Pack files are not
+        returns them; empty when nothing of the selection is visible. Its losses and audits go
+        with it (a run that shows only losses has no tombstone, and keeps them). Pack files are not
         touched: :meth:`purge_deleted` removes those no other run needs. See
         ``docs/catalog-protocol.md`` (Deletion).
         """
@@ -353,15 +360,20 @@ class Catalog:
         """One row per audit (and per run and request it checked), newest first: ``audit_id``,
         ``model_id``, ``run_id``, ``request_id``, ``audited_at``, ``model``, ``tolerance``,
         ``checks``, ``exact``, ``noise``, ``failed``, ``first_failure`` (the first failing
-        ``hook@layer``, or empty). The per-hook rows are in the ``audits`` table (:attr:`tables`)."""
+        ``hook@layer``, or empty). The per-hook rows are in the ``audits`` table (:attr:`tables`).
+
+        An audit's rows of a deleted run are hidden with its records: those stamped at or before
+        its tombstone (:func:`dmi.catalog._deletion.undeleted_rows`), so a run captured again
+        under the same id shows only the audits of what it holds now."""
         where, params = self._filters(model_id=model_id, run_id=run_id, request_id=request_id, audit_id=audit_id)
+        undeleted = _deletion.undeleted_rows(self, "audits", "audited_at", where)
         return self._backend.query(
             "SELECT audit_id, model_id, run_id, request_id, any(audited_at) AS audited_at, any(model) AS model, "
             "any(tolerance) AS tolerance, count() AS checks, countIf(verdict = 'exact') AS exact, "
             "countIf(verdict = 'noise') AS noise, countIf(verdict = 'fail') AS failed, "
             "arrayStringConcat(arraySlice(groupArrayIf(concat(hook, '@', toString(layer)), verdict = 'fail'), 1, 1), '') "
             "AS first_failure "
-            f"FROM {self._tables['audits']} {where} "
+            f"FROM ({undeleted}) "
             "GROUP BY audit_id, model_id, run_id, request_id ORDER BY audited_at DESC, request_id",
             params,
         )

@@ -21,6 +21,11 @@ records are read (point queries, the published view, summaries), so:
 
 A deletion is a snapshot: packs of the run published after it was decided (a capture still
 running into that run) stay visible; delete again to remove them.
+
+Rows that name a run but no pack (losses, audit rows) cannot be hidden by pack id; a
+tombstone hides those of its ``(model_id, run_id)`` stamped at or before its ``deleted_at``
+(:func:`undeleted_rows`), so a run captured again under a deleted id shows only what was
+recorded since.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from dmi.storage.errors import PackNotFoundError
 # Every function takes the ``Catalog`` it works on as ``catalog`` (not imported here: the
 # catalog module imports this one, and the contracts forbid an import circle).
 
-__all__ = ["Deletion", "delete_runs", "deletions", "deleted_pack_ids", "purge", "hidden_record_keys", "record_keys"]
+__all__ = ["Deletion", "delete_runs", "deletions", "deleted_pack_ids", "purge", "hidden_record_keys", "record_keys",
+           "undeleted_rows"]
 
 _KEY_SEPARATOR = "\x1f"
 """Joins a record's pack, model and run into one key; ids never hold control characters."""
@@ -174,3 +180,26 @@ def record_keys(table: pa.Table) -> pa.Array:
         table.column("pack_id"), table.column("model_id"), table.column("run_id"), _KEY_SEPARATOR
     )
     return joined.combine_chunks() if isinstance(joined, pa.ChunkedArray) else joined
+
+
+def undeleted_rows(catalog, table: str, stamped_at: str, where: str) -> str:
+    """SQL for the rows of the catalog's ``table`` (narrowed by ``where``, a ``WHERE`` clause or
+    empty) that no tombstone hides: those of a run never deleted, or stamped (``stamped_at``,
+    Unix seconds) after the last tombstone of their ``(model_id, run_id)``.
+
+    For rows that name a run but no pack (losses, audit rows): a tombstone names the packs it
+    hides, so these are hidden by time instead. A row stamped at or before ``deleted_at`` was
+    written before the deletion was decided (about records the deletion saw); one stamped
+    after it belongs to a capture into the same run id since. Both stamps come from the
+    writers' clocks. The subquery has every column of ``table`` (and the join's own).
+    """
+    tables = catalog._tables
+    # ANY LEFT JOIN on a grouped subquery, filtered one level up: the forms 18.16 runs (as
+    # VISIBLE_WATERMARKS). A run with no tombstone joins deleted_upto = 0 (NULL where a server
+    # profile sets join_use_nulls), before any stamp.
+    return (
+        f"SELECT * FROM (SELECT *, {stamped_at} > ifNull(deleted_upto, 0) AS undeleted FROM "
+        f"(SELECT * FROM {tables[table]} {where}) AS stamped ANY LEFT JOIN ("
+        f"SELECT model_id, run_id, max(deleted_at) AS deleted_upto FROM {tables['deletions']} "
+        "GROUP BY model_id, run_id) AS tombstones USING (model_id, run_id)) WHERE undeleted"
+    )

@@ -68,6 +68,21 @@ class ManualClock:
     def advance(self, seconds: float) -> None:
         self.now += seconds
 
+
+def manual_catalog_clock(monkeypatch) -> ManualClock:
+    """The clock loss rows and tombstones are stamped with (``recorded_at``, ``deleted_at``),
+    moved only by the test: stands in for time passing between a deletion and a new capture."""
+    import types
+
+    from dmi.catalog import _catalog, _deletion
+
+    clock = ManualClock()
+    stand_in = types.SimpleNamespace(time=clock, monotonic=time.monotonic, sleep=time.sleep)
+    monkeypatch.setattr(_catalog, "time", stand_in)
+    monkeypatch.setattr(_deletion, "time", stand_in)
+    return clock
+
+
 def pack(pack_id=None, entries=None, **kw):
     pack_id = pack_id or f"pack-{uuid.uuid4().hex[:12]}"
     if entries is None:
@@ -452,6 +467,73 @@ class CatalogConformance(RecoveryConformance, DeletionCrashConformance):
                                                                                 (hostile, hostile)]
         assert catalog.deletions(model_id="kept") == []
         assert len(catalog.find_records("kept", run_id="r1")) == 3
+
+    @pytest.fixture
+    def catalog_clock(self, monkeypatch):
+        return manual_catalog_clock(monkeypatch)
+
+    def test_losses_of_a_deleted_run_are_hidden_and_a_recapture_shows_only_its_own(self, catalog, catalog_clock):
+        """A tombstone hides its run's losses recorded no later than its ``deleted_at`` (losses
+        name no pack); the same run id captured again shows only the losses recorded since, and
+        other runs (of the same id in another model too) keep theirs."""
+        def loss(run, request, hook, layer, count, model="gpt2"):
+            return {"model_id": model, "run_id": run, "request_id": request, "hook": hook, "layer": layer,
+                    "reason": "ring full", "count": count}
+
+        with catalog.publisher("s", holder="A") as pub:
+            pub.publish([pack(run="r1", request="a"), pack(run="r2", request="b")])
+        catalog.record_losses("gpt2", "r1", "a", "resid_post", 3, 5, "ring full")
+        catalog.record_losses("gpt2", "r1", "a", "logits", -1, 1, "ring full")
+        catalog.record_losses("gpt2", "r2", "b", "resid_post", 0, 2, "ring full")
+        catalog.record_losses("other", "r1", "a", "resid_post", 3, 4, "ring full")
+        catalog_clock.advance(1.0)
+        assert [d.run_id for d in catalog.delete_runs("gpt2", "r1")] == ["r1"]
+        catalog.record_losses("gpt2", "r1", "a", "resid_post", 3, 6, "ring full")  # at deleted_at: hidden too
+        kept = [loss("r2", "b", "resid_post", 0, 2), loss("r1", "a", "resid_post", 3, 4, model="other")]
+        assert catalog.losses().to_pylist() == sorted(kept, key=lambda r: (r["model_id"], r["run_id"]))
+        assert catalog.losses("gpt2").to_pylist() == [kept[0]]
+        assert catalog.losses("gpt2", "r1").num_rows == 0
+        assert catalog.losses("gpt2", request_id="a").num_rows == 0
+
+        catalog_clock.advance(1.0)  # the run captured again under the same id
+        with catalog.publisher("s", holder="A") as pub:
+            pub.publish([pack(run="r1", request="a")])
+        catalog.record_losses("gpt2", "r1", "a", "resid_post", 3, 7, "ring full")
+        assert catalog.losses("gpt2").to_pylist() == [loss("r1", "a", "resid_post", 3, 7), kept[0]]
+        assert catalog.losses("gpt2", "r1", "a").to_pylist() == [loss("r1", "a", "resid_post", 3, 7)]
+        catalog_clock.advance(1.0)
+        assert [d.run_id for d in catalog.delete_runs("gpt2")] == ["r1", "r2"]
+        assert catalog.losses().to_pylist() == [kept[1]]
+
+    def test_audits_of_a_deleted_run_are_hidden_and_a_recapture_shows_only_its_own(self, catalog, catalog_clock):
+        """An audit checked records a deletion hid: its rows of that run, stamped at or before the
+        tombstone, are hidden with them (``dmi runs`` and ``dmi show`` read ``audits``); an audit
+        of the run captured again under the same id shows, and other runs keep theirs."""
+        def row(audit_id, run, request, verdict):
+            return {"audit_id": audit_id, "model_id": "gpt2", "run_id": run, "request_id": request,
+                    "hook": "resid_post", "layer": 0, "verdict": verdict, "tolerance": "exact", "bound": 0.0,
+                    "n_records": 1, "n_tokens": 3, "max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0,
+                    "first_diff": -1, "first_fail": -1, "detail": "", "model": "tiny", "seed": 0,
+                    "audited_at": catalog_clock()}
+
+        def seen(**selection):
+            return [(r["audit_id"], r["run_id"], r["request_id"], r["checks"], r["exact"], r["failed"])
+                    for r in catalog.audits(**selection).to_pylist()]
+
+        with catalog.publisher("s", holder="A") as pub:
+            pub.publish([pack(run="r1", request="a"), pack(run="r2", request="b")])
+        catalog.record_audit([row("a1", "r1", "a", "exact"), row("a1", "r2", "b", "fail")])
+        catalog_clock.advance(1.0)
+        catalog.delete_runs("gpt2", "r1")
+        assert seen() == [("a1", "r2", "b", 1, 0, 1)]
+        assert seen(model_id="gpt2", run_id="r1") == [] and seen(audit_id="a1") == [("a1", "r2", "b", 1, 0, 1)]
+
+        catalog_clock.advance(1.0)  # the run captured again under the same id, and audited
+        with catalog.publisher("s", holder="A") as pub:
+            pub.publish([pack(run="r1", request="a")])
+        catalog.record_audit([row("a2", "r1", "a", "fail")])
+        assert seen() == [("a2", "r1", "a", 1, 0, 1), ("a1", "r2", "b", 1, 0, 1)]
+        assert seen(run_id="r1", request_id="a") == [("a2", "r1", "a", 1, 0, 1)]
 
     def test_purge_keeps_a_pack_whose_index_lost_another_runs_rows(self, catalog, tmp_path):
         """One pack holds runs ``doomed`` and ``kept``; the index rows of ``kept`` are missing
