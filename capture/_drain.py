@@ -66,13 +66,14 @@ import os
 import queue
 import threading
 import time
+import warnings
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from dmi.storage.errors import DrainError
+from dmi.storage.errors import DrainError, PackNotDurableError
 from dmi.storage.records import RecordKey, ShardGeometry
 
 from ._hooks import HOOKS, ModelGeometry
@@ -97,6 +98,7 @@ class DrainStats:
     codec_switches: int = 0  # times the drain went from the writer's codec to the fallback
     records_fallback: int = 0  # records stored with the fallback codec instead of their own
     start_seconds: float | None = None  # how long ``start`` (the lease) took; None until it succeeded
+    packs_not_durable: int = 0  # packs sealed whole whose directory fsync failed: published, with a warning
 
 
 RING_FULL = "ring full"
@@ -444,11 +446,26 @@ class Drain:
         self._publish_sealed()
 
     def _seal_open(self) -> None:
-        """Seal the open pack (if it holds records) into ``ctx.sealed``: no step is split after it."""
-        desc = self.writer.seal()
+        """Seal the open pack (if it holds records) into ``ctx.sealed``: no step is split after it.
+        A pack sealed whole but not durable goes there too (:meth:`_not_durable`)."""
+        try:
+            desc = self.writer.seal()
+        except PackNotDurableError as exc:
+            self._not_durable(exc)
+            desc = exc.descriptor
         if desc is not None and all(d is not desc for d in self.ctx.sealed):
             self.ctx.sealed.append(desc)
         self._split_step = False
+
+    def _not_durable(self, exc: PackNotDurableError) -> None:
+        """A pack the writer sealed whole, but whose directory fsync failed: its records are stored
+        and it is published like any other (``ctx.sealed`` holds it: the writer gave it to
+        ``on_seal``, or :meth:`_seal_open` kept it), none of them counted as lost. It is counted
+        in ``packs_not_durable`` and warned about, as it may not survive a power loss. The drain
+        goes on: the disk's next failure fails it as usual."""
+        self.stats.packs_not_durable += 1
+        warnings.warn(f"{exc}; it is published with its records, none of them lost",
+                      RuntimeWarning, stacklevel=2)
 
     def _wait_seconds(self) -> float:
         """How long the thread may wait for work: until the next lease tick or a seal due (one
@@ -688,6 +705,8 @@ class Drain:
             return True
         try:
             self.writer.append(key, data, **options)
+        except PackNotDurableError as exc:  # the record is stored
+            self._not_durable(exc)
         except BaseException as exc:  # noqa: BLE001 - the drain's error (_write_failed)
             self._write_failed(key, exc)
             return False
@@ -701,6 +720,9 @@ class Drain:
         for key, write in writes:
             try:
                 self.stats.encoder_cpu_seconds += write.result()
+            except PackNotDurableError as exc:  # the record is stored
+                self._not_durable(exc)
+                self.stats.records += 1
             except BaseException as exc:  # noqa: BLE001 - the drain's error (_write_failed)
                 self._write_failed(key, exc)
             else:

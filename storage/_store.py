@@ -50,6 +50,7 @@ from dmi.storage._writeback import WRITEBACK_BYTES, start_writeback
 from dmi.storage.errors import (
     InvalidArgumentError,
     PackError,
+    PackNotDurableError,
     PackNotFoundError,
     PackSealError,
     PackTruncatedError,
@@ -276,7 +277,8 @@ class PackSink(ABC):
     """A pack being written. ``stream`` takes the bytes; :meth:`seal` makes them a pack.
 
     A sink is used once: either :meth:`seal` (the pack becomes visible under its id, or
-    :class:`PackSealError` and nothing new is visible) or :meth:`abort`.
+    :class:`PackSealError` and nothing new is visible — but for :class:`PackNotDurableError`,
+    whose pack is whole and visible) or :meth:`abort`.
     """
 
     store: PackStore
@@ -288,7 +290,9 @@ class PackSink(ABC):
         """Make the pack durable and visible under its id; return its size in bytes.
 
         Raises :class:`PackSealError` if the bytes cannot be made a pack, or if a pack with
-        this id already exists (which stays as it was).
+        this id already exists (which stays as it was); :class:`PackNotDurableError` (a
+        ``PackSealError``) where the pack is complete and visible but could not be made
+        durable (a local store's directory fsync after the rename failed).
         """
 
     @abstractmethod
@@ -377,9 +381,10 @@ class _LocalPackSink(PackSink):
         try:
             self._fsync_dir()
         except OSError as exc:
-            raise PackSealError(
+            raise PackNotDurableError(
                 f"pack {self.pack_id}: renamed into place but the directory fsync failed "
-                f"({exc}); the pack is complete but may not survive a power loss"
+                f"({exc}); the pack is complete and visible but may not survive a power loss: "
+                f"check the disk holding {self.store.root}"
             ) from exc
         return size
 

@@ -31,7 +31,15 @@ from dmi.storage._native import moments
 from dmi.storage.record_schema import _text_problem, field_columns, unstorable
 from dmi.storage._pack_format import PACK_ROW_SCHEMA, FORMAT_VERSION, dtype_name, encode_index, schema_with_metadata, torch_dtype
 from dmi.storage._store import PackSink, PackStore, full_disk_advice
-from dmi.storage.errors import InvalidArgumentError, LossyCodecError, PackError, PackSealError, UnsupportedDtypeError
+from dmi.storage.errors import (
+    DuplicateRecordError,
+    InvalidArgumentError,
+    LossyCodecError,
+    PackError,
+    PackNotDurableError,
+    PackSealError,
+    UnsupportedDtypeError,
+)
 from dmi.storage.records import ByteRange, PackDescriptor, RecordEntry, RecordKey, RecordMeta, RecordStats, ShardGeometry
 
 __all__ = ["PackWriter", "DEFAULT_MAX_RECORDS", "DEFAULT_MAX_BYTES", "DEFAULT_BATCH_BYTES"]
@@ -58,7 +66,14 @@ class PackWriter:
 
     Thread-safe. ``on_seal(descriptor)`` runs, under the writer's lock, after each pack
     is sealed (automatically or on demand); if it raises, the pack stays sealed and the
-    exception reaches whoever triggered the seal.
+    exception reaches whoever triggered the seal. A pack sealed whole whose durability the
+    store could not ensure (:class:`PackNotDurableError`: its directory fsync failed) goes to
+    ``on_seal`` too, then that error reaches whoever triggered the seal, with the pack's
+    ``descriptor``: none of its records is lost, and the writer goes on.
+
+    A key the open pack already holds is refused (:class:`DuplicateRecordError`): readers
+    would find two records for the same tokens. Only the open pack's keys are kept (a set, so
+    the check costs one lookup); a key repeated across packs is the reader's to refuse.
 
     ``batch_bytes``: a record at least this big is a record batch of its own, written from
     the caller's memory; smaller records share batches of at most this many payload bytes.
@@ -116,6 +131,9 @@ class PackWriter:
         ``raw`` while it is behind the model); recorded in the record's row like any other.
         A lossy codec (``fp8``, ``int8``) takes floating-point records only
         (:class:`LossyCodecError` otherwise) and records what it lost in the record's row.
+        A key the open pack already holds: :class:`DuplicateRecordError`, nothing written.
+        :class:`PackNotDurableError` (a pack this append sealed is whole but not known durable):
+        this record is stored all the same.
         """
         self._check_open()
         if not isinstance(key, RecordKey):
@@ -133,17 +151,38 @@ class PackWriter:
             self._check_open()
             try:
                 self._add_locked(encoded)
+            except PackNotDurableError:
+                raise  # the record is stored: nothing lost
             except PackSealError as exc:
                 if key not in exc.lost_keys:  # failed before the record joined a pack: lost with it
                     exc.lost_keys += (key,)
                 raise
 
     def _add_locked(self, encoded: _Encoded) -> None:
+        """Seal the open pack first if ``encoded`` would take it past ``max_bytes``, then add it.
+        A pack sealed whole but not durable (:class:`PackNotDurableError`) does not stop the
+        record: it goes into the next pack, then the error is raised."""
         pack = self._pack
         if pack is not None and pack.count and pack.stored_bytes + encoded.length > self.max_bytes:
-            self._seal_locked()
+            try:
+                self._seal_locked()
+            except PackNotDurableError:
+                self._add_to_open(encoded)
+                raise
+        self._add_to_open(encoded)
+
+    def _add_to_open(self, encoded: _Encoded) -> None:
+        """Add ``encoded`` to the open pack (opened if none), refusing a key it already holds;
+        seal it once it is full."""
         if self._pack is None:
             self._pack = _OpenPack(self.store, self.writer_id, self.batch_bytes)
+        key = encoded.meta.key
+        if key in self._pack.keys:
+            raise DuplicateRecordError(
+                f"record {key.describe()} (step {key.step}, {key.phase}): pack {self._pack.pack_id} already holds a "
+                "record under this key, and readers would find both; this one was not written (the first stays). "
+                "Give each record its own key"
+            )
         self._pack.add(encoded, self._forget_pack)
         if self._pack.count >= self.max_records or self._pack.stored_bytes >= self.max_bytes:
             self._seal_locked()
@@ -186,13 +225,23 @@ class PackWriter:
         self._pack = None
 
     def _seal_locked(self) -> PackDescriptor | None:
+        """Seal the open pack and hand its descriptor to ``on_seal`` — also where the store could
+        not make it durable (:class:`PackNotDurableError`, raised after): it is whole and visible."""
         pack, self._pack = self._pack, None
         if pack is None:
             return None
-        descriptor = pack.seal()
+        try:
+            descriptor = pack.seal()
+        except PackNotDurableError as exc:
+            self._sealed(exc.descriptor)
+            raise
+        self._sealed(descriptor)
+        return descriptor
+
+    def _sealed(self, descriptor: PackDescriptor) -> None:
+        """A pack is sealed: tell ``on_seal``."""
         if self.on_seal is not None:
             self.on_seal(descriptor)
-        return descriptor
 
     def _encode(self, key, data, shard, dtype, shape, codec: str) -> _Encoded:
         flat, tensor, dtype_str, shape_t = _as_bytes(data, dtype, shape)
@@ -388,6 +437,7 @@ class _OpenPack:
         self.batch_bytes = batch_bytes
         self.sink: PackSink = store.create(self.pack_id)
         self.records: list[RecordEntry] = []
+        self.keys: set[RecordKey] = set()  # of every record added, written or gathered
         self.gathered: np.ndarray | None = None  # small records' bytes, back to back
         self.gathered_bytes = 0
         self.gathered_metas: list[RecordMeta] = []
@@ -416,6 +466,7 @@ class _OpenPack:
                 if self.gathered_bytes + encoded.length > self.batch_bytes:
                     self._flush()
                 self._gather(encoded)
+            self.keys.add(encoded.meta.key)
         except Exception as exc:
             lost = len(self.records) + len(self.gathered_metas) + 1
             try:
@@ -435,6 +486,7 @@ class _OpenPack:
             index = pa.RecordBatch.from_pylist([], schema=PACK_ROW_SCHEMA)
             self.ipc.write_batch(index, custom_metadata=encode_index(self.records, sealed_at, self.writer_id))
             self.ipc.close()
+            written = self.sink.stream.tell()  # the pack's size, should the seal leave it whole but not durable
         except Exception as exc:
             left = self.abort()
             raise PackSealError(
@@ -444,9 +496,16 @@ class _OpenPack:
             ) from exc
         try:
             size = self.sink.seal()
+        except PackNotDurableError as exc:
+            exc.descriptor = self._descriptor(written, sealed_at)  # whole and visible: nothing lost
+            raise
         except PackSealError as exc:
             exc.lost_keys = tuple(self._keys())
             raise
+        return self._descriptor(size, sealed_at)
+
+    def _descriptor(self, size: int, sealed_at: float) -> PackDescriptor:
+        """What the sealed pack is, for ``on_seal`` and the catalog."""
         return PackDescriptor(
             pack_id=self.pack_id,
             location=self.store.location(self.pack_id),

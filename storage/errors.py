@@ -13,6 +13,7 @@ exception types. Builtin mix-ins are added where callers naturally expect them.
     │   ├── InvalidIdentifierError               model/request id, scope, db/table name
     │   ├── PlanError                            a capture plan file refused, at a field path
     │   ├── LossyCodecError                      a lossy codec (fp8, int8) asked for integer values
+    │   ├── DuplicateRecordError                 a record key the writer's open pack already holds
     │   └── StaleLoaderStateError                an old loader state that cannot say where it stopped
     ├── PackError                                the pack files (format, storage)
     │   ├── PackNotFoundError (FileNotFoundError)
@@ -20,6 +21,7 @@ exception types. Builtin mix-ins are added where callers naturally expect them.
     │   │   └── PackTruncatedError               file shorter than its records claim
     │   ├── PackFormatError                      not a DMI pack, or an unknown version
     │   ├── PackSealError (OSError)              could not make a pack durable (disk full, ...)
+    │   │   └── PackNotDurableError              sealed whole and visible, but the directory fsync failed
     │   ├── PackReplacedError                    replaced under its name while being read (S3 If-Match refused)
     │   ├── RecoveryIncompleteError              recover went around entries that are no pack files
     │   ├── PackStoreNotInstalledError (ImportError)   a pack store's optional package (boto3 for s3://)
@@ -65,6 +67,7 @@ __all__ = [
     "InvalidIdentifierError",
     "PlanError",
     "LossyCodecError",
+    "DuplicateRecordError",
     "StaleLoaderStateError",
     "PackError",
     "PackNotFoundError",
@@ -72,6 +75,7 @@ __all__ = [
     "PackTruncatedError",
     "PackFormatError",
     "PackSealError",
+    "PackNotDurableError",
     "PackReplacedError",
     "RecoveryIncompleteError",
     "PackStoreNotInstalledError",
@@ -143,6 +147,12 @@ class LossyCodecError(InvalidArgumentError):
     ids, router choices, token text): those are stored losslessly or not at all."""
 
 
+class DuplicateRecordError(InvalidArgumentError):
+    """A record was appended under a key the pack writer's open pack already holds: readers
+    would find two records for the same tokens (``DuplicateChunkError``). The record was not
+    written; the one already under that key, and the rest of the pack, stay."""
+
+
 class StaleLoaderStateError(InvalidArgumentError):
     """A loader state saved before version 4 stops inside a window that holds rows skipped as
     damaged: its row counted only the kept rows, in an order drawn over them alone, and the
@@ -178,6 +188,17 @@ class PackSealError(PackError, OSError):
     def __init__(self, *args, lost_keys=()):
         super().__init__(*args)
         self.lost_keys = tuple(lost_keys)
+
+
+class PackNotDurableError(PackSealError):
+    """A pack was sealed whole and is visible under its id, but the directory fsync after its
+    rename failed: it may not survive a power loss. None of its records is lost (``lost_keys``
+    is empty); ``descriptor`` is the sealed pack's (set by the pack writer, which hands it to its
+    ``on_seal`` as for any seal; ``None`` from a store's sink), to publish it as usual."""
+
+    def __init__(self, *args, descriptor=None):
+        super().__init__(*args)
+        self.descriptor = descriptor
 
 
 class PackReplacedError(PackError):

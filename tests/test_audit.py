@@ -47,8 +47,9 @@ def _capture(store, model, ids, mask, *, generate=True, writer=None, hooks=HOOKS
 
 class Tamper:
     """A real ``PackWriter`` whose ``append`` first lets ``change(key, data)`` rewrite a record
-    (return the new ``(key, data)``, or a list of them: none drops it, two duplicate it): the
-    fault lands in the packs and the catalog."""
+    (return the new ``(key, data)``, or a list of them: none drops it, two duplicate it, as in a
+    pack written before the writer refused a key its open pack holds): the fault lands in the
+    packs and the catalog."""
 
     def __init__(self, change):
         self.change = change
@@ -60,8 +61,12 @@ class Tamper:
 
         def append(key, data, **layout):
             changed = change(key, data)
+            written = set()
             for new_key, new_data in changed if isinstance(changed, list) else [changed]:
+                if new_key in written:
+                    writer._pack.keys.discard(new_key)
                 real_append(new_key, new_data, **layout)
+                written.add(new_key)
 
         writer.append = append
         return writer

@@ -109,15 +109,6 @@ def test_ten_thousand_tiny_records_in_one_pack(tmp_path):
     assert [int(t) for t in read_records(store, desc.records)] == list(range(10_000))
 
 
-def test_the_same_key_twice_keeps_both_records_in_order(store):
-    with PackWriter(store) as writer:
-        writer.append(key(), torch.tensor([1.0]))
-        writer.append(key(), torch.tensor([2.0]))
-        desc = writer.seal()
-    assert [e.meta.key for e in desc.records] == [key(), key()]
-    assert [read_record(store, e).tolist() for e in desc.records] == [[1.0], [2.0]]
-
-
 def test_roll_over_exactly_at_max_records(store):
     sealed = []
     with PackWriter(store, max_records=3, on_seal=sealed.append) as writer:
