@@ -39,6 +39,10 @@ Also:
   or the next step had not reserved anything yet) rather than in the middle of a step that
   filled it: the drain publishes only at step edges, so that a reader never sees one step
   published for some layers and not others (see ``_drain.py``).
+* :meth:`Ring.abandon_step`: a step whose forward raised (an out-of-memory error, a
+  ``KeyboardInterrupt``) takes its regions back out of the open slot, so that the drain never
+  gets a step that stops at some layer; it returns the step's entries already handed over
+  (in a slot the step filled), which the caller accounts for.
 """
 
 from __future__ import annotations
@@ -168,6 +172,9 @@ class Ring:
         self._in_flight = 0  # slots handed to the drain and not yet released
         self._backlog = 0  # bytes in those slots
         self._in_step = False  # a region was reserved since the last step end
+        self._step_first = 0  # the open slot's first entry of the step in progress
+        self._step_used = 0  # the open slot's bytes before the step in progress
+        self._step_handed: list[Entry] = []  # entries of the step in progress already handed to the drain
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         """A slot's buffer, pinned where the ring pins: allocated pinned, not pinned by a copy
@@ -207,6 +214,8 @@ class Ring:
             slot = self._next_slot(need, check)
             if slot is None:
                 return None
+        if not self._in_step:  # the step's first region: where abandon_step cuts the slot back to
+            self._step_first, self._step_used = len(slot.entries), slot.used
         off = slot.used
         slot.used += need
         self._in_step = True
@@ -262,6 +271,7 @@ class Ring:
         """A step ended: hand the open slot over if the drain holds fewer than
         ``HANDOVER_DEPTH`` slots, else keep it open for the next step's bytes."""
         self._in_step = False
+        self._step_handed = []
         slot = self._current
         if slot is None or not slot.entries:
             return
@@ -277,6 +287,9 @@ class Ring:
         if slot is None:
             return
         self._current = None
+        if self._in_step:  # the step goes on in the next slot
+            self._step_handed.extend(slot.entries[self._step_first:])
+            self._step_first = self._step_used = 0
         if not slot.entries:
             self._recycle(slot)
             return
@@ -288,6 +301,19 @@ class Ring:
             self._backlog += slot.used
         self.stats.submitted_slots += 1
         self._on_submit(slot)
+
+    def abandon_step(self) -> list[Entry]:
+        """The step in progress will not complete (its forward raised): take its regions out of
+        the open slot, so that none of it reaches the drain, and end it. Returns its entries
+        already handed to the drain (a slot it filled, a flush in its middle), which cannot be
+        taken back: the caller counts the rest of the step as lost."""
+        handed, self._step_handed = self._step_handed, []
+        slot = self._current
+        if self._in_step and slot is not None:
+            del slot.entries[self._step_first:]
+            slot.used = self._step_used
+        self._in_step = False
+        return handed
 
     # -- consumer side (drain thread) ---------------------------------------------------------
     def release(self, slot: Slot) -> None:

@@ -125,6 +125,12 @@ CATALOG_RIDE_OUT_SECONDS = 10.0
 (at most a third of its lease): a blip is ridden out, the drain waiting meanwhile, and counted
 in ``stats["catalog_retries"]`` (docs/catalog-protocol.md)."""
 
+STEP_INTERRUPTED = "step interrupted"
+"""The losses' reason for the records of a step whose forward raised (an out-of-memory error, a
+``KeyboardInterrupt``, an error of the user's hook) or that a close cut short: none of the step is
+stored where it can be helped (:meth:`CaptureSession._abandon_step`), so no request holds a step at
+some layers and not others; what is not stored is counted."""
+
 HOLDER_CHECK_SECONDS = 1.0
 """How often a thread waiting for the session checks that its holder's thread still runs."""
 
@@ -247,6 +253,7 @@ class CaptureSession:
         self._emitted = dict(selection.hooks if emitted_hooks is None else emitted_hooks)
         self._handles: list = []
         self._plan: StepPlan | None = None
+        self._step_dropped: set[tuple[str, int, int]] = set()  # (hook, layer, span) the step in progress dropped
         self._call: _Call | None = None
         self._implicit: _Call | None = None
         self._ends: SequenceEnds | None = None  # which rows of the generate call running have ended, if any
@@ -313,9 +320,12 @@ class CaptureSession:
         """Drain every copied tensor, seal the open pack, publish; re-raise any drain error.
         Returns the pack descriptors published since the previous flush. From another thread
         it waits for the call in progress (the ring has one producer: the thread holding the
-        session)."""
+        session). A forward of this thread that ended without its post-hook (``KeyboardInterrupt``)
+        left its step incomplete: that step is abandoned (counted lost), not flushed."""
+        self._drop_stale_forward()
         with self._lock:
             self._refuse_closed()  # before the drain: its thread ends with the session
+            self._abandon_orphaned_step()
             self.ring.submit()
             out = self.drain.flush(timeout)
             self.published.extend(out)
@@ -340,6 +350,7 @@ class CaptureSession:
             "records_lost": d.records_lost,
             "packs_sealed": d.packs_sealed,
             "packs_published": d.packs_published,
+            "packs_not_durable": d.packs_not_durable,
             "seals_deferred": d.seals_deferred,
             "drain_busy_seconds": d.busy_seconds,
             "drain_cpu_seconds": d.thread_cpu_seconds + d.encoder_cpu_seconds,
@@ -374,16 +385,26 @@ class CaptureSession:
         without its post-hook (PyTorch skips it on ``KeyboardInterrupt``, and when a compiled
         forward raises): it carries over to this forward."""
         if self._holds_forward():
+            self._abandon_step()  # the forward that left the hold never completed its step
             return True
         self._lock.acquire()
         if self._closed:
             self._lock.release()
             return False
+        self._abandon_orphaned_step()
         self._forward_thread = threading.get_ident()
         return True
 
     def _holds_forward(self) -> bool:
         return self._forward_thread == threading.get_ident()
+
+    def _abandon_orphaned_step(self) -> None:
+        """Holding the gate: a forward hold of another thread is one the gate took over from a
+        thread that ended inside a forward (no post-hook): that forward's step is abandoned
+        before anything else reaches the ring."""
+        if self._forward_thread is not None and not self._holds_forward():
+            self._abandon_step()
+            self._forward_thread = None
 
     def _leave_forward(self) -> None:
         self._forward_thread = None
@@ -394,6 +415,7 @@ class CaptureSession:
         its post-hook (or, for a close, the hold of the forward a hook of the user's closes
         from): let go of it, so that the session is not held for ever."""
         if not self._calls and self._holds_forward():
+            self._abandon_step()
             self._leave_forward()
 
     # -- calls ----------------------------------------------------------------------------------
@@ -462,6 +484,10 @@ class CaptureSession:
         return _Call(list(rids), admitted, first_phase, None, [0] * len(rids), call_id=self._n_calls)
 
     def _close_call(self):
+        """The call ended. A forward of it that holds the session still ended without its
+        post-hook (``KeyboardInterrupt``): its step is abandoned, not left in the ring."""
+        if self._holds_forward():
+            self._abandon_step()
         self._call = None
         self._plan = None
 
@@ -569,6 +595,7 @@ class CaptureSession:
 
     def _begin_step(self, args, kwargs):
         self._plan = None
+        self._step_dropped = set()
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         ref = ids if ids is not None else embeds
@@ -629,14 +656,44 @@ class CaptureSession:
             return None
         try:
             t0 = perf_counter()
-            if self._staging is not None and self._plan is not None and output is not None:
-                self._commit_compiled(output)  # output None: the forward raised, its staging is partial
-            self._plan = None
-            self.ring.end_step()
+            if output is None:  # the forward raised: its step stops part-way (its staging too)
+                self._abandon_step()
+            else:
+                if self._staging is not None and self._plan is not None:
+                    self._commit_compiled(output)
+                self._plan = None
+                self.ring.end_step()
             self._hook_seconds += perf_counter() - t0
         finally:
             self._leave_forward()
         return None
+
+    def _abandon_step(self) -> None:
+        """End the step in progress, which will not complete (its forward raised, or ended
+        without its post-hook, or a close cut it short): its regions are taken out of the ring,
+        and every record it would have made is counted as lost (:data:`STEP_INTERRUPTED`) —
+        except those already handed to the drain with a slot the step filled (stored) and those
+        a dropping ring dropped (counted already). Nothing where no step is in progress."""
+        plan, self._plan = self._plan, None
+        handed = self.ring.abandon_step()
+        if plan is None:
+            return
+        kept = {(e.hook, e.layer, e.span_index) for e in handed} | self._step_dropped
+        self._step_dropped = set()
+        for hook, layers in self._emitted.items():
+            for layer in layers:
+                self._lose_unkept(hook, layer, plan, kept)
+
+    def _lose_unkept(self, hook: str, layer: int, plan: StepPlan, kept: set) -> None:
+        """Count ``hook`` at ``layer`` of the abandoned step ``plan`` as lost, but for what ``kept``
+        holds: per request for a hook emitted per request (attention patterns), else whole."""
+        if HOOKS[hook].key_axis is None:
+            if (hook, layer, -1) not in kept:
+                self.drain.note_loss(hook, layer, plan, STEP_INTERRUPTED)
+            return
+        for i, span in enumerate(plan.spans):
+            if (hook, layer, i) not in kept:
+                self.drain.note_loss(hook, layer, _OneSpan(plan, span), STEP_INTERRUPTED)
 
     def _commit_compiled(self, output) -> None:
         """After a compiled forward: staged bytes into the ring, then ``logits`` from the
@@ -715,6 +772,7 @@ class CaptureSession:
         res = self.ring.reserve(nbytes, check=self.drain.check)
         if res is None:
             self.drain.note_loss(hook, layer, plan)
+            self._step_dropped.add((hook, layer, -1))
             return
         slot, off = res
         dst = slot.rows(off, x2.dtype, n, x2.shape[1])
@@ -737,6 +795,7 @@ class CaptureSession:
             res = self.ring.reserve(nbytes, check=self.drain.check)
             if res is None:
                 self.drain.note_loss(hook, layer, _OneSpan(plan, s))
+                self._step_dropped.add((hook, layer, i))
                 continue
             slot, off = res
             dst = slot.buffer[off : off + nbytes].view(src.dtype).view(src.shape)
@@ -785,7 +844,7 @@ class CaptureSession:
         if self._closed:
             return
         self._closed = True
-        self._plan = None
+        self._abandon_step()  # a forward whose thread ended without its post-hook, if any
         self._remove_hooks()
         try:
             self.ring.submit()

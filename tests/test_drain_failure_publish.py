@@ -71,7 +71,8 @@ def test_packs_sealed_before_the_failure_are_published(tmp_path):
         losses = catalog.losses(model_id="m").to_pylist()
         # the record the failed write discarded; and whatever the failed drain held unwritten after it
         assert sum(r["count"] for r in losses if r["reason"] == "pack not written") == 1
-        assert {r["reason"] for r in losses} <= {"pack not written", "drain failed"}
+        # and the step the error cut short, where it surfaced in the middle of one
+        assert {r["reason"] for r in losses} <= {"pack not written", "drain failed", "step interrupted"}
         assert cap.stats["records_lost"] == sum(r["count"] for r in losses)
 
 
