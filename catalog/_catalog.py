@@ -319,11 +319,17 @@ class Catalog:
 
         Writes one tombstone per run in one INSERT (all runs vanish together, or none) and
         returns them; empty when nothing of the selection is visible. Its losses and audits go
-        with it (a run that shows only losses has no tombstone, and keeps them). Pack files are not
-        touched: :meth:`purge_deleted` removes those no other run needs. See
-        ``docs/catalog-protocol.md`` (Deletion).
+        with it; a run that shows only losses (:meth:`loss_only_runs`) gets a tombstone naming no
+        pack, which hides them. Pack files are not touched: :meth:`purge_deleted` removes those
+        no other run needs. See ``docs/catalog-protocol.md`` (Deletion).
         """
         return _deletion.delete_runs(self, model_id, run_id, deleted_by=deleted_by)
+
+    def loss_only_runs(self, model_id: str, run_id: str | None = None) -> dict[str, int]:
+        """``{run_id: records lost}`` for the runs of ``model_id`` (``run_id`` only, if given)
+        that show losses but no visible record (capture dropped every one), in run order:
+        the runs :meth:`delete_runs` deletes beside those with records."""
+        return _deletion.loss_only_runs(self, model_id, run_id)
 
     def deletions(self, model_id: str | None = None, run_id: str | None = None) -> list[Deletion]:
         """Every tombstone written (of ``model_id``, of ``run_id``), oldest first."""

@@ -1,7 +1,8 @@
 """Deleting runs and models: tombstones first (invisible at once), pack files after.
 
 A deletion is one append-only row per deleted run in the ``deletions`` table: the model,
-the run, and the packs that held the run's visible records when the deletion was decided.
+the run, and the packs that held the run's visible records when the deletion was decided
+(none for a run that shows only losses: capture dropped every record of it).
 It hides exactly the records whose ``(pack_id, model_id, run_id)`` it names, wherever
 records are read (point queries, the published view, summaries), so:
 
@@ -25,7 +26,7 @@ running into that run) stay visible; delete again to remove them.
 Rows that name a run but no pack (losses, audit rows) cannot be hidden by pack id; a
 tombstone hides those of its ``(model_id, run_id)`` stamped at or before its ``deleted_at``
 (:func:`undeleted_rows`), so a run captured again under a deleted id shows only what was
-recorded since.
+recorded since. That is all a loss-only run's tombstone hides.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from dmi.storage.errors import PackNotFoundError
 # catalog module imports this one, and the contracts forbid an import circle).
 
 __all__ = ["Deletion", "delete_runs", "deletions", "deleted_pack_ids", "purge", "hidden_record_keys", "record_keys",
-           "undeleted_rows"]
+           "loss_only_runs", "undeleted_rows"]
 
 _KEY_SEPARATOR = "\x1f"
 """Joins a record's pack, model and run into one key; ids never hold control characters."""
@@ -64,10 +65,12 @@ class Deletion:
 
 
 def delete_runs(catalog, model_id: str, run_id: str | None = None, *, deleted_by: str = "") -> list[Deletion]:
-    """Hide every visible record of ``model_id`` (of one run if ``run_id``) in one INSERT.
+    """Hide every visible record of ``model_id`` (of one run if ``run_id``) in one INSERT,
+    and every visible loss of its runs that hold only losses (:func:`loss_only_runs`).
 
-    Returns one :class:`Deletion` per run hidden now, in run order; empty when nothing of
-    the selection is visible (unknown, or already deleted).
+    Returns one :class:`Deletion` per run hidden now, in run order (a loss-only run's names
+    no pack and counts no record); empty when nothing of the selection is visible (unknown,
+    or already deleted).
     """
     params = {"model_id": validate_value_id(model_id, "model id")}
     validate_optional_value_id(deleted_by, "deleted_by")
@@ -84,13 +87,13 @@ def delete_runs(catalog, model_id: str, run_id: str | None = None, *, deleted_by
         ") GROUP BY run_id ORDER BY run_id",
         params,
     ).to_pylist()
-    if not rows:
+    held = {r["run_id"]: (tuple(sorted(r["packs"])), int(r["n"])) for r in rows}
+    held.update((run, ((), 0)) for run in loss_only_runs(catalog, model_id, run_id))
+    if not held:
         return []
     deletion_id, now = uuid.uuid4().hex, time.time()
-    found = [
-        Deletion(deletion_id, model_id, r["run_id"], tuple(sorted(r["packs"])), int(r["n"]), deleted_by, now)
-        for r in rows
-    ]
+    found = [Deletion(deletion_id, model_id, run, packs, n, deleted_by, now)
+             for run, (packs, n) in sorted(held.items())]
     catalog._backend.insert(
         tables["deletions"],
         pa.Table.from_pylist(
@@ -106,6 +109,25 @@ def delete_runs(catalog, model_id: str, run_id: str | None = None, *, deleted_by
         ),
     )
     return found
+
+
+def loss_only_runs(catalog, model_id: str, run_id: str | None = None) -> dict[str, int]:
+    """The runs of ``model_id`` (``run_id`` only, if given) that show losses but no visible
+    record (capture dropped every one), each with how many records it lost, in run order.
+
+    :func:`delete_runs` tombstones these beside the runs with records: such a tombstone names
+    no pack, and hides the run's losses by time (:func:`undeleted_rows`) like any other's.
+    """
+    where, params = catalog._filters(model_id=validate_value_id(model_id, "model id"), run_id=run_id)
+    tables = catalog._tables
+    published = catalog._published_subquery(None, None, params)
+    rows = catalog._backend.query(
+        f"SELECT run_id, sum(count) AS lost FROM ({undeleted_rows(catalog, 'losses', 'recorded_at', where)}) "
+        f"WHERE run_id NOT IN (SELECT run_id FROM {tables['records']} {where} AND pack_id IN ({published}) "
+        f"AND {_schema.NOT_DELETED.format(**tables)}) GROUP BY run_id ORDER BY run_id",
+        params,
+    ).to_pylist()
+    return {r["run_id"]: int(r["lost"]) for r in rows}
 
 
 def deletions(catalog, model_id: str | None = None, run_id: str | None = None) -> list[Deletion]:

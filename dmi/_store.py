@@ -388,7 +388,9 @@ class Store:
 
     def delete(self, model_id: str, run_id: str | None = None) -> DeleteReport:
         """Delete every run of ``model_id`` (or one run): invisible to every reader at once,
-        then its pack files removed, except packs another run still has records in.
+        then its pack files removed, except packs another run still has records in. A run that
+        holds only losses (capture dropped every record: ``catalog.loss_only_runs``) is deleted
+        too: its losses are hidden, and the report counts it with 0 records.
 
         Crash-safe: the runs vanish all together or not at all, and files go only after
         that; a delete interrupted in between is finished by the next ``delete`` (of any
@@ -422,7 +424,7 @@ class Store:
     def contents(self, model_id: str, request_id: str, *, run_id: str | None = None) -> RequestContents:
         """What one request holds: per hook its layers, shard ranks, tensor-parallel layout
         (``tp_layout``, see :func:`tp_layout_text`), tokens, dtype, bytes; and
-        the records capture dropped under an explicit drop policy (``losses``; never silent).
+        the records not captured, each with its reason (``losses``; never silent).
 
         Raises ``InvalidIdentifierError`` (an id that is not text, or empty, or holds a control
         character), ``RecordNotFoundError`` (unknown model, request or run) and

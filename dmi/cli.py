@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from dmi.storage.errors import DMIError, InvalidArgumentError
@@ -303,16 +304,12 @@ def _utc_time(seconds: float) -> str:
 
 
 def _cmd_delete(args: argparse.Namespace) -> int:
-    from dmi._human import human_bytes, human_count
+    from dmi._human import human_count
 
     with _open_store(args) as store:
         targets = _delete_targets(store, args)
         if targets and not args.yes:
-            what = (f"run {args.run} of model {args.model_id}" if args.run is not None
-                    else f"model {args.model_id} ({len(targets)} run{'s' if len(targets) != 1 else ''})")
-            size = (f"{human_count(sum(r.records for r in targets))} records, "
-                    f"{human_bytes(sum(r.stored_bytes for r in targets))} stored")
-            _confirm(f"delete {what}: {size}?")
+            _confirm(_delete_question(args, targets))
             _refuse_changed(targets, _delete_targets(store, args))
         report = store.delete(args.model_id, args.run)
     if args.json:
@@ -330,20 +327,53 @@ def _cmd_delete(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _delete_targets(store, args: argparse.Namespace) -> list:
-    """The runs ``dmi delete`` would delete now (``RunSummary`` rows), in the store's order."""
-    return [r for r in store.runs() if r.model_id == args.model_id and args.run in (None, r.run_id)]
+@dataclass(frozen=True, slots=True)
+class _DeleteTarget:
+    """One run ``dmi delete`` would delete: its records and stored bytes, and, for a run that
+    holds only losses (capture dropped every record), how many records it lost (else 0)."""
+
+    run_id: str
+    records: int
+    stored_bytes: int
+    lost: int
 
 
-def _refuse_changed(asked: list, now: list) -> None:
+def _delete_targets(store, args: argparse.Namespace) -> list[_DeleteTarget]:
+    """The runs ``dmi delete`` would delete now, by run id: those with records and those that
+    hold only losses (``Catalog.loss_only_runs``; the catalog deletes those too)."""
+    held = [_DeleteTarget(r.run_id, r.records, r.stored_bytes, 0)
+            for r in store.runs() if r.model_id == args.model_id and args.run in (None, r.run_id)]
+    lost = [_DeleteTarget(run, 0, 0, n) for run, n in store.catalog.loss_only_runs(args.model_id, args.run).items()]
+    return sorted(held + lost, key=lambda t: t.run_id)
+
+
+def _delete_question(args: argparse.Namespace, targets: list[_DeleteTarget]) -> str:
+    """What ``dmi delete`` asks: the runs' records and bytes, then each run that holds only
+    losses with its count (``r3: 0 records (12 lost)``), so a yes covers every run deleted."""
+    from dmi._human import human_bytes, human_count
+
+    only_lost = [t for t in targets if t.lost]
+    if args.run is not None:
+        size = (f"0 records ({human_count(only_lost[0].lost)} lost)" if only_lost else
+                f"{human_count(targets[0].records)} records, {human_bytes(targets[0].stored_bytes)} stored")
+        return f"delete run {args.run} of model {args.model_id}: {size}?"
+    size = "; ".join([f"{human_count(sum(t.records for t in targets))} records, "
+                      f"{human_bytes(sum(t.stored_bytes for t in targets))} stored"]
+                     + [f"{t.run_id}: 0 records ({human_count(t.lost)} lost)" for t in only_lost])
+    return f"delete model {args.model_id} ({len(targets)} run{'s' if len(targets) != 1 else ''}): {size}?"
+
+
+def _refuse_changed(asked: list[_DeleteTarget], now: list[_DeleteTarget]) -> None:
     """Refuse to delete when what the user said yes to changed while the question waited (a
-    writer published another run, or more records of one): yes was said to the runs and
-    sizes in the question, not to what came after."""
-    def summary(runs: list) -> list[tuple[str, int]]:
-        return [(r.run_id, r.records) for r in runs]
+    writer published another run, or more records of one, or dropped more records of a run
+    that holds only losses): yes was said to the runs and sizes in the question, not to what
+    came after."""
+    def summary(runs: list[_DeleteTarget]) -> list[tuple[str, int, int]]:
+        return [(r.run_id, r.records, r.lost) for r in runs]
 
     if summary(asked) != summary(now):
-        listed = ", ".join(f"{run} ({records} records)" for run, records in summary(now)) or "nothing"
+        listed = ", ".join(f"{run} ({records} records{f', {lost} lost' if lost else ''})"
+                           for run, records, lost in summary(now)) or "nothing"
         raise InvalidArgumentError(
             f"not deleted: the selection changed while you were asked (it now holds {listed}); "
             "run dmi delete again to be asked about what it holds now")

@@ -535,6 +535,50 @@ class CatalogConformance(RecoveryConformance, DeletionCrashConformance):
         assert seen() == [("a2", "r1", "a", 1, 0, 1), ("a1", "r2", "b", 1, 0, 1)]
         assert seen(run_id="r1", request_id="a") == [("a2", "r1", "a", 1, 0, 1)]
 
+    def test_a_run_that_holds_only_losses_is_deleted_and_its_losses_hidden(self, catalog, catalog_clock):
+        """Capture dropped every record of runs r3 and r4: the catalog has their losses and no
+        record of them. Deleting r3, or the whole model, tombstones such a run too (naming no
+        pack, counting no record), which hides its losses like any deleted run's; the same run
+        id in another model keeps its own, and losses recorded after the tombstone show."""
+        def loss(run, request, hook, layer, count, model="gpt2"):
+            return {"model_id": model, "run_id": run, "request_id": request, "hook": hook, "layer": layer,
+                    "reason": "ring full", "count": count}
+
+        kept = pack(run="r1", request="a")
+        with catalog.publisher("s", holder="A") as pub:
+            pub.publish([kept])
+        catalog.record_losses("gpt2", "r1", "a", "resid_post", 3, 5, "ring full")
+        catalog.record_losses("gpt2", "r3", "z", "resid_post", 3, 9, "ring full")
+        catalog.record_losses("gpt2", "r3", "y", "logits", -1, 3, "ring full")
+        catalog.record_losses("gpt2", "r4", "w", "resid_post", 0, 2, "ring full")
+        catalog.record_losses("other", "r3", "z", "resid_post", 3, 4, "ring full")
+        assert catalog.loss_only_runs("gpt2") == {"r3": 12, "r4": 2}
+        assert catalog.loss_only_runs("gpt2", "r1") == {} and catalog.loss_only_runs("other") == {"r3": 4}
+        catalog_clock.advance(1.0)
+
+        deleted = catalog.delete_runs("gpt2", "r3", deleted_by="tester")
+        assert [(d.model_id, d.run_id, d.pack_ids, d.n_records, d.deleted_by, d.deleted_at) for d in deleted] == [
+            ("gpt2", "r3", (), 0, "tester", catalog_clock())]
+        assert catalog.deletions("gpt2", "r3") == deleted
+        assert catalog.losses("gpt2").to_pylist() == [loss("r1", "a", "resid_post", 3, 5),
+                                                      loss("r4", "w", "resid_post", 0, 2)]
+        assert catalog.losses("other").to_pylist() == [loss("r3", "z", "resid_post", 3, 4, model="other")]
+        assert catalog.loss_only_runs("gpt2") == {"r4": 2}
+        assert catalog.delete_runs("gpt2", "r3") == []  # already deleted
+        assert catalog.deleted_pack_ids() == set() and len(catalog.find_records("gpt2", run_id="r1")) == 3
+        catalog_clock.advance(1.0)
+
+        whole = catalog.delete_runs("gpt2")
+        assert [(d.run_id, d.pack_ids, d.n_records) for d in whole] == [("r1", (kept.pack_id,), 3), ("r4", (), 0)]
+        assert catalog.losses().to_pylist() == [loss("r3", "z", "resid_post", 3, 4, model="other")]
+        assert catalog.loss_only_runs("gpt2") == {} and catalog.delete_runs("gpt2") == []
+        catalog_clock.advance(1.0)  # r1 captured again under the same id, every record dropped
+
+        catalog.record_losses("gpt2", "r1", "a", "resid_post", 3, 6, "ring full")
+        assert catalog.loss_only_runs("gpt2") == {"r1": 6}
+        assert [(d.run_id, d.pack_ids, d.n_records) for d in catalog.delete_runs("gpt2")] == [("r1", (), 0)]
+        assert catalog.losses("gpt2").num_rows == 0
+
     def test_purge_keeps_a_pack_whose_index_lost_another_runs_rows(self, catalog, tmp_path):
         """One pack holds runs ``doomed`` and ``kept``; the index rows of ``kept`` are missing
         (lost, or never landed: its ``packs`` row says 4 records, 2 are indexed). Deleting
