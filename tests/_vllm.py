@@ -200,6 +200,21 @@ def capture_in_a_fresh_process(spec: dict, timeout: float = 600) -> dict:
         return json.load(f)
 
 
+def run_child_in_a_fresh_process(module: str, spec: dict, out: str, timeout: float = 600) -> dict:
+    """``module._child(spec_json, out)`` (a test module's own capture) in a new Python process
+    started in the repository's root, its JSON result read back from ``out``."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = f"import sys; from {module} import _child; _child(sys.argv[1], sys.argv[2])"
+    child = subprocess.run([sys.executable, "-c", code, json.dumps(spec), out], cwd=root, capture_output=True,
+                           text=True, timeout=timeout)
+    if child.returncode != 0:
+        raise AssertionError(f"the capture process failed ({child.returncode}):\n{child.stderr[-4000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 3:
         sys.exit("usage: python -m tests._vllm SPEC_JSON RESULT_PATH")

