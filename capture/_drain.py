@@ -80,7 +80,8 @@ from ._hooks import HOOKS, ModelGeometry
 from ._omp import one_openmp_thread
 from ._token_text import PROMPT_TEXT, TOKEN_TEXT
 
-__all__ = ["CAPTURE_STOPPED", "DRAIN_FAILED", "Drain", "DrainStats", "LostRecords", "PACK_NOT_WRITTEN", "RING_FULL"]
+__all__ = ["CAPTURE_STOPPED", "DRAIN_FAILED", "Drain", "DrainStats", "LostRecords", "PACK_NOT_WRITTEN", "RING_FULL",
+           "STEP_INTERRUPTED"]
 
 
 @dataclass(slots=True)
@@ -111,6 +112,11 @@ DRAIN_FAILED = "drain failed"
 """The losses' reason for the records a failed drain had not handed to the writer: a record it
 failed to prepare (its shard geometry, its token strings), decode rows it held staged, the rest
 of the slot it failed in, and the slots handed to it afterwards."""
+STEP_INTERRUPTED = "step interrupted"
+"""The losses' reason for the records of a step whose forward raised (an out-of-memory error, a
+``KeyboardInterrupt``, an error of the user's hook) or that a close cut short: none of the step is
+stored where it can be helped (the session's ``_abandon_step``), so no request holds a step at
+some layers and not others; what is not stored is counted."""
 
 
 @dataclass(slots=True)
@@ -722,11 +728,10 @@ class Drain:
                 self.stats.encoder_cpu_seconds += write.result()
             except PackNotDurableError as exc:  # the record is stored
                 self._not_durable(exc)
-                self.stats.records += 1
             except BaseException as exc:  # noqa: BLE001 - the drain's error (_write_failed)
                 self._write_failed(key, exc)
-            else:
-                self.stats.records += 1
+                continue
+            self.stats.records += 1
 
     def _write_failed(self, key: RecordKey, exc: BaseException) -> None:
         """An append failed: the drain fails (its first failure is its error), the records the

@@ -53,7 +53,7 @@ from ._arch import Architecture, resolve_architecture
 from ._codec_choice import resolve_codecs
 from ._compiled import (Staging, check_compiled_selection, compiled_form, guard_hooks, inner_model,
                         install_compiled_taps, outside_graph, traced_before, unguard_hooks)
-from ._drain import Drain, KeyContext, cuda_event_for_submission
+from ._drain import STEP_INTERRUPTED, Drain, KeyContext, cuda_event_for_submission
 from ._generate import (CaptureResult, SequenceEnds, cached_tokens, eos_token_ids, left_pads, prepare_batch,
                         refuse_past_vocabulary, sequences_per_prompt)
 from ._hooks import HOOKS, ModelGeometry
@@ -124,12 +124,6 @@ CATALOG_RIDE_OUT_SECONDS = 10.0
 """How long a session's lease acquire, publishes and lease renewals retry an unreachable catalog
 (at most a third of its lease): a blip is ridden out, the drain waiting meanwhile, and counted
 in ``stats["catalog_retries"]`` (docs/catalog-protocol.md)."""
-
-STEP_INTERRUPTED = "step interrupted"
-"""The losses' reason for the records of a step whose forward raised (an out-of-memory error, a
-``KeyboardInterrupt``, an error of the user's hook) or that a close cut short: none of the step is
-stored where it can be helped (:meth:`CaptureSession._abandon_step`), so no request holds a step at
-some layers and not others; what is not stored is counted."""
 
 HOLDER_CHECK_SECONDS = 1.0
 """How often a thread waiting for the session checks that its holder's thread still runs."""

@@ -4,9 +4,9 @@ saved as a Hugging Face directory that both vLLM and transformers load.
 vLLM's CPU attention needs a head size it has kernels for (64 here; 16 is refused), and a KV
 block size that is a multiple of 32.
 
-``python -m tests._vllm SPEC_JSON RESULT_PATH`` runs :func:`capture_in_this_process` and writes its
-result (JSON) to ``RESULT_PATH`` (vLLM logs to stdout): :func:`capture_in_a_fresh_process` is how
-tests use it.
+:func:`capture_in_a_fresh_process` runs :func:`capture_in_this_process` in a new Python process
+and reads its result back (JSON, through a file: vLLM logs to stdout);
+:func:`run_child_in_a_fresh_process` does the same for a test module's own ``_child``.
 """
 
 from __future__ import annotations
@@ -186,20 +186,6 @@ def _native_in_this_process(spec: dict) -> dict:
             "files": {o.request_id: o.kv_transfer_params["hidden_states_path"] for o in outs}}
 
 
-def capture_in_a_fresh_process(spec: dict, timeout: float = 600) -> dict:
-    """:func:`capture_in_this_process` in a new Python process (an engine that must be the first
-    of its process, or one that runs its own worker processes), its result read back."""
-    import subprocess
-
-    out = os.path.join(spec["home"] + "-result.json")
-    child = subprocess.run([sys.executable, "-m", "tests._vllm", json.dumps(spec), out], capture_output=True,
-                           text=True, timeout=timeout)
-    if child.returncode != 0:
-        raise AssertionError(f"the capture process failed ({child.returncode}):\n{child.stderr[-4000:]}")
-    with open(out) as f:
-        return json.load(f)
-
-
 def run_child_in_a_fresh_process(module: str, spec: dict, out: str, timeout: float = 600) -> dict:
     """``module._child(spec_json, out)`` (a test module's own capture) in a new Python process
     started in the repository's root, its JSON result read back from ``out``."""
@@ -215,9 +201,14 @@ def run_child_in_a_fresh_process(module: str, spec: dict, out: str, timeout: flo
         return json.load(f)
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: python -m tests._vllm SPEC_JSON RESULT_PATH")
-    result = capture_in_this_process(json.loads(sys.argv[1]))
-    with open(sys.argv[2], "w") as f:
-        json.dump(result, f)
+def _child(spec_json: str, out: str) -> None:
+    """:func:`capture_in_this_process` of ``spec_json``, its result written to ``out`` as JSON:
+    what :func:`capture_in_a_fresh_process` runs in the new process."""
+    with open(out, "w") as f:
+        json.dump(capture_in_this_process(json.loads(spec_json)), f)
+
+
+def capture_in_a_fresh_process(spec: dict, timeout: float = 600) -> dict:
+    """:func:`capture_in_this_process` in a new Python process (an engine that must be the first
+    of its process, or one that runs its own worker processes), its result read back."""
+    return run_child_in_a_fresh_process("tests._vllm", spec, spec["home"] + "-result.json", timeout)

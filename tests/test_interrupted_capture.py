@@ -17,10 +17,10 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import dmi
 from dmi.capture import attach
-from dmi.capture._drain import RING_FULL
-from dmi.capture._session import STEP_INTERRUPTED
+from dmi.capture._drain import RING_FULL, STEP_INTERRUPTED
 
 from ._models import MemoryWriter, left_padded_batch, tiny
+from .test_capture_guards import n_hooks
 
 N_NEW = 5
 PROMPTS = (7, 4, 6)
@@ -43,10 +43,6 @@ def _new_threads(before: set) -> set[str]:
         if t.name.startswith("dmi-drain-start"):
             t.join(JOIN_S)
     return {t.name for t in new if t.is_alive()}
-
-
-def _n_hooks(model) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
 def _raise_at(model, layer: int, call: int, exc: BaseException):
@@ -93,7 +89,7 @@ def test_a_forward_raising_mid_step_stores_the_steps_before_it_and_counts_its_ow
     ids, mask = left_padded_batch(PROMPTS)
     want = _reference(ids, mask)
     model = tiny("llama")
-    before = _n_hooks(model)
+    before = n_hooks(model)
     threads = set(threading.enumerate())
     with dmi.open(f"chdb://{tmp_path / 'catalog'}", str(tmp_path / "packs")) as store:
         handle = _raise_at(model, 1, 3, exc)  # the third forward (decode step 2), before layer 1 is captured
@@ -101,7 +97,7 @@ def test_a_forward_raising_mid_step_stores_the_steps_before_it_and_counts_its_ow
             with store.capture(model, hooks="resid_post", model_id="m", run_id="r1") as cap:
                 _generate(cap, ids, mask, RIDS)
         handle.remove()
-        assert _n_hooks(model) == before
+        assert n_hooks(model) == before
         assert _new_threads(threads) == set()
         with torch.no_grad():  # the model computes, uncaptured, what a never-captured one does
             plain = model.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, min_new_tokens=N_NEW,
@@ -309,4 +305,4 @@ def test_leaving_an_attach_twice_is_harmless():
     ctx.__enter__()
     assert ctx.__exit__(ValueError, ValueError("user"), None) is False
     assert ctx.__exit__(None, None, None) is False
-    assert _n_hooks(model) == 0
+    assert n_hooks(model) == 0
