@@ -16,7 +16,6 @@ tests/test_drain_failure_staged.py's.
 
 from __future__ import annotations
 
-import collections
 import os
 
 import pytest
@@ -24,7 +23,14 @@ import pytest
 import dmi.capture._drain as drain_module
 from dmi.catalog import open_catalog
 from dmi.storage import LocalPackStore, verify_pack
-from tests.test_drain_failure_staged import FIRST_DECODE_APPEND, _assert_every_position_accounted, _capture, _Ledger
+from tests.test_drain_failure_staged import (
+    FIRST_DECODE_APPEND,
+    _assert_drain_failed,
+    _assert_every_position_accounted,
+    _capture,
+    _counted_by_reason,
+    _reasons,
+)
 from tests.test_full_disk import _fill, small_disk  # noqa: F401 - small_disk is a fixture
 
 
@@ -68,18 +74,6 @@ def test_a_seal_that_fails_after_the_drain_failed_counts_the_records_it_lost(sma
             "catalog's losses where it answers: reason 'pack not written')") in str(error)
     assert str(error).endswith(f"; {reasons['drain failed']} record(s) it had not written yet are counted as lost "
                                "(records_lost, and the catalog's losses where it answers: reason 'drain failed')")
-
-
-def _reasons(ledger: _Ledger) -> collections.Counter:
-    return collections.Counter(reason for _, reason in ledger.lost)
-
-
-def _counted_by_reason(losses) -> collections.Counter:
-    """The catalog's losses, summed by reason."""
-    counted: collections.Counter = collections.Counter()
-    for row in losses:
-        counted[row["reason"]] += row["count"]
-    return counted
 
 
 def _stored_keys(store) -> list:
@@ -148,10 +142,7 @@ def test_a_failure_cutting_a_slot_counts_the_rest_of_it(tmp_path, monkeypatch, n
         losses = catalog.losses(model_id="m").to_pylist()
     assert str(error.__cause__) == "cannot view the rows"
     _assert_every_position_accounted(store, ledger)
-    reasons = _reasons(ledger)
-    assert set(reasons) == {"drain failed"} and _counted_by_reason(losses) == reasons
-    assert cap.stats["records_lost"] == len(ledger.lost)
-    assert f"; {len(ledger.lost)} record(s) it had not written yet are counted as lost" in str(error)
+    _assert_drain_failed(cap, ledger, losses, error)
 
 
 def test_a_slot_whose_event_fails_is_counted_whole(tmp_path):
@@ -162,7 +153,4 @@ def test_a_slot_whose_event_fails_is_counted_whole(tmp_path):
         losses = catalog.losses(model_id="m").to_pylist()
     assert str(error.__cause__) == "CUDA error: an illegal memory access was encountered"
     _assert_every_position_accounted(store, ledger)
-    reasons = _reasons(ledger)
-    assert set(reasons) == {"drain failed"} and _counted_by_reason(losses) == reasons
-    assert cap.stats["records_lost"] == len(ledger.lost)
-    assert f"; {len(ledger.lost)} record(s) it had not written yet are counted as lost" in str(error)
+    _assert_drain_failed(cap, ledger, losses, error)
