@@ -270,11 +270,20 @@ def test_the_idle_publisher_survives_a_failing_publish_and_shutdown_logs_failure
     _wait_for(lambda: wanted <= _published(home, model_id), "both requests published while the engine idles")
     assert idle._thread.is_alive() and idle.failures == 1 and len(calls) >= 2
 
-    def catalog_down(descriptors):
+    third_returned = threading.Event()
+
+    def catalog_down_once_the_third_returned(descriptors):
+        """A publish during the third request — an idle publish between two of its steps (the
+        engine thread descheduled on a loaded machine), or the seal its first step asked for
+        (the second request left), due ``publish_interval`` after the last — answers only once
+        it returned: the drain fails after the third request's last step whatever the threads'
+        speed, and the capture stops at the fourth's first step."""
+        third_returned.wait(BOUND_SECONDS)
         raise CatalogUnavailableError("injected: the catalog server is unreachable")
 
-    session._publisher.publisher.publish = catalog_down
-    third = served.generate(["c"], params)  # published at idle: the drain fails
+    session._publisher.publisher.publish = catalog_down_once_the_third_returned
+    third = served.generate(["c"], params)  # captured whole; published at idle: the drain fails
+    third_returned.set()
     _wait_for(lambda: session.drain.error is not None, "the drain's failure")
     fourth = _bounded(served.generate, ["d"], params)  # its first step's start sees it: the capture stops
     fifth = served.generate(["e"], params)
