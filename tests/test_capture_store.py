@@ -115,10 +115,11 @@ class _SlowLeaseCatalog:
     """The real catalog, with its publishers' ``acquire`` held until ``gate`` opens. It stands
     in for a catalog that answers slowly — below a model on the CPU the drain's lease
     statements took a whole ``generate`` on this project's machine — which the real one cannot
-    be made to do on demand."""
+    be made to do on demand. ``clock``, where given, is its publishers' lease clock."""
 
-    def __init__(self, catalog):
+    def __init__(self, catalog, clock=None):
         self._catalog = catalog
+        self._clock = clock
         self.gate = threading.Event()
         self.asked = threading.Event()
 
@@ -126,6 +127,8 @@ class _SlowLeaseCatalog:
         return getattr(self._catalog, name)
 
     def publisher(self, *args, **kwargs):
+        if self._clock is not None:
+            kwargs["clock"] = self._clock
         publisher = self._catalog.publisher(*args, **kwargs)
         acquire = publisher.acquire
 
@@ -143,14 +146,20 @@ def test_the_drain_writes_while_the_lease_is_acquired_and_publishes_once_it_is_h
     the drain frees the slots as the model fills them (a drain that waited for the lease first
     would leave the model waiting for a slot until ``RingFullError``), and publishes nothing
     until the lease is held. Nor does it renew a lease it does not hold yet: the gate stays shut
-    for more than a renewal's interval (a third of ``lease_seconds``) and two keep-alive ticks."""
+    for more than a renewal's interval (a third of ``lease_seconds``) and two keep-alive ticks.
+
+    The lease's clock stands still: held, the 2 s lease cannot expire while the machine's load
+    keeps the drain thread off the CPU (a holder that does not run for its lease's length loses
+    it, as it should: not what this test is about); the keep-alive ticks still run on real time.
+    ``ring_timeout`` only bounds the wait of a drain that held its slots for the lease."""
     store, catalog = store_and_catalog
-    slow = _SlowLeaseCatalog(catalog)
+    still = time.time()
+    slow = _SlowLeaseCatalog(catalog, clock=lambda: still)
     model = tiny("llama")
     ids, mask = left_padded_batch()
     try:
         with attach(model, hooks="resid_post", store=store, catalog=slow, model_id="m-slow-lease",
-                    ring_slots=2, slot_bytes=8192, ring_timeout=5, decode_chunk_steps=1,
+                    ring_slots=2, slot_bytes=8192, ring_timeout=60, decode_chunk_steps=1,
                     writer_options={"max_records": 6}, lease_seconds=2.0) as cap:
             rids, _ = cap.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
             assert slow.asked.is_set() and not slow.gate.is_set()
