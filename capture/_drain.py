@@ -130,6 +130,7 @@ class LostRecords:
 
 
 _IDLE = object()
+_STOP = object()  # the lease thread's last job: the drain thread ended
 _FAILED = object()  # what :meth:`Drain._prepare` returns where preparing a record failed
 _POLL_SECONDS = 0.1  # how often a flush waiting for the thread checks that it still runs
 
@@ -171,9 +172,10 @@ class Drain:
         self.ctx = ctx
         self._publish = publish  # callable(list[PackDescriptor]) or None
         self._record_losses = record_losses  # callable(list[(RecordKey, reason)]) or None
-        self._tick = tick  # called at least every tick_seconds (publisher lease keep-alive)
+        self._tick = tick  # called every tick_seconds on the lease thread (publisher lease keep-alive)
         self._tick_seconds = tick_seconds
-        self._last_tick = time.monotonic()
+        self._tick_error: BaseException | None = None  # the lease thread's failed tick, for the drain thread
+        self._lease_jobs: queue.SimpleQueue = queue.SimpleQueue()  # publishes for the lease thread, then _STOP
         self.stats = DrainStats()
         self._start = start  # called on a thread of its own as the drain starts (acquire the publisher lease)
         self._started: Future | None = None  # that call; publishing waits for it
@@ -212,6 +214,10 @@ class Drain:
         self._writes: list = []  # appends handed to the encoders and not yet waited for
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        self._lease_thread = None if tick is None else threading.Thread(target=self._lease_loop,
+                                                                        name=f"{name}-lease", daemon=True)
+        if self._lease_thread is not None:
+            self._lease_thread.start()
 
     # -- called from the model thread ---------------------------------------------------------
     def submit(self, slot) -> None:
@@ -290,6 +296,8 @@ class Drain:
         finally:
             self._q.put(None)
             self._thread.join(timeout)
+            if self._lease_thread is not None:
+                self._lease_thread.join(timeout)
             try:
                 self.check(settled=not self._thread.is_alive())  # an error closing the writer
             except BaseException:
@@ -315,6 +323,66 @@ class Drain:
                 self.error = exc
             if self._encoders is not None:
                 self._encoders.shutdown(wait=False)
+        finally:
+            self._lease_jobs.put(_STOP)
+
+    def _lease_loop(self) -> None:
+        """The lease thread's body: the publishes the drain thread hands it (:meth:`_published`),
+        and ``tick`` (the lease keep-alive) every ``tick_seconds`` once ``start`` succeeded, until
+        the drain fails or its thread ends. It runs at the attaching thread's priority, not the
+        drain's nice level: a live capture whose drain is kept off the CPU (nice 19 below a busy
+        machine) or held in a long write must not lose its lease, nor hold the publisher's lock
+        in a publish while the scheduler leaves it waiting past the lease's expiry. A failed tick
+        is handed to the drain thread, which makes it the drain's error."""
+        ticking, next_tick = True, time.monotonic() + self._tick_seconds
+        while True:
+            try:
+                job = self._lease_jobs.get(timeout=max(0.0, next_tick - time.monotonic()))
+            except queue.Empty:
+                job = None
+            if job is _STOP:
+                return
+            if job is not None:
+                job()
+                continue
+            next_tick = time.monotonic() + self._tick_seconds
+            ticking = ticking and self._tick_once()
+
+    def _tick_once(self) -> bool:
+        """One keep-alive on the lease thread; False once ticking is over (the drain or its start
+        failed, or this tick did)."""
+        started = self._started
+        if started is not None and not started.done():
+            return True
+        if self.error is not None or (started is not None and started.exception() is not None):
+            return False
+        try:
+            self._tick()
+        except BaseException as exc:  # noqa: BLE001 - the drain thread takes it (_take_tick_error)
+            self._tick_error = exc
+            self._q.put(_IDLE)  # wake the drain thread to take it
+            return False
+        return True
+
+    def _published(self, batch: list) -> None:
+        """``publish(batch)`` on the lease thread, waited for here (its failure raised here)."""
+        if self._lease_thread is None:
+            self._publish(batch)
+            return
+        done: Future = Future()
+
+        def job() -> None:
+            try:
+                done.set_result(self._publish(batch))
+            except BaseException as exc:  # noqa: BLE001 - raised on the drain thread below
+                done.set_exception(exc)
+        self._lease_jobs.put(job)
+        done.result()
+
+    def _take_tick_error(self) -> None:
+        """A failed tick of the lease thread becomes the drain's error (on the drain thread, as any failure)."""
+        if self._tick_error is not None and self.error is None:
+            self.error = self._tick_error
 
     def _loop(self) -> None:
         self.torch_threads = one_openmp_thread()
@@ -335,14 +403,7 @@ class Drain:
                 except BaseException as exc:  # noqa: BLE001 - surfaced by check()
                     self.error = exc
             self._check_started()
-            if self._tick is not None and self.error is None and self._has_started() and (
-                time.monotonic() - self._last_tick >= self._tick_seconds
-            ):
-                try:
-                    self._tick()
-                except BaseException as exc:  # noqa: BLE001 - surfaced by check()
-                    self.error = exc
-                self._last_tick = time.monotonic()
+            self._take_tick_error()
             if item is _IDLE:
                 continue
             if item is None:
@@ -522,7 +583,7 @@ class Drain:
         batch = list(sealed)
         self._count_sealed(len(batch))
         if self._publish is not None:
-            self._publish(batch)
+            self._published(batch)
             self.stats.packs_published += len(batch)
         self._forget_sealed(len(batch))
         if self.keep_published:
@@ -589,7 +650,7 @@ class Drain:
         batch = list(sealed)
         self._count_sealed(len(batch))
         try:
-            self._publish(batch)
+            self._published(batch)
         except BaseException:  # noqa: BLE001 - the packs stay unpublished, counted in the error raised
             return
         self._forget_sealed(len(batch))

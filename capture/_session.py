@@ -1000,8 +1000,8 @@ def attach(
       plus ``"/tp<rank>"`` when ``tp_size > 1``, so the ranks of one run publish side by side);
       without a catalog, packs are sealed but not published. Anything else given as either (a
       path, a URI, a ``dmi.Store``) is refused with ``InvalidArgumentError`` saying what to pass.
-    * ``lease_seconds``: the publisher lease's lifetime, renewed by the drain; a finite number
-      of seconds > 0 (else ``InvalidArgumentError``).
+    * ``lease_seconds``: the publisher lease's lifetime, renewed by the drain's lease thread; a
+      finite number of seconds > 0 (else ``InvalidArgumentError``).
     * ``schedule``: a :class:`Schedule` (or a dict of its fields, or phases).
     * ``ring_slots`` × ``slot_bytes``: host memory between the model and the drain thread;
       ``ring_timeout``: how long the producer waits for a free slot before
@@ -1282,9 +1282,9 @@ def check_pipeline_arguments(who: str, *, store, catalog, writer, decode_chunk_s
 
 
 def _check_lease_seconds(value) -> None:
-    """A real number of seconds, finite and > 0: the drain waits ``lease_seconds / 4`` for work
-    between lease renewals, so 0 would spin a core, a negative wait would kill its thread, and
-    anything else would fail only there."""
+    """A real number of seconds, finite and > 0: the drain and its lease thread wait
+    ``lease_seconds / 4`` between lease checks, so 0 would spin a core, a negative wait would
+    kill their threads, and anything else would fail only there."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
         raise InvalidArgumentError(f"lease_seconds must be a finite number of seconds > 0, got {value!r}")
 
@@ -1365,8 +1365,8 @@ def _make_writer(store, ctx: KeyContext, run_id: str, options: dict | None):
 
 class _Publishing:
     """The session's publisher lease: acquired beside the drain thread as it starts, kept alive
-    by it, released at detach. Packs are published as they seal; dropped records are counted in
-    the catalog's losses."""
+    by the drain's lease thread (which publishes too), released at detach. Packs are published
+    as they seal; dropped records are counted in the catalog's losses."""
 
     def __init__(self, catalog, scope: str, *, model_id: str, run_id: str, lease_seconds: float = 30.0):
         self.catalog = catalog
