@@ -5,6 +5,7 @@ creates the catalog, and the footer cache seeing a pack file replaced by one of 
 import dataclasses
 import os
 import struct
+import types
 from unittest import mock
 
 import numpy as np
@@ -174,9 +175,13 @@ def test_local_directory_names_the_directory_and_creates_nothing(tmp_path):
 
 
 def _same_size_packs(tmp_path, pack_id: str) -> tuple[PackStore, PackStore]:
-    """Two packs with one id and one size but other values: a live store and a re-sealed copy."""
+    """Two packs with one id and one size but other values: a live store and a re-sealed copy.
+    Both are sealed at one fixed time: the footer holds the seal time as text, whose length
+    varies with the clock (a flake: 8458 and 8450 bytes in one CI run)."""
     stores = (PackStore.local(tmp_path / "live"), PackStore.local(tmp_path / "resealed"))
-    with mock.patch("dmi.storage._writer.secrets.token_hex", return_value=pack_id):
+    clock = types.SimpleNamespace(time=lambda: 1_796_585_198.18635)
+    with mock.patch("dmi.storage._writer.secrets.token_hex", return_value=pack_id), \
+            mock.patch("dmi.storage._writer.time", clock):
         for value, store in zip((1.0, 2.0), stores):
             with PackWriter(store, codec="raw") as writer:
                 writer.append(KEY, torch.full((3, 8), value))
