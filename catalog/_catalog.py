@@ -408,6 +408,12 @@ class Catalog:
         directory) holds no pack: it is skipped, every pack is recovered all the same, and then
         :class:`RecoveryIncompleteError` names the skipped entries (how many, where, what) and
         the packs recovered, and carries both (``skipped``, ``recovered``).
+
+        The ids returned are those this call recovered under a lease it held to the end. A
+        recovery whose term a successor took over while it worked raises LeaseLostError (from
+        the publish, or, where every pack it found had been published meanwhile, from a
+        renewal that checks the lease): the successor is the one that recovered them, and a
+        second recovery returns ``[]``.
         """
         from dmi.storage import read_pack_descriptor  # the storage layer's reader
 
@@ -424,6 +430,8 @@ class Catalog:
                 unpublished = [d for d in descriptors if d.pack_id not in published]
                 if unpublished:
                     publisher.publish(unpublished)
+                else:  # a successor that took the scope over since may have published them
+                    publisher.renew()
         recovered = [d.pack_id for d in descriptors]
         if odd:
             raise _odd_entries_error(store, odd, recovered)
