@@ -21,7 +21,8 @@ one thread; and, for scale, the capture hook's gather of a step's rows into a ri
 With ``--rev REV`` a third column times the C loops as git revision ``REV`` had them:
 ``native/dmi_native.c`` at ``REV``, compiled here as setuptools compiles the extension (Python's
 ``CFLAGS`` and ``REV``'s ``setup.py`` flags), swapped in for today's extension in the same rounds (a change to
-the C measured against what it replaced, on the same CPU minute).
+the C measured against what it replaced, on the same CPU minute), and the split codec's encoder
+and decoder as ``storage/_codecs.py`` had them at ``REV`` (a change to how a payload is built).
 
     python bench/bench_native.py
     python bench/bench_native.py --dtypes bf16 --layers 4      # seconds
@@ -48,7 +49,7 @@ import torch
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _at_revision import ROOT, source_at  # noqa: E402
+from _at_revision import ROOT, module_at, source_at  # noqa: E402
 from bench_storage import activations  # noqa: E402
 
 from dmi.storage import _codecs, _native, _writer  # noqa: E402
@@ -153,11 +154,20 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def measure(records: list[torch.Tensor], rounds: int, at_rev=None) -> tuple[dict, dict]:
+def split_codec_at(rev: str) -> tuple:
+    """(encoder, decoder) of the split codec as ``storage/_codecs.py`` had them at ``rev``."""
+    module = module_at(rev, "storage/_codecs.py", f"dmi_codecs_at_{rev}", {})
+    return module._encode_split, module._decode_split
+
+
+def measure(records: list[torch.Tensor], rounds: int, at_rev=None, codec_at_rev=None) -> tuple[dict, dict]:
     """({piece: {"native": s, "numpy": s[, "rev": s]}}, {limit: s}), best round of each; "rev":
-    the C loops of ``at_rev`` (an extension module from :func:`native_at`)."""
+    the C loops of ``at_rev`` (an extension module from :func:`native_at`) and the split codec
+    ``codec_at_rev`` (from :func:`split_codec_at`)."""
     work, lim = pieces(records), limits(records)
     today = _native._native_ext
+    codec_today = _codecs._encode_split, _codecs._decode_split
+    codecs = {"native": codec_today, "numpy": codec_today, "rev": codec_at_rev}
     modes = [("native", True, today), ("numpy", False, today)] + ([("rev", True, at_rev)] if at_rev else [])
     best: dict = {name: {mode: float("inf") for mode, _, _ in modes} for name in work}
     best_lim = {name: float("inf") for name in lim}
@@ -169,9 +179,11 @@ def measure(records: list[torch.Tensor], rounds: int, at_rev=None) -> tuple[dict
                 turn = round_ % len(modes)  # each mode first in turn: no mode always after the same one
                 for mode, active, extension in modes[turn:] + modes[:turn]:
                     _native.ACTIVE, _native._native_ext = active, extension
+                    _codecs._encode_split, _codecs._decode_split = codecs[mode]
                     best[name][mode] = min(best[name][mode], timed(fn))
     finally:
         _native.ACTIVE, _native._native_ext = _native.BUILT, today
+        _codecs._encode_split, _codecs._decode_split = codec_today
     return best, best_lim
 
 
@@ -202,7 +214,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--rev", default=None, help="also time the C loops as this git revision had them")
+    ap.add_argument("--rev", default=None, help="also time the C loops and the split codec as this git revision had them")
     args = ap.parse_args(argv)
     if not _native.BUILT:
         print("the native extension is not built here (pip install -e . with a C compiler)", file=sys.stderr)
@@ -215,10 +227,11 @@ def main(argv=None) -> int:
         + (f"; native at {args.rev}: {_revision(args.rev)}" if args.rev else "")
     )
     at_rev = native_at(args.rev) if args.rev else None
+    codec_at_rev = split_codec_at(args.rev) if args.rev else None
     for name in args.dtypes.split(","):
         data = activations(args.requests, args.layers, args.tokens, args.hidden, DTYPES[name])
         records = list(data.values())
-        best, best_lim = measure(records, args.rounds, at_rev)
+        best, best_lim = measure(records, args.rounds, at_rev, codec_at_rev)
         print()
         print(report(name, sum(t.nbytes for t in records), best, best_lim, args.rev))
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end")

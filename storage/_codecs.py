@@ -198,20 +198,27 @@ def _plane_count(itemsize: int) -> int:
     return min(itemsize, 8)
 
 
-def _encode_split(raw: np.ndarray, itemsize: int) -> bytes:
+def _encode_split(raw: np.ndarray, itemsize: int) -> np.ndarray:
+    """The split payload, built in one buffer: the planes are split to their places after the
+    header, and each stored plane moves down over what was read already (a compressed plane
+    is shorter than the plane it replaces), so no second copy of the whole payload is made."""
     width = _plane_count(itemsize)
+    start = _HEADER.size + width * _PLANE_ENTRY.size
+    out = np.empty(start + raw.nbytes, np.uint8)
+    _HEADER.pack_into(out, 0, _SPLIT_TAG, width)
     compressor = _compressor("plane")
-    header = [_HEADER.pack(_SPLIT_TAG, width)]
-    bodies = []
-    for plane in split_planes(raw, width):
-        stored, kind = plane, _PLANE_RAW
+    end = start
+    for p, plane in enumerate(split_planes(raw, width, out[start:])):
+        kind, stored = _PLANE_RAW, plane
         if _worth_compressing(compressor, plane):
             packed = compressor.compress(plane)
             if len(packed) < plane.nbytes:
-                stored, kind = packed, _PLANE_ZSTD
-        header.append(_PLANE_ENTRY.pack(kind, len(stored) if kind else plane.nbytes))
-        bodies.append(stored)
-    return b"".join([*header, *bodies])
+                kind, stored = _PLANE_ZSTD, np.frombuffer(packed, np.uint8)
+        if stored is not plane or end != start + p * plane.nbytes:
+            out[end : end + stored.nbytes] = stored  # overlapping only a plane already read
+        _PLANE_ENTRY.pack_into(out, _HEADER.size + p * _PLANE_ENTRY.size, kind, stored.nbytes)
+        end += stored.nbytes
+    return out[:end]
 
 
 def _worth_compressing(compressor, plane: np.ndarray) -> bool:

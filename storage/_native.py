@@ -41,17 +41,27 @@ ACTIVE = BUILT and os.environ.get("DMI_NATIVE", "1") != "0"
 _UINT_BY_WIDTH = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def split_planes(raw: np.ndarray, width: int) -> list[np.ndarray]:
-    """Byte planes of the contiguous uint8 array ``raw``: plane ``p`` holds byte ``p`` of each element."""
-    if width == 1:
-        return [raw]
-    if ACTIVE:
+def split_planes(raw: np.ndarray, width: int, out: np.ndarray | None = None) -> list[np.ndarray]:
+    """Byte planes of the contiguous uint8 array ``raw``: plane ``p`` holds byte ``p`` of each element.
+
+    With ``out`` (a writable uint8 array of ``raw.nbytes``) the planes are written there back to
+    back and returned as views of it; without, ``width == 1`` returns ``raw`` itself."""
+    if out is None:
+        if width == 1:
+            return [raw]
         out = np.empty(raw.nbytes, np.uint8)
+    n = raw.nbytes // width
+    planes = [out[p * n : (p + 1) * n] for p in range(width)]
+    if ACTIVE:
         _native_ext.split_planes(raw, width, out)
-        n = raw.nbytes // width
-        return [out[p * n : (p + 1) * n] for p in range(width)]
+        return planes
+    if width == 1:
+        out[...] = raw
+        return planes
     words = raw.view(_UINT_BY_WIDTH[width])  # shifts over whole words, not strided byte copies
-    return [(words >> np.array(8 * p, words.dtype)).astype(np.uint8) for p in range(width)]
+    for p, plane in enumerate(planes):
+        np.copyto(plane, words >> np.array(8 * p, words.dtype), casting="unsafe")
+    return planes
 
 
 def join_planes(planes: list[np.ndarray], out: np.ndarray) -> None:
