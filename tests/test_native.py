@@ -52,6 +52,17 @@ def test_split_and_join_are_byte_identical_to_numpy(monkeypatch, width, elements
         assert np.array_equal(a, b), f"plane {p}"
         assert np.array_equal(a, raw[p::width]), f"plane {p} is not byte {p} of each element"
 
+    def split_into_out():
+        out = np.full(raw.nbytes, 0xA5, np.uint8)
+        planes = _native.split_planes(raw, width, out)
+        assert all(np.shares_memory(plane, out) for plane in planes if plane.nbytes)
+        return out
+
+    into_native, into_numpy = _both(monkeypatch, split_into_out)
+    assert np.array_equal(into_native, into_numpy)
+    assert np.array_equal(into_native, np.concatenate(native) if width > 1 else raw)
+
+
     def join():
         out = np.empty_like(raw)
         _native.join_planes(reference, out)
