@@ -9,7 +9,7 @@ There is one private write path for index rows (:meth:`Catalog._index`); only a
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -314,16 +314,19 @@ class Catalog:
         )
 
     # ----------------------------------------------------------------- deletion
-    def delete_runs(self, model_id: str, run_id: str | None = None, *, deleted_by: str = "") -> list[Deletion]:
+    def delete_runs(self, model_id: str, run_id: str | None = None, *, deleted_by: str = "",
+                    expected: Mapping[str, tuple[int, int]] | None = None) -> list[Deletion]:
         """Make ``model_id`` (one run of it if ``run_id``) invisible to every reader at once.
 
         Writes one tombstone per run in one INSERT (all runs vanish together, or none) and
         returns them; empty when nothing of the selection is visible. Its losses and audits go
         with it; a run that shows only losses (:meth:`loss_only_runs`) gets a tombstone naming no
         pack, which hides them. Pack files are not touched: :meth:`purge_deleted` removes those
-        no other run needs. See ``docs/catalog-protocol.md`` (Deletion).
+        no other run needs. ``expected`` (``{run_id: (records, lost)}``): the runs the caller
+        counted (``lost`` for runs that hold only losses, else 0); anything else now raises
+        :class:`SelectionChangedError` and deletes nothing. See ``docs/catalog-protocol.md`` (Deletion).
         """
-        return _deletion.delete_runs(self, model_id, run_id, deleted_by=deleted_by)
+        return _deletion.delete_runs(self, model_id, run_id, deleted_by=deleted_by, expected=expected)
 
     def loss_only_runs(self, model_id: str, run_id: str | None = None) -> dict[str, int]:
         """``{run_id: records lost}`` for the runs of ``model_id`` (``run_id`` only, if given)

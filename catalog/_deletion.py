@@ -33,13 +33,15 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
+
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from dmi.catalog import _schema
 from dmi.catalog._sql import validate_optional_value_id, validate_value_id
-from dmi.storage.errors import PackNotFoundError
+from dmi.storage.errors import PackNotFoundError, SelectionChangedError
 
 # Every function takes the ``Catalog`` it works on as ``catalog`` (not imported here: the
 # catalog module imports this one, and the contracts forbid an import circle).
@@ -64,13 +66,17 @@ class Deletion:
     deleted_at: float
 
 
-def delete_runs(catalog, model_id: str, run_id: str | None = None, *, deleted_by: str = "") -> list[Deletion]:
+def delete_runs(catalog, model_id: str, run_id: str | None = None, *, deleted_by: str = "",
+                expected: Mapping[str, tuple[int, int]] | None = None) -> list[Deletion]:
     """Hide every visible record of ``model_id`` (of one run if ``run_id``) in one INSERT,
     and every visible loss of its runs that hold only losses (:func:`loss_only_runs`).
 
     Returns one :class:`Deletion` per run hidden now, in run order (a loss-only run's names
     no pack and counts no record); empty when nothing of the selection is visible (unknown,
-    or already deleted).
+    or already deleted). ``expected`` (``{run_id: (records, lost)}``, ``lost`` counted for the
+    runs that hold only losses, 0 for the others): what the caller counted, and asked about;
+    when the selection holds anything else now, :class:`SelectionChangedError` and nothing is
+    deleted, so a run published after the count is never deleted unasked.
     """
     params = {"model_id": validate_value_id(model_id, "model id")}
     validate_optional_value_id(deleted_by, "deleted_by")
@@ -88,7 +94,11 @@ def delete_runs(catalog, model_id: str, run_id: str | None = None, *, deleted_by
         params,
     ).to_pylist()
     held = {r["run_id"]: (tuple(sorted(r["packs"])), int(r["n"])) for r in rows}
-    held.update((run, ((), 0)) for run in loss_only_runs(catalog, model_id, run_id))
+    only_lost = loss_only_runs(catalog, model_id, run_id)
+    if expected is not None:
+        _refuse_changed(dict(expected), {**{run: (n, 0) for run, (_, n) in held.items()},
+                                         **{run: (0, lost) for run, lost in only_lost.items()}})
+    held.update((run, ((), 0)) for run in only_lost)
     if not held:
         return []
     deletion_id, now = uuid.uuid4().hex, time.time()
@@ -109,6 +119,11 @@ def delete_runs(catalog, model_id: str, run_id: str | None = None, *, deleted_by
         ),
     )
     return found
+
+
+def _refuse_changed(expected: dict[str, tuple[int, int]], now: dict[str, tuple[int, int]]) -> None:
+    if now != expected:
+        raise SelectionChangedError(now=now)
 
 
 def loss_only_runs(catalog, model_id: str, run_id: str | None = None) -> dict[str, int]:

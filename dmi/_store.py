@@ -20,7 +20,7 @@ import socket
 import threading
 import unicodedata
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -386,7 +386,8 @@ class Store:
                            int(r["requests"]), int(r["records"]), int(r["packs"]), int(r["stored_bytes"]),
                            int(r["raw_bytes"])) for r in rows]
 
-    def delete(self, model_id: str, run_id: str | None = None) -> DeleteReport:
+    def delete(self, model_id: str, run_id: str | None = None, *,
+               expected: Mapping[str, tuple[int, int]] | None = None) -> DeleteReport:
         """Delete every run of ``model_id`` (or one run): invisible to every reader at once,
         then its pack files removed, except packs another run still has records in. A run that
         holds only losses (capture dropped every record: ``catalog.loss_only_runs``) is deleted
@@ -396,9 +397,16 @@ class Store:
         that; a delete interrupted in between is finished by the next ``delete`` (of any
         model). Deleting what is already deleted returns a report with no runs. Raises
         ``RecordNotFoundError`` for a model or run that never existed.
+
+        ``expected`` (``{run_id: (records, lost)}``: the records of each run, and for a run
+        that holds only losses its lost count, as the caller counted them, e.g. to ask a user):
+        when the selection holds anything else by the time the runs are hidden (a run published
+        since, records dropped since), ``SelectionChangedError`` (an ``InvalidArgumentError``
+        whose ``now`` holds what it found) and nothing is deleted.
         """
         finished = self.catalog.purge_deleted(self.packs)
-        deletions = self.catalog.delete_runs(model_id, run_id, deleted_by=f"{socket.gethostname()}:{os.getpid()}")
+        deletions = self.catalog.delete_runs(model_id, run_id, deleted_by=f"{socket.gethostname()}:{os.getpid()}",
+                                             expected=expected)
         if not deletions:
             if not self.catalog.deletions(model_id, run_id):
                 self._diagnose(model_id, None, None, run_id=run_id)

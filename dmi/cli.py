@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dmi.storage.errors import DMIError, InvalidArgumentError
+from dmi.storage.errors import DMIError, InvalidArgumentError, SelectionChangedError
 
 __all__ = ["main"]
 
@@ -308,10 +308,16 @@ def _cmd_delete(args: argparse.Namespace) -> int:
 
     with _open_store(args) as store:
         targets = _delete_targets(store, args)
+        expected = None
         if targets and not args.yes:
             _confirm(_delete_question(args, targets))
-            _refuse_changed(targets, _delete_targets(store, args))
-        report = store.delete(args.model_id, args.run)
+            expected = {t.run_id: (t.records, t.lost) for t in targets}
+        try:
+            report = store.delete(args.model_id, args.run, expected=expected)
+        except SelectionChangedError as exc:
+            raise InvalidArgumentError(
+                f"not deleted: the selection changed while you were asked (it now holds {exc.holds}); "
+                "run dmi delete again to be asked about what it holds now") from exc
     if args.json:
         _emit_json(report.as_dict())
         return EXIT_OK
@@ -361,22 +367,6 @@ def _delete_question(args: argparse.Namespace, targets: list[_DeleteTarget]) -> 
                       f"{human_bytes(sum(t.stored_bytes for t in targets))} stored"]
                      + [f"{t.run_id}: 0 records ({human_count(t.lost)} lost)" for t in only_lost])
     return f"delete model {args.model_id} ({len(targets)} run{'s' if len(targets) != 1 else ''}): {size}?"
-
-
-def _refuse_changed(asked: list[_DeleteTarget], now: list[_DeleteTarget]) -> None:
-    """Refuse to delete when what the user said yes to changed while the question waited (a
-    writer published another run, or more records of one, or dropped more records of a run
-    that holds only losses): yes was said to the runs and sizes in the question, not to what
-    came after."""
-    def summary(runs: list[_DeleteTarget]) -> list[tuple[str, int, int]]:
-        return [(r.run_id, r.records, r.lost) for r in runs]
-
-    if summary(asked) != summary(now):
-        listed = ", ".join(f"{run} ({records} records{f', {lost} lost' if lost else ''})"
-                           for run, records, lost in summary(now)) or "nothing"
-        raise InvalidArgumentError(
-            f"not deleted: the selection changed while you were asked (it now holds {listed}); "
-            "run dmi delete again to be asked about what it holds now")
 
 
 def _confirm(question: str) -> None:

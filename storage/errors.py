@@ -14,7 +14,8 @@ exception types. Builtin mix-ins are added where callers naturally expect them.
     │   ├── PlanError                            a capture plan file refused, at a field path
     │   ├── LossyCodecError                      a lossy codec (fp8, int8) asked for integer values
     │   ├── DuplicateRecordError                 a record key the writer's open pack already holds
-    │   └── StaleLoaderStateError                an old loader state that cannot say where it stopped
+    │   ├── StaleLoaderStateError                an old loader state that cannot say where it stopped
+    │   └── SelectionChangedError                a deletion's runs changed since they were counted
     ├── PackError                                the pack files (format, storage)
     │   ├── PackNotFoundError (FileNotFoundError)
     │   ├── PackCorruptError                     checksum mismatch, undecodable payload
@@ -69,6 +70,7 @@ __all__ = [
     "LossyCodecError",
     "DuplicateRecordError",
     "StaleLoaderStateError",
+    "SelectionChangedError",
     "PackError",
     "PackNotFoundError",
     "PackCorruptError",
@@ -158,6 +160,20 @@ class StaleLoaderStateError(InvalidArgumentError):
     damaged: its row counted only the kept rows, in an order drawn over them alone, and the
     state records neither the damage it met nor its ``on_error``, so which rows it had yielded
     cannot be told. Resumed, rows would come twice or never; it is refused instead."""
+
+
+class SelectionChangedError(InvalidArgumentError):
+    """A deletion was told which runs to expect, with their record and loss counts, and found
+    others (a run published or records dropped since they were counted): nothing was deleted.
+    ``now`` is what it found, ``{run_id: (records, lost)}`` in run order; ``holds``, the same
+    as text (``r1 (3 records), r2 (0 records, 12 lost)``, or ``nothing``)."""
+
+    def __init__(self, *args, now=None):
+        self.now = dict(sorted((now or {}).items()))
+        self.holds = ", ".join(f"{run} ({records} records{f', {lost} lost' if lost else ''})"
+                               for run, (records, lost) in self.now.items()) or "nothing"
+        super().__init__(*args or (f"not deleted: the selection changed since it was counted (it now holds "
+                                   f"{self.holds}); count it again and delete what it holds now",))
 
 
 class PackError(DMIError):

@@ -265,3 +265,53 @@ def test_cli_delete_refuses_when_a_run_arrives_while_it_asks(home, capsys, monke
     with dmi.open(home=home.path) as store:
         assert [(r.model_id, r.run_id) for r in store.runs()] == [
             ("m", "drop"), ("m", "keep"), ("m", "late"), ("other", "drop")]
+
+
+def test_cli_delete_refuses_a_run_that_arrives_after_the_yes_while_the_delete_begins(home, capsys, monkeypatch,
+                                                                                     model):
+    """The run arrives after the user's yes, inside ``Store.delete`` (stood in for by its first
+    step, finishing an earlier delete's files): the delete compares what it finds with what the
+    user was asked about, so the late run is not deleted unasked."""
+    import dmi.cli as cli
+    from dmi.catalog import Catalog
+
+    opened = []
+    open_store = cli._open_store
+    monkeypatch.setattr(cli, "_open_store", lambda args: opened.append(open_store(args)) or opened[-1])
+    purge = Catalog.purge_deleted
+
+    def purge_while_a_run_arrives(self, packs):
+        if not opened[0].catalog.requests("m", run_id="late"):
+            ids, mask = left_padded_batch()
+            with opened[0].capture(model, hooks=HOOKS, model_id="m", run_id="late") as cap, torch.inference_mode():
+                cap.forward(ids, mask, request_ids=["l1", "l2", "l3"])
+        return purge(self, packs)
+
+    monkeypatch.setattr(Catalog, "purge_deleted", purge_while_a_run_arrives)
+    monkeypatch.setattr(sys, "stdin", Terminal("y\n"))
+    rc, out, err = run_cli(capsys, "delete", "m", "--home", str(home.path))
+    assert out.startswith("delete model m (2 runs): 24 records")
+    assert rc == 2 and err == ("dmi: error: not deleted: the selection changed while you were asked (it now holds "
+                               "drop (12 records), keep (12 records), late (12 records)); run dmi delete again to "
+                               "be asked about what it holds now\n")
+    with dmi.open(home=home.path) as store:
+        assert [(r.model_id, r.run_id) for r in store.runs()] == [
+            ("m", "drop"), ("m", "keep"), ("m", "late"), ("other", "drop")]
+
+
+def test_store_delete_with_the_counts_it_was_given_deletes_and_with_others_refuses(home):
+    from dmi.storage import SelectionChangedError
+
+    with dmi.open(home=home.path) as store:
+        with pytest.raises(SelectionChangedError) as changed:
+            store.delete("m", expected={"drop": (12, 0)})
+        assert changed.value.now == {"drop": (12, 0), "keep": (12, 0)}
+        assert str(changed.value) == ("not deleted: the selection changed since it was counted (it now holds "
+                                      "drop (12 records), keep (12 records)); count it again and delete what it "
+                                      "holds now")
+        with pytest.raises(SelectionChangedError):
+            store.delete("m", "drop", expected={"drop": (11, 0)})
+        assert [(r.model_id, r.run_id) for r in store.runs()] == [("m", "drop"), ("m", "keep"), ("other", "drop")]
+        report = store.delete("m", "drop", expected={"drop": (12, 0)})
+        assert report.run_ids == ("drop",) and report.records == 12
+        assert [(r.model_id, r.run_id) for r in store.runs()] == [("m", "keep"), ("other", "drop")]
