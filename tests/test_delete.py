@@ -239,24 +239,25 @@ def test_a_mistyped_model_is_unknown_even_when_the_call_finishes_an_interrupted_
         assert [(r.model_id, r.run_id) for r in store.runs()] == [("m", "keep"), ("other", "drop")]
 
 
-def test_cli_delete_refuses_when_a_run_arrives_while_it_asks(home, capsys, monkeypatch, model):
+def _the_commands_store(monkeypatch) -> list:
+    """The store ``dmi`` opens, once it has opened it (a list to read it from)."""
     import dmi.cli as cli
 
     opened = []
     open_store = cli._open_store
     monkeypatch.setattr(cli, "_open_store", lambda args: opened.append(open_store(args)) or opened[-1])
+    return opened
 
-    class Answering(Terminal):
-        """A terminal whose user says yes after another writer published run "late" of model m
-        (in this process, through the command's own store: chDB is one process at a time)."""
 
-        def readline(self, *args):
-            ids, mask = left_padded_batch()
-            with opened[0].capture(model, hooks=HOOKS, model_id="m", run_id="late") as cap, torch.inference_mode():
-                cap.forward(ids, mask, request_ids=["l1", "l2", "l3"])
-            return super().readline(*args)
+def _publish_late_run(store, model) -> None:
+    """Another writer publishes run "late" of model m (in this process, through the command's
+    own store: chDB is one process at a time)."""
+    ids, mask = left_padded_batch()
+    with store.capture(model, hooks=HOOKS, model_id="m", run_id="late") as cap, torch.inference_mode():
+        cap.forward(ids, mask, request_ids=["l1", "l2", "l3"])
 
-    monkeypatch.setattr(sys, "stdin", Answering("y\n"))
+
+def _assert_the_late_run_refused(capsys, home) -> None:
     rc, out, err = run_cli(capsys, "delete", "m", "--home", str(home.path))
     assert out.startswith("delete model m (2 runs): 24 records")
     assert rc == 2 and err == ("dmi: error: not deleted: the selection changed while you were asked (it now holds "
@@ -265,6 +266,20 @@ def test_cli_delete_refuses_when_a_run_arrives_while_it_asks(home, capsys, monke
     with dmi.open(home=home.path) as store:
         assert [(r.model_id, r.run_id) for r in store.runs()] == [
             ("m", "drop"), ("m", "keep"), ("m", "late"), ("other", "drop")]
+
+
+def test_cli_delete_refuses_when_a_run_arrives_while_it_asks(home, capsys, monkeypatch, model):
+    opened = _the_commands_store(monkeypatch)
+
+    class Answering(Terminal):
+        """A terminal whose user says yes after another writer published run "late"."""
+
+        def readline(self, *args):
+            _publish_late_run(opened[0], model)
+            return super().readline(*args)
+
+    monkeypatch.setattr(sys, "stdin", Answering("y\n"))
+    _assert_the_late_run_refused(capsys, home)
 
 
 def test_cli_delete_refuses_a_run_that_arrives_after_the_yes_while_the_delete_begins(home, capsys, monkeypatch,
@@ -272,31 +287,19 @@ def test_cli_delete_refuses_a_run_that_arrives_after_the_yes_while_the_delete_be
     """The run arrives after the user's yes, inside ``Store.delete`` (stood in for by its first
     step, finishing an earlier delete's files): the delete compares what it finds with what the
     user was asked about, so the late run is not deleted unasked."""
-    import dmi.cli as cli
     from dmi.catalog import Catalog
 
-    opened = []
-    open_store = cli._open_store
-    monkeypatch.setattr(cli, "_open_store", lambda args: opened.append(open_store(args)) or opened[-1])
+    opened = _the_commands_store(monkeypatch)
     purge = Catalog.purge_deleted
 
     def purge_while_a_run_arrives(self, packs):
         if not opened[0].catalog.requests("m", run_id="late"):
-            ids, mask = left_padded_batch()
-            with opened[0].capture(model, hooks=HOOKS, model_id="m", run_id="late") as cap, torch.inference_mode():
-                cap.forward(ids, mask, request_ids=["l1", "l2", "l3"])
+            _publish_late_run(opened[0], model)
         return purge(self, packs)
 
     monkeypatch.setattr(Catalog, "purge_deleted", purge_while_a_run_arrives)
     monkeypatch.setattr(sys, "stdin", Terminal("y\n"))
-    rc, out, err = run_cli(capsys, "delete", "m", "--home", str(home.path))
-    assert out.startswith("delete model m (2 runs): 24 records")
-    assert rc == 2 and err == ("dmi: error: not deleted: the selection changed while you were asked (it now holds "
-                               "drop (12 records), keep (12 records), late (12 records)); run dmi delete again to "
-                               "be asked about what it holds now\n")
-    with dmi.open(home=home.path) as store:
-        assert [(r.model_id, r.run_id) for r in store.runs()] == [
-            ("m", "drop"), ("m", "keep"), ("m", "late"), ("other", "drop")]
+    _assert_the_late_run_refused(capsys, home)
 
 
 def test_store_delete_with_the_counts_it_was_given_deletes_and_with_others_refuses(home):
