@@ -139,13 +139,18 @@ class _SessionGate:
     Unlike an ``RLock`` it can leave work to its holder: :meth:`run_alone` runs an action (the
     close) once no other thread holds it, and where that cannot happen now — the caller holds
     it itself, or the wait is interrupted — the holder runs the action as it lets go, so that
-    the action is neither run under a holder's feet nor lost."""
+    the action is neither run under a holder's feet nor lost.
+
+    A forward's hold is marked (:attr:`forward`) in the same step as it is taken and let go
+    (:meth:`acquire_forward`, ``release(forward=True)``): a ``KeyboardInterrupt`` cannot fall
+    between a hold and its mark and leave a hold that no one knows to let go."""
 
     def __init__(self):
         self._cond = threading.Condition()
         self._holder: int | None = None
         self._depth = 0
         self._then = None  # the action the holder runs as it lets go
+        self.forward: int | None = None  # the thread whose forward holds the gate
 
     def __enter__(self):
         self.acquire()
@@ -160,8 +165,19 @@ class _SessionGate:
         with self._cond:
             while self._holder not in (None, me):
                 self._wait()
-            self._holder = me
-            self._depth += 1
+            self._holder, self._depth = me, self._depth + 1
+
+    def acquire_forward(self) -> bool:
+        """Hold the gate for a forward of this thread, marked as such. True when the mark it
+        replaces is another thread's: a forward hold the gate took over from a thread that
+        ended inside a forward, whose step the caller abandons."""
+        me = threading.get_ident()
+        with self._cond:
+            while self._holder not in (None, me):
+                self._wait()
+            orphaned = self.forward not in (None, me)
+            self._holder, self._depth, self.forward = me, self._depth + 1, me
+        return orphaned
 
     def _wait(self) -> None:
         """Wait for the holder to let go (under the condition). A holder whose thread has ended
@@ -170,17 +186,19 @@ class _SessionGate:
         if not self._cond.wait(HOLDER_CHECK_SECONDS) and self._holder not in _live_threads():
             self._holder, self._depth = None, 0
 
-    def release(self) -> None:
-        """Let go of one hold; the last one first runs the action left to the holder, if any."""
+    def release(self, *, forward: bool = False) -> None:
+        """Let go of one hold (``forward``: a forward's, its mark cleared with it); the last one
+        first runs the action left to the holder, if any."""
         with self._cond:
+            mark = None if forward else self.forward
             then = self._then if self._depth == 1 else None
             if then is None:
-                self._depth -= 1
-                if not self._depth:
-                    self._holder = None
+                depth = self._depth - 1
+                self._depth, self._holder, self.forward = depth, self._holder if depth else None, mark
+                if not depth:
                     self._cond.notify_all()
                 return
-            self._then = None
+            self._then, self.forward = None, mark
         try:
             then()  # still held: nothing else starts meanwhile
         finally:
@@ -264,7 +282,6 @@ class CaptureSession:
         self.compiled = compiled
         self._lock = _SessionGate()  # held by each call and forward, by flush and close
         self._calls = 0  # session calls the gate's holder is inside (only the holder changes it)
-        self._forward_thread: int | None = None  # the thread whose forward holds the gate
         self.published: list = []
 
     # -- public ---------------------------------------------------------------------------------
@@ -381,28 +398,27 @@ class CaptureSession:
         if self._holds_forward():
             self._abandon_step()  # the forward that left the hold never completed its step
             return True
-        self._lock.acquire()
+        orphaned = self._lock.acquire_forward()
         if self._closed:
-            self._lock.release()
+            self._leave_forward()
             return False
-        self._abandon_orphaned_step()
-        self._forward_thread = threading.get_ident()
+        if orphaned:
+            self._abandon_step()
         return True
 
     def _holds_forward(self) -> bool:
-        return self._forward_thread == threading.get_ident()
+        return self._lock.forward == threading.get_ident()
 
     def _abandon_orphaned_step(self) -> None:
         """Holding the gate: a forward hold of another thread is one the gate took over from a
         thread that ended inside a forward (no post-hook): that forward's step is abandoned
         before anything else reaches the ring."""
-        if self._forward_thread is not None and not self._holds_forward():
+        if self._lock.forward is not None and not self._holds_forward():
             self._abandon_step()
-            self._forward_thread = None
+            self._lock.forward = None
 
     def _leave_forward(self) -> None:
-        self._forward_thread = None
-        self._lock.release()
+        self._lock.release(forward=True)
 
     def _drop_stale_forward(self) -> None:
         """Outside every session call, a forward hold of this thread is one a forward left without

@@ -371,6 +371,40 @@ def test_a_forward_interrupted_on_a_thread_that_ended_does_not_hold_the_session_
     _same(_as_reference(_by_key(w), rids), want)
 
 
+class _InterruptedAsTaken:
+    """Makes the next forward's hold of the session end in ``KeyboardInterrupt`` the moment the
+    gate is taken: the earliest bytecode a real Ctrl-C could fall on in the pre-hook."""
+
+    def __init__(self, gate):
+        self.gate, self.take = gate, gate.acquire_forward
+
+    def __call__(self):
+        self.take()
+        del self.gate.acquire_forward  # once
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("how", ["session-forward", "model-forward"])
+def test_an_interrupt_as_a_forward_takes_the_session_leaves_it_to_other_threads_and_to_close(how):
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    want = _uninterrupted(model, "session-forward", ids, mask)
+    w = MemoryWriter()
+    with attach(model, hooks=HOOKS, writer=w, run_id="r") as cap:
+        cap._lock.acquire_forward = _InterruptedAsTaken(cap._lock)
+        with pytest.raises(KeyboardInterrupt):
+            CALLS[how](cap, model, ids, mask)
+        if how == "model-forward":
+            model(ids, attention_mask=mask)  # the next forward on this thread takes the hold over, and ends it
+        rids = ["y0", "y1", "y2"]
+        _Worker(lambda: cap.forward(ids, mask, request_ids=rids)).finish()
+        assert _Worker(lambda: cap.flush()).finish() == []  # nothing published without a catalog
+    assert cap._lock._holder is None
+    with attach(model, writer=MemoryWriter()):  # closed, and the model given back
+        pass
+    _same(_as_reference(_by_key(w), rids), want)
+
+
 def _forward_at_close(hold_gate: bool):
     """A direct forward stopped by a pre-hook that runs before the session's (PyTorch has taken
     the list of pre-hooks), the session closed, the forward let go. With ``hold_gate`` the test
