@@ -5,8 +5,6 @@ into S3 packs with a chDB catalog read back bit-exact, and recovery by listing."
 from __future__ import annotations
 
 import sys
-import types
-from unittest import mock
 
 import pytest
 import torch
@@ -25,6 +23,7 @@ from dmi.storage import (
     verify_pack,
 )
 from tests._models import left_padded_batch, tiny
+from tests._resealed import write_same_size_packs
 from tests.pack_store_conformance import PackStoreConformance, body, new_id, read, seal
 
 pytestmark = pytest.mark.s3
@@ -117,16 +116,10 @@ def test_footer_is_one_get_and_cached_records_are_coalesced_ranged_gets(s3_store
 def test_a_pack_put_again_with_the_same_size_is_read_through_its_own_footer(s3_endpoint):
     """An object put again under a pack's key (a restored backup, a re-sealed pack) with the
     same size but other values: its ETag differs, so it is read through its own footer, not
-    the one cached for the old object (whose checksums would refuse every record). Both are
-    sealed at one fixed time: the footer holds the seal time as text, of varying length."""
+    the one cached for the old object (whose checksums would refuse every record)."""
     pack_id, key = "ab" * 16, RecordKey("s3-model", "run", "req0", "resid_post", 0, 0, 3)
     live, resealed = (PackStore.from_uri(s3_endpoint.uri(s3_endpoint.new_bucket())) for _ in range(2))
-    clock = types.SimpleNamespace(time=lambda: 1_796_585_198.18635)
-    with mock.patch("dmi.storage._writer.secrets.token_hex", return_value=pack_id), \
-            mock.patch("dmi.storage._writer.time", clock):
-        for value, store in zip((1.0, 2.0), (live, resealed)):
-            with PackWriter(store, codec="raw") as writer:
-                writer.append(key, torch.full((3, 8), value))
+    write_same_size_packs((live, resealed), pack_id, key)
     cache = FooterCache()
     assert read_by_key(live, pack_id, key, cache=cache).tolist() == [[1.0] * 8] * 3
     again = resealed.client.get_object(Bucket=resealed.s3.bucket, Key=resealed._key(pack_id))["Body"].read()

@@ -5,8 +5,6 @@ creates the catalog, and the footer cache seeing a pack file replaced by one of 
 import dataclasses
 import os
 import struct
-import types
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -17,6 +15,7 @@ from dmi.cli import main
 from dmi.reader import FooterCache, load_footer, read_by_key, read_records
 from dmi.storage import CodecError, PackError, PackStore, PackWriter, RecordKey, checksum, decode
 from dmi.storage.errors import InvalidArgumentError, PackCorruptError, RecoveryIncompleteError
+from tests._resealed import write_same_size_packs
 
 FIFO_ID = "0" * 32  # sorts before every written pack: recovery meets it first
 DIR_ID = "1" * 32
@@ -175,16 +174,9 @@ def test_local_directory_names_the_directory_and_creates_nothing(tmp_path):
 
 
 def _same_size_packs(tmp_path, pack_id: str) -> tuple[PackStore, PackStore]:
-    """Two packs with one id and one size but other values: a live store and a re-sealed copy.
-    Both are sealed at one fixed time: the footer holds the seal time as text, whose length
-    varies with the clock (a flake: 8458 and 8450 bytes in one CI run)."""
+    """Two packs with one id and one size but other values: a live store and a re-sealed copy."""
     stores = (PackStore.local(tmp_path / "live"), PackStore.local(tmp_path / "resealed"))
-    clock = types.SimpleNamespace(time=lambda: 1_796_585_198.18635)
-    with mock.patch("dmi.storage._writer.secrets.token_hex", return_value=pack_id), \
-            mock.patch("dmi.storage._writer.time", clock):
-        for value, store in zip((1.0, 2.0), stores):
-            with PackWriter(store, codec="raw") as writer:
-                writer.append(KEY, torch.full((3, 8), value))
+    write_same_size_packs(stores, pack_id, KEY)
     assert os.path.getsize(stores[0].location(pack_id)) == os.path.getsize(stores[1].location(pack_id))
     return stores
 
