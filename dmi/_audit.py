@@ -492,6 +492,7 @@ def run_audit(catalog: Any, read: ReadRecords, model_id: str, model: Any, *, mod
     """Audit ``model_id``'s capture against ``model`` (see ``Store.audit``) in this process
     (per rank: :func:`dmi._audit_rank.run_rank_audit`)."""
     kind = "exact" if exact else "batched"
+    started = time.time()  # before anything is read: a deletion decided while it runs hides it
     entries = choose_requests(catalog, model_id, run_id, requests, request_ids, seed)
     vllm = vllm_requests(catalog, entries)
     # every request's tolerance before any re-run: a refusal (exact=True on TP or vLLM) costs nothing
@@ -500,7 +501,7 @@ def run_audit(catalog: Any, read: ReadRecords, model_id: str, model: Any, *, mod
     checks: list[AuditCheck] = []
     for pair in entries:
         checks.extend(audit_request(model, *pair, entries[pair], read, request_kinds[pair]))
-    report = new_report(model_id, model_name, seed, tuple(entries), checks, kind)
+    report = new_report(model_id, model_name, seed, tuple(entries), checks, kind, audited_at=started)
     if record:
         catalog.record_audit(audit_rows(report))
     return report
@@ -525,12 +526,14 @@ def choose_requests(catalog: Any, model_id: str, run_id: str | None, requests: i
 
 
 def new_report(model_id: str, model_name: str, seed: int, chosen: tuple[tuple[str, str], ...],
-               checks: Sequence[AuditCheck], kind: str, *, audit_id: str | None = None,
-               audited_at: float | None = None) -> AuditReport:
-    """The report of an audit that checked ``chosen`` (a fresh id and time unless given)."""
+               checks: Sequence[AuditCheck], kind: str, *, audited_at: float,
+               audit_id: str | None = None) -> AuditReport:
+    """The report of an audit that checked ``chosen`` (a fresh id unless given). ``audited_at``:
+    when the audit started, before it read the catalog — its rows' stamp, so that a deletion
+    decided while it ran hides them (docs/catalog-protocol.md)."""
     kinds = ", ".join(dict.fromkeys(c.tolerance for c in checks)) or kind
-    return AuditReport(audit_id or new_audit_id(), model_id, model_name, seed, kinds,
-                       time.time() if audited_at is None else audited_at, chosen, tuple(checks))
+    return AuditReport(audit_id or new_audit_id(), model_id, model_name, seed, kinds, audited_at, chosen,
+                       tuple(checks))
 
 
 def new_audit_id() -> str:

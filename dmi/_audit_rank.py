@@ -97,6 +97,7 @@ def run_rank_audit(catalog: Any, read: ReadRecords, model_id: str, model: Any, p
     the report of every rank's checks, and TP rank 0 records it."""
     tp = rank_group(model, per_rank)
     kind = "exact" if exact else "batched"
+    started = time.time()  # before anything is read: a deletion decided while it runs hides it
     plans: list[RequestPlan] = []
     problem: DMIError | None = None
     try:
@@ -106,7 +107,7 @@ def run_rank_audit(catalog: Any, read: ReadRecords, model_id: str, model: Any, p
     except DMIError as exc:  # told to every rank before it is raised here: none is left waiting
         problem = exc
     chosen = tuple((p.run, p.request_id) for p in plans)
-    audit_id, audited_at = _agree(tp, problem, chosen)
+    audit_id, audited_at = _agree(tp, problem, chosen, started)
     checks: list[AuditCheck] = []
     error: DMIError | None = None
     for plan in plans:
@@ -171,10 +172,12 @@ def _all_gather(tp: RankGroup, obj: Any) -> list[Any]:
     return out
 
 
-def _agree(tp: RankGroup, problem: DMIError | None, chosen: tuple[tuple[str, str], ...]) -> tuple[str, float]:
+def _agree(tp: RankGroup, problem: DMIError | None, chosen: tuple[tuple[str, str], ...],
+           started: float) -> tuple[str, float]:
     """Every rank's refusal (if any) and chosen requests, exchanged before any re-run; raises
-    on every rank if one refused or they chose differently. Returns rank 0's audit id and time."""
-    said = _all_gather(tp, ("" if problem is None else str(problem), chosen, new_audit_id(), time.time()))
+    on every rank if one refused or they chose differently. Returns rank 0's audit id and the
+    time it ``started`` (the audit's time: taken before it read the catalog)."""
+    said = _all_gather(tp, ("" if problem is None else str(problem), chosen, new_audit_id(), started))
     if problem is not None:
         raise problem
     refused = [f"TP rank {r}: {message}" for r, (message, *_) in enumerate(said) if message]

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import dmi
+from dmi import _audit
 from dmi._audit_compare import BATCHED_NOISE, MARGIN
 from dmi.storage import PackWriter
 from dmi.storage.errors import AuditError
@@ -319,6 +320,31 @@ def test_verdicts_are_written_to_the_catalog_and_queryable(store):
     assert bad["checks"] == len([c for c in report.checks if c.request_id == rids[2]])
     per_hook = store.sql("SELECT hook, layer, first_fail FROM {audits} WHERE verdict = 'fail'")
     assert per_hook.to_pylist() == [{"hook": "resid_post", "layer": 0, "first_fail": 0}]
+
+
+def test_an_audit_overtaken_by_a_deletion_is_hidden_with_its_run(store, monkeypatch):
+    """The run is deleted after the audit read its records and before its rows are written.
+    They are stamped with the audit's start, at or before the tombstone, which hides them:
+    the deleted run does not come back as one holding only an audit."""
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    model_id, _ = _capture(store, model, ids, mask)
+    check_request, checked = _audit.audit_request, []
+
+    def deleted_after_the_last(*args, **kwargs):
+        checked.append(check_request(*args, **kwargs))
+        if len(checked) == 2:  # every record of the sample read
+            store.delete(model_id)
+        return checked[-1]
+
+    monkeypatch.setattr(_audit, "audit_request", deleted_after_the_last)
+    report = store.audit(model_id, model=model, requests=2)
+    assert report.passed and len(report.requests) == 2
+    (deletion,) = store.catalog.deletions(model_id)
+    assert report.audited_at <= deletion.deleted_at
+    assert store.catalog.audits(model_id=model_id).num_rows == 0
+    recorded = store.sql(f"SELECT count() AS n FROM {{audits}} WHERE audit_id = '{report.audit_id}'")
+    assert recorded.column("n").to_pylist() == [len(report.checks)]  # the raw table keeps them
 
 
 def test_a_request_without_token_ids_cannot_be_audited(store):
