@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 
 import pytest
 import torch
@@ -88,11 +89,26 @@ def _outcome(call):
         return ("error", type(exc).__name__, str(exc))
 
 
+def _read_times(module) -> dict[str, float]:
+    """When each model id's first per-rank audit began to read the catalog (``choose_requests``
+    wrapped in ``module``, the per-rank audit's)."""
+    read_at: dict[str, float] = {}
+    choose = module.choose_requests
+
+    def timed(catalog, model_id, *args, **kwargs):
+        read_at.setdefault(model_id, time.time())
+        return choose(catalog, model_id, *args, **kwargs)
+
+    module.choose_requests = timed
+    return read_at
+
+
 def _rank_audits(rank: int, world: int, home: str, path: str) -> dict:
     """On one rank: every case's capture, then every case's per-rank audit."""
     import torch.distributed as dist
     import transformers
 
+    from dmi import _audit_rank
     from dmi.capture import TPShard, load_tensor_parallel
 
     ids, mask = left_padded_batch()
@@ -111,6 +127,7 @@ def _rank_audits(rank: int, world: int, home: str, path: str) -> dict:
         rids["alone"] = _capture(store, hand, "alone", cut, ids[:1])  # the unpadded 7-token prompt, alone
         group = dist.group.WORLD
         solo = dist.new_group([0])  # a group of one rank, which rank 1 is not in
+        read_at = _read_times(_audit_rank)
         audits = {
             "honest": _outcome(lambda: store.audit("honest", model=hf_tp, per_rank=True)),
             "fault": _outcome(lambda: store.audit("fault", model=hand, per_rank=group, request_ids=rids["fault"])),
@@ -122,7 +139,7 @@ def _rank_audits(rank: int, world: int, home: str, path: str) -> dict:
             "differ": _outcome(lambda: store.audit("honest", model=hf_tp, per_rank=True, record=False,
                                                    request_ids=[rids["honest"][rank]])),
         }
-    return {"rids": rids, "audits": audits}
+    return {"rids": rids, "audits": audits, "read_at": read_at}
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +245,14 @@ def test_rank_0_records_the_per_rank_audit_once_with_every_ranks_checks(ranks, c
         ranks["store"] = dmi.open(home=ranks["home"])
     assert [r["last_audit"] for r in fault_runs] == ["FAILED 3 checks (batched)"]
     assert [r["last_audit"] for r in honest_runs] == ["passed (batched)"]
+
+
+def test_a_per_rank_audit_is_stamped_with_rank_0s_start_before_any_rank_read_the_catalog(ranks):
+    """Its rows then carry a time no deletion decided while it ran can precede, so the
+    tombstone hides them (the single-process audit's race is tested in ``test_audit.py``)."""
+    reports = _reports(ranks, "fault")
+    assert reports[0]["audited_at"] == reports[1]["audited_at"]
+    assert reports[0]["audited_at"] <= ranks["results"][0]["read_at"]["fault"]
 
 
 def test_a_wrong_shard_order_passes_per_rank_and_is_left_to_the_merged_audit(ranks):
