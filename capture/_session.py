@@ -161,22 +161,22 @@ class _SessionGate:
 
     def acquire(self) -> None:
         """Hold the gate, once no other thread does."""
-        me = threading.get_ident()
-        with self._cond:
-            while self._holder not in (None, me):
-                self._wait()
-            self._holder, self._depth = me, self._depth + 1
+        self._take(forward=False)
 
     def acquire_forward(self) -> bool:
         """Hold the gate for a forward of this thread, marked as such. True when the mark it
         replaces is another thread's: a forward hold the gate took over from a thread that
         ended inside a forward, whose step the caller abandons."""
+        return self._take(forward=True)
+
+    def _take(self, *, forward: bool) -> bool:
         me = threading.get_ident()
         with self._cond:
             while self._holder not in (None, me):
                 self._wait()
-            orphaned = self.forward not in (None, me)
-            self._holder, self._depth, self.forward = me, self._depth + 1, me
+            mark = me if forward else self.forward
+            orphaned = forward and self.forward not in (None, me)
+            self._holder, self._depth, self.forward = me, self._depth + 1, mark
         return orphaned
 
     def _wait(self) -> None:

@@ -95,9 +95,10 @@ def delete_runs(catalog, model_id: str, run_id: str | None = None, *, deleted_by
     ).to_pylist()
     held = {r["run_id"]: (tuple(sorted(r["packs"])), int(r["n"])) for r in rows}
     only_lost = loss_only_runs(catalog, model_id, run_id)
-    counted = {**{run: (n, 0) for run, (_, n) in held.items()}, **{run: (0, lost) for run, lost in only_lost.items()}}
-    if expected is not None and counted != dict(expected):
-        raise SelectionChangedError(now=counted)
+    if expected is not None:
+        counted = {**{run: (n, 0) for run, (_, n) in held.items()}, **{run: (0, lost) for run, lost in only_lost.items()}}
+        if counted != dict(expected):
+            raise SelectionChangedError(now=counted)
     held.update((run, ((), 0)) for run in only_lost)
     if not held:
         return []

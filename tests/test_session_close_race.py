@@ -398,7 +398,7 @@ def test_an_interrupt_as_a_forward_takes_the_session_leaves_it_to_other_threads_
             model(ids, attention_mask=mask)  # the next forward on this thread takes the hold over, and ends it
         rids = ["y0", "y1", "y2"]
         _Worker(lambda: cap.forward(ids, mask, request_ids=rids)).finish()
-        assert _Worker(lambda: cap.flush()).finish() == []  # nothing published without a catalog
+        assert _Worker(lambda: cap.flush()).finish() == []  # returns: a memory writer seals no pack
     assert cap._lock._holder is None
     with attach(model, writer=MemoryWriter()):  # closed, and the model given back
         pass
