@@ -22,6 +22,7 @@ import errno
 import io
 import json
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -58,7 +59,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_layers(text: str | None) -> Any:
-    """``"0:4"`` → ``range(0, 4)``; ``"2:"`` → ``slice(2, None)``; ``"3"`` → ``[3]``; ``"0,2"`` → ``[0, 2]``; ``"all"`` → ``None``."""
+    """``"0:4"`` → ``range(0, 4)``; ``"2:"`` → ``slice(2, None)``; ``"3"`` → ``[3]``; ``"0,2"`` → ``[0, 2]``;
+    ``"0-3"`` → ``[0, 1, 2, 3]`` (both ends included: the form ``dmi requests`` and ``dmi show`` print,
+    so a printed span can be pasted back); ``"all"`` → ``None``."""
     if text is None or text.strip() in ("", "all"):
         return None
     text = text.strip()
@@ -66,11 +69,26 @@ def parse_layers(text: str | None) -> Any:
         if ":" in text:
             start, _, stop = text.partition(":")
             return range(int(start or 0), int(stop)) if stop else slice(int(start or 0), None)
-        return [int(part) for part in text.split(",")]
+        return [layer for part in text.split(",") for layer in _layer_part(part)]
     except ValueError:
         raise InvalidArgumentError(
-            f"cannot read layers {text!r}: use START:STOP (stop excluded), N, or N,M,... "
+            f"cannot read layers {text!r}: use START:STOP (stop excluded), FIRST-LAST (both included), N, or N,M,... "
         ) from None
+
+
+_INCLUSIVE_SPAN = re.compile(r"\s*(\d+)\s*-\s*(\d+)\s*")
+
+
+def _layer_part(part: str) -> list[int]:
+    """One comma-separated part of ``--layers``: ``"N"`` or ``"FIRST-LAST"`` (``ValueError`` otherwise,
+    and for a span that runs backwards)."""
+    span = _INCLUSIVE_SPAN.fullmatch(part)
+    if span is None:
+        return [int(part)]
+    first, last = int(span[1]), int(span[2])
+    if last < first:
+        raise ValueError(part)
+    return list(range(first, last + 1))
 
 
 MAX_PLOT_SIDE = 10000
@@ -788,7 +806,8 @@ def _build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--hooks",
                      help="hook names and group tokens, comma separated (default: resid_post; e.g. resid,attn,logits)")
     cap.add_argument("--layers", metavar="RANGE",
-                     help="START:STOP (stop excluded), START:, N, or N,M,...; negative N counts from the end "
+                     help="START:STOP (stop excluded), START:, FIRST-LAST (both included), N, or N,M,...; negative N counts "
+                          "from the end "
                           "(default: all)")
     cap.add_argument("--phases", help="prefill, decode, forward (default: prefill,decode)")
     cap.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help="new tokens per prompt, greedy (default: 16; "
@@ -825,7 +844,7 @@ def _build_parser() -> argparse.ArgumentParser:
     get.add_argument("hook")
     get.add_argument("-o", "--output", required=True, metavar="FILE", help="FILE.safetensors, FILE.npy or FILE.pt")
     get.add_argument("--layers", metavar="RANGE",
-                     help="START:STOP, START:, N, or N,M,...; negative N counts from the last stored layer "
+                     help="START:STOP, START:, FIRST-LAST, N, or N,M,...; negative N counts from the last stored layer "
                           "(default: every stored layer)")
     get.add_argument("--shard-rank", type=int, metavar="RANK", help="only this tensor-parallel rank's shard")
     get.add_argument("--merge-shards", action="store_true", help="join tensor-parallel shards into the full tensor")
@@ -856,7 +875,7 @@ def _build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--hook", default="resid_post", help="which hook (default: resid_post)")
     plot.add_argument("-o", "--output", metavar="PNG", help="output file (default: REQUEST-HOOK.png)")
     plot.add_argument("--layers", metavar="RANGE",
-                      help="START:STOP, START:, N, or N,M,...; negative N counts from the last stored layer "
+                      help="START:STOP, START:, FIRST-LAST, N, or N,M,...; negative N counts from the last stored layer "
                            "(default: every stored layer)")
     plot.add_argument("--shard-rank", type=int, metavar="RANK", help="only this tensor-parallel rank's shard")
     plot.add_argument("--size", type=_parse_size, default=(1200, 500), metavar="WxH",
@@ -871,7 +890,7 @@ def _build_parser() -> argparse.ArgumentParser:
     chosen = exp.add_argument_group("which rows")
     chosen.add_argument("--hooks", default="resid_post", help="hook names, comma separated (default: resid_post)")
     chosen.add_argument("--layers", metavar="RANGE",
-                        help="START:STOP, START:, N, or N,M,...; negative N counts from the last stored layer "
+                        help="START:STOP, START:, FIRST-LAST, N, or N,M,...; negative N counts from the last stored layer "
                              "(default: every stored layer)")
     chosen.add_argument("--runs", metavar="RUN[,RUN...]", help="only these runs (default: every run)")
     chosen.add_argument("--phases", metavar="PHASE[,PHASE...]", help="only prefill, decode and/or forward records")

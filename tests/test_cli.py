@@ -21,6 +21,7 @@ import torch
 
 from dmi._demo import DEMO_HOOKS, DEMO_NEW_TOKENS, DEMO_PROMPTS, NORMS_QUERY
 from dmi._models import byte_tokenizer
+from dmi.cli import parse_layers
 from tests._ports import free_port
 from tests.test_cli_output import png_size
 
@@ -127,6 +128,8 @@ def demo(tmp_path_factory) -> Demo:
         "get_safetensors": ["get", "tiny-llama", r0, "resid_post", "-o", str(out / "r.safetensors"), "--json"],
         "get_pt": ["get", "tiny-llama", r0, "resid_post", "-o", str(out / "r.pt"), "--json"],
         "get_layers": ["get", "tiny-llama", r0, "resid_post", "--layers", "1:3", "-o", str(out / "p.pt"), "--json"],
+        "get_layers_as_shown": ["get", "tiny-llama", r0, "resid_post", "--layers", "1-2", "-o", str(out / "s.pt"),
+                                "--json"],
         "get_token_ids": ["get", "tiny-llama", r0, "token_ids", "-o", str(out / "t.npy"), "--json"],
         "get_r2": ["get", "tiny-llama", r2, "resid_post", "-o", str(out / "r2.pt"), "--json"],
         "get_npy_bf16": ["get", "tiny-llama", r0, "resid_post", "-o", str(out / "x.npy")],
@@ -208,7 +211,8 @@ def test_show_describes_every_hook(demo):
     assert rows["attn_q"]["feature_shape"] == [4, 16] and rows["attn_k"]["feature_shape"] == [2, 16]
     table = demo.results["show_table"].stdout.splitlines()
     assert table[0] == f"model tiny-llama  request {demo.first['request_ids'][0]}  run {demo.first['run_id']}"
-    assert any(line.startswith("resid_post  0-3 ") for line in table)
+    [resid_line] = [line for line in table if line.startswith("resid_post ")]
+    assert parse_layers(resid_line.split()[1]) == resid["layers"]  # a printed span pastes back as --layers
 
 
 def test_get_writes_every_format_with_the_same_values(demo):
@@ -222,6 +226,9 @@ def test_get_writes_every_format_with_the_same_values(demo):
     assert torch.equal(full, torch.load(demo.out / "r.pt"))
     assert parsed(demo.results["get_layers"])["shape"] == [2, n, 64]
     assert torch.equal(torch.load(demo.out / "p.pt"), full[1:3])
+    # the span as `dmi show` prints it (both ends included) reads the same layers
+    assert parsed(demo.results["get_layers_as_shown"])["shape"] == [2, n, 64]
+    assert torch.equal(torch.load(demo.out / "s.pt"), full[1:3])
     # token ids as .npy: the prompt's real tokens come first, exactly as the tokenizer made them
     assert parsed(demo.results["get_token_ids"])["dtype"] == "int64"
     import numpy as np

@@ -73,8 +73,12 @@ def test_parse_layers():
     assert parse_layers("2:") == slice(2, None)
     assert parse_layers("3") == [3]
     assert parse_layers("0, 2,5") == [0, 2, 5]
-    with pytest.raises(InvalidArgumentError, match="START:STOP"):
-        parse_layers("one")
+    assert parse_layers("0-3") == [0, 1, 2, 3]  # as `dmi requests` and `dmi show` print a span
+    assert parse_layers("4 - 5,7,-1") == [4, 5, 7, -1]
+    assert parse_layers("2-2") == [2]
+    for text in ("one", "3-1", "1-", "0--1", "1-2-3"):
+        with pytest.raises(InvalidArgumentError, match="START:STOP.*FIRST-LAST"):
+            parse_layers(text)
 
 
 def test_human_numbers():
