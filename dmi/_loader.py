@@ -634,6 +634,9 @@ def open_loader(catalog: Any, packs: PackStore, model_id: str, *, hooks: Any = "
         warnings.warn(FORK_HANG_WARNING, RuntimeWarning, stacklevel=3)
     entries = catalog.select_records(model_id, run_ids=runs, hooks=hook_names, layers=layers, phases=phases,
                                      where=where, params=params)
+    if not entries:
+        raise RecordNotFoundError(_nothing_selected(catalog, model_id, hooks=hook_names, layers=layers, runs=runs,
+                                                    phases=phases, where=where))
     plan = build_plan(entries, hook_names or _hook_catalogue())
     _check_requested(plan, hook_names, layers)
     _check_layout(plan, layout, dtype)
@@ -643,6 +646,18 @@ def open_loader(catalog: Any, packs: PackStore, model_id: str, *, hooks: Any = "
                           direct_io)
     return TokenLoader(plan, packs, config, rank=rank, world_size=world_size, num_workers=num_workers,
                        multiprocessing_context=multiprocessing_context)
+
+
+def _nothing_selected(catalog: Any, model_id: str, **selection: Any) -> str:
+    """Why a selection holds no record: the model has none published at all (naming the models
+    that have), or the filters given (naming them) match none of its records."""
+    models = catalog.models()
+    if model_id not in models:
+        held = ", ".join(map(repr, models[:20])) + (", ..." if len(models) > 20 else "") or "none"
+        return f"model {model_id!r} matches no published records; models with published records: {held}"
+    given = ", ".join(f"{name}={value!r:.200}" for name, value in selection.items() if value is not None)
+    return (f"model {model_id!r}: the selection ({given or 'every record'}) matches no published records; "
+            f"see what it holds with `dmi requests {model_id}` and `dmi show {model_id} REQUEST`")
 
 
 def _check_requested(plan: Plan, hooks: tuple[str, ...] | None, layers: Any) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dmi.storage.errors import DuplicateChunkError, InvalidArgumentError, ReaderError, RecordNotFoundError
+from dmi.storage.errors import DuplicateChunkError, InvalidArgumentError, ReaderError
 from dmi.storage.records import GLOBAL_LAYER, RecordEntry
 
 PATTERN_HOOK = "attn_pattern"
@@ -84,9 +84,7 @@ class Slice:
 
 
 def build_plan(entries: Sequence[RecordEntry], hook_order: Sequence[str]) -> Plan:
-    """Group ``entries`` into features and aligned units; refuse what cannot align."""
-    if not entries:
-        raise RecordNotFoundError("the selection matches no published records")
+    """Group ``entries`` (at least one) into features and aligned units; refuse what cannot align."""
     features = _features(entries, hook_order)
     index = {(f.hook, f.layer): i for i, f in enumerate(features)}
     by_request: dict[tuple[str, str], list[list[RecordEntry]]] = defaultdict(lambda: [[] for _ in features])

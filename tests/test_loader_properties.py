@@ -159,10 +159,16 @@ def test_one_row_and_fewer_rows_than_ranks(captured, world, drop_last):
             assert counts == ({1} if world == 1 and batch_size == 1 else {0})
 
 
-def test_an_empty_selection_is_refused(captured):
+def test_an_empty_selection_is_refused_naming_what_was_asked(captured):
     store, _ = captured
-    with pytest.raises(RecordNotFoundError, match="matches no published records"):
+    with pytest.raises(RecordNotFoundError) as refused:
         store.loader("m", layers=[0], where="request_id = %(r)s", params={"r": "nobody"})
+    assert str(refused.value) == (
+        "model 'm': the selection (hooks=('resid_post',), layers=[0], where='request_id = %(r)s') matches no "
+        "published records; see what it holds with `dmi requests m` and `dmi show m REQUEST`")
+    with pytest.raises(RecordNotFoundError) as unknown:
+        store.loader("no-such-model")
+    assert str(unknown.value) == "model 'no-such-model' matches no published records; models with published records: 'm'"
 
 
 # ------------------------------------------------------------------------------ resume
