@@ -17,7 +17,7 @@ from ._hooks import GROUPS, HOOKS, HookSpec, ModelGeometry
 from ._plan import RowSpan, StepPlan
 from ._ring import Ring
 from ._schedule import Schedule
-from ._selection import Selection, layer_numbers, resolve_hooks, resolve_layers
+from ._selection import MAX_SELECTED_LAYERS, Selection, layer_numbers, resolve_hooks, resolve_layers
 from ._session import CaptureSession, attach, derive_model_id, new_run_id
 from ._tp import ParallelRanks, resolve_parallel_ranks, tp_mesh_of
 from ._tp_layout import TPReplicated, TPShard
@@ -37,6 +37,7 @@ __all__ = [
     "resolve_hooks",
     "resolve_layers",
     "layer_numbers",
+    "MAX_SELECTED_LAYERS",
     "Selection",
     "StepPlan",
     "RowSpan",

@@ -14,6 +14,7 @@ their one hook at their one layer (see ``_aliases``).
 from __future__ import annotations
 
 import difflib
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -23,7 +24,12 @@ from ._aliases import HookAlias, resolve_alias
 from ._arch import Architecture
 from ._hooks import GROUPS, HOOKS
 
-__all__ = ["Selection", "layer_numbers", "resolve_hooks", "resolve_layers", "select"]
+__all__ = ["MAX_SELECTED_LAYERS", "Selection", "layer_numbers", "resolve_hooks", "resolve_layers", "select"]
+
+MAX_SELECTED_LAYERS = 1 << 16
+"""The most layer numbers one selection may name: hundreds of times any model's depth, and few
+enough that a slip such as ``range(0, 999999999)`` is refused at once instead of enumerated (a
+billion Python ints: some 36 GB before the layers are even checked)."""
 
 
 def _tokens(hooks) -> list[str]:
@@ -94,7 +100,8 @@ def layer_numbers(layers, end: int, what: str) -> tuple[int, ...] | None:
     count when capturing, one past the last captured layer when reading. Raises
     ``HookSelectionError`` (naming ``what``) for anything else — a 0-d tensor or array too:
     it claims to be iterable but is one value, and its type is not an int's (``int(t)``
-    says which layer is meant) —, a non-positive slice step, or a selection of no layer.
+    says which layer is meant) —, a non-positive slice step, a selection of no layer, or one of
+    more than :data:`MAX_SELECTED_LAYERS` numbers (counted without listing a range).
     """
     if layers is None:
         return None
@@ -105,11 +112,14 @@ def layer_numbers(layers, end: int, what: str) -> tuple[int, ...] | None:
     elif isinstance(layers, slice):
         seq = _slice_numbers(layers, end, what)
     elif isinstance(layers, tuple) and len(layers) == 2 and all(type(v) is int for v in layers):
-        seq = list(range(*layers))
+        seq = range(*layers)
     elif isinstance(layers, Iterable) and getattr(layers, "ndim", None) != 0:
-        seq = list(layers)
+        seq = layers if isinstance(layers, range) else list(itertools.islice(layers, MAX_SELECTED_LAYERS + 1))
     else:
         raise HookSelectionError(f"layers must be an int, range, slice or list of ints, got {layers!r}; {what}")
+    if len(seq) > MAX_SELECTED_LAYERS:
+        raise HookSelectionError(f"layer selection {layers!r:.100} names more than {MAX_SELECTED_LAYERS} layers, "
+                                 f"more than any model has; {what}")
     for v in seq:
         if isinstance(v, bool) or not isinstance(v, int):
             raise HookSelectionError(f"layer {v!r} is not an int; {what}")
@@ -118,7 +128,7 @@ def layer_numbers(layers, end: int, what: str) -> tuple[int, ...] | None:
     return tuple(sorted({v + end if v < 0 else v for v in seq}))
 
 
-def _slice_numbers(layers: slice, end: int, what: str) -> list[int]:
+def _slice_numbers(layers: slice, end: int, what: str) -> range:
     for bound in (layers.start, layers.stop, layers.step):
         if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)):
             raise HookSelectionError(f"layer slice {layers} needs int bounds; {what}")
@@ -126,7 +136,7 @@ def _slice_numbers(layers: slice, end: int, what: str) -> list[int]:
         raise HookSelectionError(f"layer slice {layers} needs a positive step; {what}")
     start = 0 if layers.start is None else layers.start
     stop = end if layers.stop is None else layers.stop
-    return list(range(start + end if start < 0 else start, stop + end if stop < 0 else stop, layers.step or 1))
+    return range(start + end if start < 0 else start, stop + end if stop < 0 else stop, layers.step or 1)
 
 
 def resolve_layers(layers, n_layers: int) -> tuple[int, ...]:

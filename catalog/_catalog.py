@@ -8,6 +8,7 @@ There is one private write path for index rows (:meth:`Catalog._index`); only a
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -88,6 +89,12 @@ class RequestTotals:
     raw_bytes: int
 
 
+MAX_SELECTED_VALUES = 1 << 20
+"""The most values one selection argument (``layers``, ``run_ids``, ``hooks``, ...) may list: each
+becomes a literal of the query, and a slip such as ``layers=range(0, 999999999)`` is refused at
+once instead of listed (a billion Python ints: some 36 GB before any query)."""
+
+
 def _as_tuple(value, what: str, kind: type) -> tuple | None:
     if value is None:
         return None
@@ -95,7 +102,10 @@ def _as_tuple(value, what: str, kind: type) -> tuple | None:
         return (value,)
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or getattr(value, "ndim", None) == 0:
         raise InvalidArgumentError(f"{what} must be a {kind.__name__} or an iterable of them, not {value!r}")
-    items = tuple(value)
+    items = tuple(itertools.islice(value, MAX_SELECTED_VALUES + 1))
+    if len(items) > MAX_SELECTED_VALUES:
+        raise InvalidArgumentError(f"{what} {value!r:.100} lists more than {MAX_SELECTED_VALUES} values; select "
+                                   "fewer, or narrow the selection with where=")
     for item in items:
         if not isinstance(item, kind) or isinstance(item, bool):
             raise InvalidArgumentError(f"{what} must contain {kind.__name__} values, not {item!r}")

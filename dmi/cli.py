@@ -69,17 +69,18 @@ def parse_layers(text: str | None) -> Any:
         if ":" in text:
             start, _, stop = text.partition(":")
             return range(int(start or 0), int(stop)) if stop else slice(int(start or 0), None)
-        return [layer for part in text.split(",") for layer in _layer_part(part)]
+        parts = [_layer_part(part) for part in text.split(",")]
     except ValueError:
         raise InvalidArgumentError(
             f"cannot read layers {text!r}: use START:STOP (stop excluded), FIRST-LAST (both included), N, or N,M,... "
         ) from None
+    return _joined(text, parts)
 
 
 _INCLUSIVE_SPAN = re.compile(r"\s*(\d+)\s*-\s*(\d+)\s*")
 
 
-def _layer_part(part: str) -> list[int]:
+def _layer_part(part: str) -> Sequence[int]:
     """One comma-separated part of ``--layers``: ``"N"`` or ``"FIRST-LAST"`` (``ValueError`` otherwise,
     and for a span that runs backwards)."""
     span = _INCLUSIVE_SPAN.fullmatch(part)
@@ -88,7 +89,18 @@ def _layer_part(part: str) -> list[int]:
     first, last = int(span[1]), int(span[2])
     if last < first:
         raise ValueError(part)
-    return list(range(first, last + 1))
+    return range(first, last + 1)
+
+
+def _joined(text: str, parts: list[Sequence[int]]) -> list[int]:
+    """The layer numbers of ``parts`` in order, refused before they are listed when there are more
+    than any model has (``0-999999999`` would take some 36 GB to list)."""
+    from dmi.capture import MAX_SELECTED_LAYERS
+
+    if sum(map(len, parts)) > MAX_SELECTED_LAYERS:
+        raise InvalidArgumentError(f"layers {text!r:.100} name more than {MAX_SELECTED_LAYERS} layers, more than any "
+                                   "model has")
+    return [layer for part in parts for layer in part]
 
 
 MAX_PLOT_SIDE = 10000

@@ -12,6 +12,7 @@ from dmi import InvalidArgumentError
 from dmi._export import export_tensor
 from dmi._human import Progress, human_bytes, human_count, human_seconds, render_table
 from dmi._plot import token_norms, write_norm_plot
+from dmi.capture import MAX_SELECTED_LAYERS
 from dmi.cli import _build_parser, main, parse_layers
 
 COMMANDS = ("demo", "capture", "models", "runs", "requests", "show", "get", "sql", "audit", "verify", "recover",
@@ -79,6 +80,10 @@ def test_parse_layers():
     for text in ("one", "3-1", "1-", "0--1", "1-2-3"):
         with pytest.raises(InvalidArgumentError, match="START:STOP.*FIRST-LAST"):
             parse_layers(text)
+    assert parse_layers(f"0-{MAX_SELECTED_LAYERS - 1}") == list(range(MAX_SELECTED_LAYERS))
+    for text in (f"0-{MAX_SELECTED_LAYERS}", "0-999999999999", f"0-{MAX_SELECTED_LAYERS - 1},7"):
+        with pytest.raises(InvalidArgumentError, match=f"name more than {MAX_SELECTED_LAYERS} layers"):
+            parse_layers(text)  # refused before the numbers are listed
 
 
 def test_human_numbers():

@@ -9,11 +9,13 @@ naming the captured ones, instead of clipping the selection.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 import dmi
-from dmi.capture import layer_numbers, resolve_layers
+from dmi.capture import MAX_SELECTED_LAYERS, layer_numbers, resolve_layers
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +46,17 @@ def test_the_rule_is_one_function():
         layer_numbers([], 4, "")
     with pytest.raises(dmi.HookSelectionError, match="positive step"):
         layer_numbers(slice(None, None, -1), 4, "")
+
+
+def test_a_selection_of_more_layers_than_any_model_has_is_refused_before_it_is_listed(store):
+    too_many = MAX_SELECTED_LAYERS + 1
+    for layers in (range(too_many), slice(0, too_many), (0, too_many), list(range(too_many)),
+                   range(0, 10**15), itertools.count()):
+        with pytest.raises(dmi.HookSelectionError, match=f"names more than {MAX_SELECTED_LAYERS} layers"):
+            layer_numbers(layers, 4, "")
+    assert len(layer_numbers(range(MAX_SELECTED_LAYERS), 4, "")) == MAX_SELECTED_LAYERS
+    with pytest.raises(dmi.HookSelectionError, match="names more than"):
+        read(store, range(0, 10**9))  # a slip for range(0, 9): refused at once, not listed
 
 
 def test_reads_accept_what_capture_accepts(store):

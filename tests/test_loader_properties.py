@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import dmi
+from dmi.catalog._catalog import MAX_SELECTED_VALUES
 from dmi.storage import PackStore
 from dmi.storage.errors import InvalidArgumentError, PackCorruptError, PackNotFoundError, RecordNotFoundError
 
@@ -169,6 +170,12 @@ def test_an_empty_selection_is_refused_naming_what_was_asked(captured):
     with pytest.raises(RecordNotFoundError) as unknown:
         store.loader("no-such-model")
     assert str(unknown.value) == "model 'no-such-model' matches no published records; models with published records: 'm'"
+
+
+def test_a_selection_listing_more_values_than_a_query_can_hold_is_refused_before_it_is_listed(captured):
+    store, _ = captured
+    with pytest.raises(InvalidArgumentError, match=f"layers range.* lists more than {MAX_SELECTED_VALUES} values"):
+        store.loader("m", layers=range(0, 10**12))  # a slip for range(0, 12): refused at once, not listed
 
 
 # ------------------------------------------------------------------------------ resume
