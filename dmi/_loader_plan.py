@@ -124,7 +124,8 @@ def _request_units(run: str, request: str, features: Sequence[Feature],
     for feature, records in zip(features, per_feature):
         if not records:
             raise ReaderError(f"{where} has no {feature.name} records while other requests do: the features "
-                              "are not aligned; narrow the selection (runs=, layers=, where=)")
+                              "are not aligned; narrow the selection (runs=, layers=, where=; on the command line "
+                              "--runs, --layers, --where)")
         records.sort(key=lambda e: e.meta.key.start_token)
         own = _tile_edges(where, feature, records)
         if span is None:

@@ -74,7 +74,9 @@ def _bad(out: Path, blocker: Path) -> dict[str, tuple[list[str], int, str]]:
         "where_escapes": ([*m, "--where", "1); DROP TABLE x; SELECT (1"], 2, "closes a parenthesis"),
         "where_column": ([*m, "--where", "no_such_column > 1"], 1, "UNKNOWN_IDENTIFIER"),
         "global_layers": ([*m, "--hooks", "logits", "--layers", "0"], 2, "logits: global hooks have no layers"),
-        "not_aligned": ([*m, "--hooks", "resid_post,mlp_out", "--layers", "1"], 1, "not aligned"),
+        "not_aligned": ([*m, "--hooks", "resid_post,mlp_out", "--layers", "1"], 1,
+                        "not aligned; narrow the selection (runs=, layers=, where=; on the command line --runs, "
+                        "--layers, --where)"),
         "not_empty": (["m", "-o", str(blocker.parent)], 2, "is not empty"),
         "output_is_a_file": (["m", "-o", str(blocker)], 2, "cannot create the export directory"),
         "npy_bfloat16": (["m", "-o", str(out / "bf16"), "--format", "npy", "--dtype", "bfloat16"], 2,
