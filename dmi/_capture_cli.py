@@ -187,12 +187,17 @@ def _check_schedule(args: argparse.Namespace, count: int, plan: Any) -> None:
     forwards as the run makes at most (a batch makes ``max(--max-new-tokens, 1)``; generation
     ending early makes fewer), or one that leaves only forwards of requests the request
     stride skips or of phases not kept. Without this the run exits 0 having stored no record.
-    Values out of range are left to ``Schedule``, which refuses them in its own words."""
+    Values out of range and unknown phases are left to ``Schedule``, which refuses them in its
+    own words (naming the valid phases)."""
+    from dmi.storage.records import PHASES
+
     s = plan.schedule if plan is not None else args
     if s.step_stride < 1 or s.request_stride < 1 or s.warmup < 0:
         return
     phases = plan.schedule.phases if plan is not None else (
         ("forward",) if args.max_new_tokens == 0 else _phase_names(args.phases))
+    if not set(phases) <= set(PHASES):
+        return
     per_batch, batches = max(args.max_new_tokens, 1), -(-count // args.batch_size)
     if any(_stores(b, k, args, count, s, phases) for b in range(s.warmup // per_batch, batches)
            for k in range(per_batch)):

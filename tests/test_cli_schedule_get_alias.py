@@ -59,6 +59,9 @@ def no_model_load(monkeypatch):
      "--warmup 2 skips the first 2 model forwards of this run's 3 (1 batch of up to 8 (--batch-size), 3 forwards "
      "(a prefill and 2 decode steps) each), and none left is of a phase --phases keeps (decode; decode steps 1, 3, "
      "... with --step-stride 2), so nothing would be stored; lower --warmup or change --phases"),
+    # a misspelt phase is named as one, not taken for a schedule that keeps nothing
+    (["--max-new-tokens", "3", "--phases", "prefil"],
+     "schedule phases ['prefil'] invalid; choose from ('prefill', 'decode', 'forward')"),
 ])
 def test_a_schedule_storing_nothing_is_refused_before_the_model_loads(tmp_path, no_model_load, flags, message):
     rc, out, err = _cli("capture", "--model", "tiny-llama", "--prompt", "hi", "--prompt", "yo",
