@@ -354,21 +354,24 @@ class Store:
         return capture_vllm(llm, store=self, **options)
 
     # -------------------------------------------------------------------------------- the index
-    def sql(self, query: str) -> pa.Table:
+    def sql(self, query: str, params: dict[str, Any] | None = None) -> pa.Table:
         """Run SQL over the index; returns an Arrow table. Reads no payload.
 
         ``{records}`` expands to the published records (one row per record: key, dtype,
         shape, codec, sizes, pack and byte range, ``l2_norm``/``mean``/``absmax``);
         ``{packs}``, ``{losses}``, ``{watermarks}``, ``{audits}``, ``{records_all}`` (unpublished rows too)
-        to the other tables (see ``tables``). Other braces are left alone. Raises
-        ``ServerError`` (with ClickHouse's code and name) on a bad query,
-        ``InvalidArgumentError`` if ``query`` is not a string.
+        to the other tables (see ``tables``). Other braces are left alone. Values go in
+        ``params``, named in the text as ``%(name)s`` (a literal ``%`` is then written ``%%``):
+        the catalog renders each as a literal, so a value never enters the text any other way.
+        Raises ``ServerError`` (with ClickHouse's code and name) on a bad query,
+        ``InvalidArgumentError`` if ``query`` is not a string, ``params`` not a dict, or a
+        parameter is missing or has no SQL literal.
         """
         if not isinstance(query, str):
             raise InvalidArgumentError(f"sql() takes a str, not {type(query).__name__}")
         for name, qualified in self.tables.items():
             query = query.replace("{" + name + "}", qualified)
-        return self.catalog.sql(query)
+        return self.catalog.sql(query, params)
 
     def models(self) -> list[ModelSummary]:
         """Every model id with published records, with run, request, record and byte totals."""

@@ -503,9 +503,12 @@ def _cmd_get(args: argparse.Namespace) -> int:
 
 
 def _cmd_sql(args: argparse.Namespace) -> int:
+    from dmi._loader_cli import parse_params
+
     query = sys.stdin.read() if args.query == "-" else args.query
+    params = parse_params(args.param)
     with _open_store(args) as store:
-        table = store.sql(query)
+        table = store.sql(query, params)
     rows = table.to_pylist()
     if args.json:
         _emit_json(rows)
@@ -862,7 +865,10 @@ def _build_parser() -> argparse.ArgumentParser:
     get.add_argument("--merge-shards", action="store_true", help="join tensor-parallel shards into the full tensor")
 
     sql = add("sql", _cmd_sql, "run SQL over the catalog's index (no payload is read)", [tabular])
-    sql.add_argument("query", help="the query ('-' reads it from stdin)")
+    sql.add_argument("query", help="the query ('-' reads it from stdin); values as %%(name)s")
+    sql.add_argument("--param", action="append", metavar="NAME=VALUE",
+                     help="a value of the query (repeatable); VALUE is read as JSON when it parses "
+                          "(3, 0.5, '\"text\"', '[\"a\",\"b\"]' for IN), else as text")
 
     aud = add("audit", _cmd_audit, "re-run captured requests alone through the model and compare every hook "
               "and layer (docs/audit.md)", [tabular, selecting])

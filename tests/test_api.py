@@ -207,6 +207,22 @@ def test_sql_placeholders(store):
         store.sql(b"SELECT 1")
 
 
+def test_sql_takes_values_as_params_never_as_sql(store):
+    by_literal = store.sql("SELECT layer, count() AS n FROM {records} WHERE hook = 'resid_post' AND layer IN (0, 1) "
+                           "GROUP BY layer ORDER BY layer").to_pylist()
+    by_params = store.sql("SELECT layer, count() AS n FROM {records} WHERE hook = %(hook)s AND layer IN %(layers)s "
+                          "GROUP BY layer ORDER BY layer", params={"hook": "resid_post", "layers": (0, 1)}).to_pylist()
+    assert by_params == by_literal and [row["layer"] for row in by_literal] == [0, 1]
+    injected = store.sql("SELECT count() AS n FROM {records} WHERE hook = %(hook)s",
+                         params={"hook": "resid_post' OR 1 = 1 OR hook = '"}).to_pylist()
+    assert injected == [{"n": 0}]  # the quote is a character of the value, not SQL
+    assert store.sql("SELECT '100%%' AS s WHERE 1 = %(one)s", params={"one": 1}).to_pylist() == [{"s": "100%"}]
+    with pytest.raises(dmi.InvalidArgumentError, match="names the parameter 'hook', which params does not have"):
+        store.sql("SELECT count() FROM {records} WHERE hook = %(hook)s", params={"other": 1})
+    with pytest.raises(dmi.InvalidArgumentError, match="params must be a dict"):
+        store.sql("SELECT 1", params=[("hook", "resid_post")])
+
+
 def test_verify_reports_progress_and_totals(store):
     ticks = []
 

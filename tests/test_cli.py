@@ -137,6 +137,13 @@ def demo(tmp_path_factory) -> Demo:
         "sql_r2": ["sql", "SELECT layer, sqrt(sum(l2_norm * l2_norm)) AS norm FROM {records} "
                    f"WHERE hook = 'resid_post' AND request_id = '{r2}' GROUP BY layer ORDER BY layer", "--json"],
         "sql_count": ["sql", "SELECT count() AS n FROM {records}"],
+        "sql_params": ["sql", "SELECT layer, count() AS n FROM {records} WHERE hook = %(h)s AND request_id = %(r)s "
+                       "AND layer IN %(l)s GROUP BY layer ORDER BY layer", "--param", "h=resid_post", "--param",
+                       f"r={r2}", "--param", "l=[1,2]", "--json"],
+        "sql_literal": ["sql", "SELECT layer, count() AS n FROM {records} WHERE hook = 'resid_post' AND "
+                        f"request_id = '{r2}' AND layer IN (1, 2) GROUP BY layer ORDER BY layer", "--json"],
+        "sql_param_injection": ["sql", "SELECT count() AS n FROM {records} WHERE hook = %(h)s", "--param",
+                                "h=resid_post' OR 1 = 1 OR hook = '", "--json"],
         "sql_bad": ["sql", "SELECT nonsense FROM {records}"],
         "plot": ["plot", "tiny-llama", r1, "--hook", "mlp_out", "-o", str(out / "mlp.png"), "--size", "640x360",
                  "--json"],
@@ -254,6 +261,13 @@ def test_sql_answers_from_statistics_and_they_match_the_payload(demo):
     count = demo.results["sql_count"]
     assert count.stdout.splitlines()[2].strip() == str(demo.first["records"] + demo.second["records"])
     assert_one_line_error(demo.results["sql_bad"], 1, "nonsense")
+
+
+def test_sql_takes_values_as_params(demo):
+    literal = parsed(demo.results["sql_literal"])
+    assert [row["layer"] for row in literal] == [1, 2]
+    assert parsed(demo.results["sql_params"]) == literal
+    assert parsed(demo.results["sql_param_injection"]) == [{"n": 0}]  # a value, never SQL
 
 
 def test_plot_writes_a_png_of_the_requested_size(demo):
