@@ -822,8 +822,7 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="hook names and group tokens, comma separated (default: resid_post; e.g. resid,attn,logits)")
     cap.add_argument("--layers", metavar="RANGE",
                      help="START:STOP (stop excluded), START:, FIRST-LAST (both included), N, or N,M,...; negative N counts "
-                          "from the end "
-                          "(default: all)")
+                          "from the end (default: all)")
     cap.add_argument("--phases", help="prefill, decode, forward (default: prefill,decode)")
     cap.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help="new tokens per prompt, greedy (default: 16; "
                      f"{SCORING_HELP})")
