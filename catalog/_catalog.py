@@ -105,7 +105,7 @@ def _as_tuple(value, what: str, kind: type) -> tuple | None:
     items = tuple(itertools.islice(value, MAX_SELECTED_VALUES + 1))
     if len(items) > MAX_SELECTED_VALUES:
         raise InvalidArgumentError(f"{what} {value!r:.100} lists more than {MAX_SELECTED_VALUES} values; select "
-                                   "fewer, or narrow the selection with where=")
+                                   "fewer")
     for item in items:
         if not isinstance(item, kind) or isinstance(item, bool):
             raise InvalidArgumentError(f"{what} must contain {kind.__name__} values, not {item!r}")
