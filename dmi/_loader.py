@@ -610,8 +610,9 @@ def open_loader(catalog: Any, packs: PackStore, model_id: str, *, hooks: Any = "
                 normalize: bool = False, drop_last: bool = False, on_error: str = "raise", num_workers: int = 0,
                 rank: int | None = None, world_size: int | None = None, prefetch: int = 2, read_threads: int = 4,
                 max_gap: int = DEFAULT_MAX_GAP, direct_io: bool = True,
-                multiprocessing_context: Any = None) -> TokenLoader:
-    """Select, plan and configure a :class:`TokenLoader` (the arguments of ``Store.loader``)."""
+                multiprocessing_context: Any = None, require_model: Callable[[str], None]) -> TokenLoader:
+    """Select, plan and configure a :class:`TokenLoader` (the arguments of ``Store.loader``;
+    ``require_model(model_id)`` raises, naming the catalog's models, when it holds no such model)."""
     hook_names = _hook_names(hooks)
     for name, value, low in (("batch_size", batch_size, 1), ("shuffle_buffer", shuffle_buffer, 1),
                              ("prefetch", prefetch, 1), ("read_threads", read_threads, 1),
@@ -635,7 +636,8 @@ def open_loader(catalog: Any, packs: PackStore, model_id: str, *, hooks: Any = "
     entries = catalog.select_records(model_id, run_ids=runs, hooks=hook_names, layers=layers, phases=phases,
                                      where=where, params=params)
     if not entries:
-        raise RecordNotFoundError(_nothing_selected(catalog, model_id, hooks=hook_names, layers=layers, runs=runs,
+        require_model(model_id)
+        raise RecordNotFoundError(_nothing_selected(model_id, hooks=hook_names, layers=layers, runs=runs,
                                                     phases=phases, where=where))
     plan = build_plan(entries, hook_names or _hook_catalogue())
     _check_requested(plan, hook_names, layers)
@@ -648,13 +650,8 @@ def open_loader(catalog: Any, packs: PackStore, model_id: str, *, hooks: Any = "
                        multiprocessing_context=multiprocessing_context)
 
 
-def _nothing_selected(catalog: Any, model_id: str, **selection: Any) -> str:
-    """Why a selection holds no record: the model has none published at all (naming the models
-    that have), or the filters given (naming them) match none of its records."""
-    models = catalog.models()
-    if model_id not in models:
-        held = ", ".join(map(repr, models[:20])) + (", ..." if len(models) > 20 else "") or "none"
-        return f"model {model_id!r} matches no published records; models with published records: {held}"
+def _nothing_selected(model_id: str, **selection: Any) -> str:
+    """Why a selection of a model the catalog holds has no record: the filters given, named."""
     given = ", ".join(f"{name}={value!r:.200}" for name, value in selection.items() if value is not None)
     return (f"model {model_id!r}: the selection ({given or 'every record'}) matches no published records; "
             f"see what it holds with `dmi requests {model_id}` and `dmi show {model_id} REQUEST`")

@@ -555,7 +555,7 @@ class Store:
         from dmi._loader import open_loader
 
         return open_loader(self.catalog, self.packs, model_id, hooks=hooks, layers=layers, runs=runs,
-                           phases=phases, where=where, params=params, **options)
+                           phases=phases, where=where, params=params, require_model=self._require_model, **options)
 
     def audit(self, model_id: str, *, model: Any, run_id: str | None = None, requests: int | None = None,
               request_ids: Any = None, seed: int = 0, exact: bool = False, record: bool = True,
@@ -635,15 +635,19 @@ class Store:
             )
         return runs[0]
 
+    def _require_model(self, model_id: str) -> None:
+        """Raise ``RecordNotFoundError`` naming the catalog's models, unless ``model_id`` is one."""
+        models = self.catalog.models()
+        if model_id not in models:
+            known = ", ".join(models[:10]) + (" ..." if len(models) > 10 else "") if models else "none yet"
+            raise RecordNotFoundError(f"no model {model_id!r} in the catalog at {self.catalog_uri} (models: {known})")
+
     def _diagnose(self, model_id: str, request_id: str | None, hook: str | None, *, run_id: str | None = None,
                   layers: Any = None, shard_rank: int | None = None) -> None:
         """Raise ``RecordNotFoundError`` naming the first part of the selection that matches nothing."""
         from dmi._human import plural
 
-        models = self.catalog.models()
-        if model_id not in models:
-            known = ", ".join(models[:10]) + (" ..." if len(models) > 10 else "") if models else "none yet"
-            raise RecordNotFoundError(f"no model {model_id!r} in the catalog at {self.catalog_uri} (models: {known})")
+        self._require_model(model_id)
         if run_id is not None and run_id not in self.catalog.runs(model_id):
             raise RecordNotFoundError(
                 f"model {model_id!r} has no run {run_id!r} (list runs with `dmi runs {shlex.quote(model_id)}`)"

@@ -64,7 +64,7 @@ def _bad(out: Path, blocker: Path) -> dict[str, tuple[list[str], int, str]]:
                                      "--layers 0 asks for [0] of mlp_out, which were not captured"),
         "layers_text": ([*m, "--layers", "x"], 2, "cannot read layers 'x'"),
         "hook": ([*m, "--hooks", "no_such_hook"], 2, "unknown hook 'no_such_hook'"),
-        "model": (["no-such-model", "-o", str(out / "never")], 1, "matches no published records"),
+        "model": (["no-such-model", "-o", str(out / "never")], 1, "no model 'no-such-model' in the catalog at"),
         "model_layers": (["no-such-model", "-o", str(out / "never"), "--layers", "0"], 1,
                          "'no-such-model' holds no records of resid_post"),
         "param_no_equals": ([*m, "--where", "phase = %(p)s", "--param", "p"], 2, "write NAME=VALUE"),
