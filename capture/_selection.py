@@ -149,7 +149,8 @@ def resolve_layers(layers, n_layers: int) -> tuple[int, ...]:
     outside = [v for v in numbers if not 0 <= v < n_layers]
     if outside:
         raise HookSelectionError(
-            f"layer selection {layers!r} reaches past the model (layers {_span(outside)}); {what}"
+            f"layer selection {layers!r} reaches past the model ({'layer' if len(outside) == 1 else 'layers'} "
+            f"{_span(outside)}); {what}"
         )
     return numbers
 

@@ -135,7 +135,7 @@ def load_model(
 
     Returns a ``LoadedModel`` (model in eval mode, tokenizer, the name it came from).
     Raises ``InvalidArgumentError`` when the name is neither built in, real, nor an existing
-    directory, when the directory cannot be loaded (the reason is in the message), or when
+    directory, when the directory holds no ``config.json``, when it cannot be loaded (the reason is in the message), or when
     a built-in model is asked for an attention implementation other than eager;
     ``ModelNotInstalledError`` (with the ``pip install`` command) when ``smollm2``'s
     package is absent and not cached yet; ``ModelCacheError`` when its cache cannot be
@@ -157,6 +157,11 @@ def load_model(
         known = ", ".join([*BUILTIN_MODELS, *REAL_MODELS])
         raise InvalidArgumentError(
             f"model {name_or_dir!r} is neither a local model directory nor a built-in model ({known})"
+        )
+    if not os.path.isfile(os.path.join(name_or_dir, "config.json")):
+        raise InvalidArgumentError(
+            f"{name_or_dir} is a directory but not a Hugging Face model directory (it holds no config.json); "
+            "write one with model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR)"
         )
     try:
         return _load_directory(name_or_dir, attn_implementation)

@@ -61,6 +61,13 @@ def test_layer_ranges_refused_past_the_model_or_empty():
     for bad in (range(2, 6), 4, [0, 9], range(3, 3), [], slice(0, 9), True, "0"):
         with pytest.raises(HookSelectionError, match="4 layers"):
             resolve_layers(bad, 4)
+    with pytest.raises(HookSelectionError) as one:
+        resolve_layers([0, 9], 4)
+    with pytest.raises(HookSelectionError) as several:
+        resolve_layers(range(2, 9), 4)
+    assert str(one.value) == "layer selection [0, 9] reaches past the model (layer 9); the model has 4 layers (0..3)"
+    assert str(several.value) == ("layer selection range(2, 9) reaches past the model (layers 4..8); "
+                                  "the model has 4 layers (0..3)")
 
 
 def test_attach_refuses_bad_selection_before_touching_the_model():

@@ -388,7 +388,8 @@ def test_capture_then_upkeep(tmp_path):
 def test_capture_refuses_unknown_hooks_and_missing_prompts(tmp_path):
     home = tmp_path / "h"
     (tmp_path / "blank.txt").write_text("\n  \n")
-    unknown, no_prompts, blank, unreadable, batch_size, phases, no_model = batch(
+    (tmp_path / "not-a-model").mkdir()
+    unknown, no_prompts, blank, unreadable, batch_size, phases, no_model, no_config = batch(
         home,
         ["capture", "--model", "tiny-llama", "--prompt", "x", "--hooks", "resid,bogus"],
         ["capture", "--model", "tiny-llama"],
@@ -397,6 +398,7 @@ def test_capture_refuses_unknown_hooks_and_missing_prompts(tmp_path):
         ["capture", "--model", "tiny-llama", "--prompt", "x", "--batch-size", "0"],
         ["capture", "--model", "tiny-llama", "--prompt", "x", "--phases", "prefill,sideways"],
         ["capture", "--model", str(tmp_path / "nope"), "--prompt", "x"],
+        ["capture", "--model", str(tmp_path / "not-a-model"), "--prompt", "x"],
     )
     line = assert_one_line_error(unknown, 2, "'bogus'")
     assert "resid_post" in line
@@ -406,6 +408,9 @@ def test_capture_refuses_unknown_hooks_and_missing_prompts(tmp_path):
     assert_one_line_error(batch_size, 2, "--batch-size must be at least 1")
     assert_one_line_error(phases, 2, "sideways")
     assert_one_line_error(no_model, 2, "neither a local model directory nor a built-in model")
+    # named for what it is, not for the tokenizer transformers would fail to build first
+    assert_one_line_error(no_config, 2, "not-a-model is a directory but not a Hugging Face model directory "
+                          "(it holds no config.json)")
 
 
 def test_capture_from_a_model_directory(tmp_path):
