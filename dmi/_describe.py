@@ -6,7 +6,9 @@ GPT-2 and its ``n_embd``/``n_layer``/``n_head``/``n_inner`` naming). The geometr
 ``dmi.capture.ModelGeometry.from_config`` — the same reading of the config the capture
 runtime does — and every shape, dtype, scope and tensor-parallel axis comes from the hook
 catalogue (``dmi.capture.HOOKS``). Encoder-decoder and unknown architectures are refused
-by name. A built-in model name (``tiny-llama``) is described from its built-in config.
+by name. A built-in model name (``tiny-llama``) is described from its built-in config; the
+real model ``smollm2`` from its cache's ``config.json`` when it was converted, else from its
+package's GGUF header (read by ``transformers``, no tensor loaded).
 
 Reference: ``docs/plans.md``.
 """
@@ -68,12 +70,18 @@ class ModelDescription:
         }
 
 
-def read_model_config(source: str) -> tuple[str, dict[str, Any]]:
-    """``(where, config)`` for a model directory, a ``config.json`` path or a built-in model name."""
+def read_model_config(source: str, *, home: str | os.PathLike[str] | None = None) -> tuple[str, dict[str, Any]]:
+    """``(where, config)`` for a model directory, a ``config.json`` path, a built-in model name
+    or a real model's name, cached in the DMI home ``home`` (default: ``$DMI_HOME``, else
+    ``~/.local/share/dmi``) or read from its package (``ModelNotInstalledError`` with the
+    install hint when it is neither)."""
     from dmi._models import BUILTIN_MODELS
+    from dmi._real_model import REAL_MODELS
 
     if source in BUILTIN_MODELS:
         return source, _builtin_config(BUILTIN_MODELS[source])
+    if source in REAL_MODELS:
+        return _real_config(REAL_MODELS[source], home)
     path = os.path.join(source, "config.json") if os.path.isdir(source) else source
     try:
         with open(path, encoding="utf-8") as handle:
@@ -81,7 +89,7 @@ def read_model_config(source: str) -> tuple[str, dict[str, Any]]:
     except FileNotFoundError as exc:
         raise InvalidArgumentError(
             f"no model config at {path}: give a model directory (with config.json), a config.json file, "
-            f"or a built-in model ({', '.join(BUILTIN_MODELS)})") from exc
+            f"or a model name ({', '.join([*BUILTIN_MODELS, *REAL_MODELS])})") from exc
     except OSError as exc:
         raise InvalidArgumentError(f"cannot read {path}: {exc.strerror or exc}") from exc
     except json.JSONDecodeError as exc:
@@ -89,6 +97,21 @@ def read_model_config(source: str) -> tuple[str, dict[str, Any]]:
     if not isinstance(config, dict):
         raise InvalidArgumentError(f"{path} is not a model config (a JSON object)")
     return path, config
+
+
+def _real_config(spec: Any, home: str | os.PathLike[str] | None) -> tuple[str, dict[str, Any]]:
+    """A real model's config: its cache's, else its GGUF file's header, as float32 (what the
+    conversion stores)."""
+    from dmi._real_model import cache_dir, locate_gguf
+
+    cached = cache_dir(spec, home) / "config.json"
+    if cached.is_file():
+        return read_model_config(str(cached))
+    from transformers import AutoConfig
+
+    gguf = locate_gguf(spec)
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).to_dict()
+    return str(gguf), {**config, "torch_dtype": "float32"}
 
 
 def _builtin_config(spec: Any) -> dict[str, Any]:
@@ -159,11 +182,13 @@ def sparse_layer_count(geometry: Any, config: dict[str, Any]) -> int:
     return sum(1 for i in range(geometry.n_layers) if i not in dense and (i + 1) % step == 0)
 
 
-def describe_model(source: str, *, dtype: str | None = None) -> ModelDescription:
-    """Describe the model at ``source`` (directory, config.json or built-in name)."""
+def describe_model(source: str, *, dtype: str | None = None,
+                   home: str | os.PathLike[str] | None = None) -> ModelDescription:
+    """Describe the model at ``source`` (directory, config.json, built-in or real model name;
+    ``home``: see :func:`read_model_config`)."""
     from dmi.capture import HOOKS
 
-    where, config = read_model_config(source)
+    where, config = read_model_config(source, home=home)
     g = model_geometry(config, where=where, dtype=dtype)
     try:
         offered = offered_hooks(g, config)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -338,9 +339,11 @@ def estimate_plan(plan: Any, geometry: Any, *, model: str, tokens: int = 512, ne
     )
 
 
-def estimate_plan_file(path: str, *, model: str | None = None, dtype: str | None = None, **workload: int) -> Estimate:
+def estimate_plan_file(path: str, *, model: str | None = None, dtype: str | None = None,
+                       home: str | os.PathLike[str] | None = None, **workload: int) -> Estimate:
     """Load the plan at ``path``, read its model's geometry from the config alone (``model``
-    overrides the plan's), and estimate ``workload`` (``tokens``, ``new_tokens``, ``batch``, ``tp``)."""
+    overrides the plan's; ``home``: where a real model is cached, see ``read_model_config``),
+    and estimate ``workload`` (``tokens``, ``new_tokens``, ``batch``, ``tp``)."""
     from dmi._describe import model_geometry, read_model_config
     from dmi._plan_file import load_plan
 
@@ -348,6 +351,6 @@ def estimate_plan_file(path: str, *, model: str | None = None, dtype: str | None
     name = model or plan.model
     if name is None:
         raise PlanError(path, "model", "the plan names no model; add `model:` or give --model DIR|config.json|NAME")
-    where, config = read_model_config(name)
+    where, config = read_model_config(name, home=home)
     geometry = model_geometry(config, where=where, dtype=dtype)
     return estimate_plan(plan, geometry, model=name, source=path, config=config, **workload)

@@ -694,7 +694,7 @@ def _emit_document(args: argparse.Namespace, document: dict[str, Any]) -> None:
 def _cmd_describe_model(args: argparse.Namespace) -> int:
     from dmi._describe import describe_model
 
-    _emit_document(args, describe_model(args.model, dtype=args.dtype).as_dict())
+    _emit_document(args, describe_model(args.model, dtype=args.dtype, home=args.home).as_dict())
     return EXIT_OK
 
 
@@ -702,7 +702,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     from dmi._estimate import estimate_plan_file
     from dmi._human import human_bytes, human_count
 
-    est = estimate_plan_file(args.plan, model=args.model, dtype=args.dtype, tokens=args.tokens,
+    est = estimate_plan_file(args.plan, model=args.model, dtype=args.dtype, home=args.home, tokens=args.tokens,
                              new_tokens=args.new_tokens, batch=args.batch, tp=args.tp)
     if args.json:
         _emit_json(est.as_dict())
@@ -942,7 +942,7 @@ def _build_parser() -> argparse.ArgumentParser:
                "a model's geometry and every hook on it, from its config alone (no weights); YAML or --json",
                [tabular])
     desc.add_argument("model", metavar="DIR|config.json|NAME",
-                      help="a model directory, its config.json, or a built-in model")
+                      help=f"a model directory, its config.json, or a model name ({', '.join(_demo_models())})")
     desc.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                       help="the dtype to size hooks in (default: the config's torch_dtype, else float32)")
 

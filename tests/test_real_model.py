@@ -116,6 +116,31 @@ def test_dmi_demo_runs_on_it_bit_exact(tmp_path_factory, tmp_path, monkeypatch, 
     assert report["checked_tensors"] == 4 * (layers + 1)  # per prompt: embed, resid_post 0..28, final_norm
 
 
+def test_describe_model_and_estimate_read_it_from_its_cache_or_else_its_package(tmp_path_factory, tmp_path,
+                                                                               capsys):
+    first = smollm2(tmp_path_factory)
+    config = first.loaded.model.config
+    geometry = {"layers": config.num_hidden_layers, "hidden": config.hidden_size, "heads": config.num_attention_heads,
+                "kv_heads": config.num_key_value_heads, "head_dim": config.head_dim,
+                "intermediate": config.intermediate_size, "experts": 0, "experts_per_token": 0,
+                "vocab": config.vocab_size, "dtype": "float32"}
+    described = {}
+    for where, home in (("cache", first.home), ("package", tmp_path)):  # nothing converted in tmp_path
+        assert main(["describe-model", "smollm2", "--home", str(home), "--json"]) == 0
+        described[where] = json.loads(capsys.readouterr().out)
+    assert described["cache"]["source"] == str(first.home / "models" / "smollm2" / "config.json")
+    assert described["package"]["source"] == str(_real_model.locate_gguf(REAL_MODELS["smollm2"]))
+    assert described["cache"]["geometry"] == described["package"]["geometry"] == geometry
+    assert described["cache"]["hooks"] == described["package"]["hooks"]
+    assert not (tmp_path / "models").exists(), "describing the model converted it"
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("version: 1\nmodel: smollm2\nhooks: [resid_post]\nlayers: 0-3\n")
+    assert main(["estimate", "--plan", str(plan), "--home", str(tmp_path), "--tokens", "10", "--json"]) == 0
+    [hook] = json.loads(capsys.readouterr().out)["hooks"]
+    assert (hook["hook"], hook["layers"], hook["bytes_per_token"]) == ("resid_post", [0, 1, 2, 3], 576 * 4)
+
+
 def test_the_cached_weights_are_the_gguf_files_own_values(tmp_path_factory):
     """Against an independent reader: the ``gguf`` package's own dequantization of one tensor."""
     gguf = pytest.importorskip("gguf")
@@ -205,6 +230,9 @@ def test_a_missing_package_is_a_named_error_with_the_install_command(tmp_path, m
     err = capsys.readouterr().err
     assert err.startswith("dmi: error: ") and INSTALL_HINT in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+    assert main(["describe-model", "smollm2", "--home", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dmi: error: ") and INSTALL_HINT in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "models").exists()
 
 
