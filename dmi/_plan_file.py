@@ -382,14 +382,18 @@ class _Reader:
         raise self.fail("layers", f"must be all, START:STOP, a layer number or a list; got {_kind(value)}")
 
     def layer_range(self, text: str) -> range:
-        start, sep, stop = text.partition(":")
+        """``START:STOP`` (stop excluded) or ``FIRST-LAST`` (both included: the span ``dmi show``
+        and ``dmi requests`` print), as the range it names."""
+        sep = ":" if ":" in text else "-"
+        start, found, stop = text.partition(sep)
         try:
-            lo, hi = int(start), int(stop)
+            lo, hi = int(start), int(stop) + (sep == "-")
         except ValueError:
             lo = hi = -1
-        if not sep or lo < 0 or hi <= lo:
+        if not found or lo < 0 or hi <= lo:
             raise self.fail("layers", f"cannot read {text!r}: write START:STOP with 0 <= START < STOP "
-                                      "(stop excluded), a layer number, a list, or all")
+                                      "(stop excluded), FIRST-LAST with FIRST <= LAST (both included), "
+                                      "a layer number, a list, or all")
         return range(lo, hi)
 
     def schedule(self, value: Any) -> SchedulePlan:

@@ -32,7 +32,7 @@ svg text{font-size:10px}
 <fieldset><legend>Hooks</legend><div id="hooks"></div></fieldset>
 <fieldset><legend>Layers and phases</legend>
 <label>Layers <input id="layers" value="all" size="10" aria-describedby="layers-help"></label>
-<span id="layers-help">all, START:STOP, or N,M,...</span><br>
+<span id="layers-help">all, START:STOP, FIRST-LAST, or N,M,...</span><br>
 <label><input type="checkbox" name="phase" value="prefill" checked> prefill</label>
 <label><input type="checkbox" name="phase" value="decode" checked> decode</label>
 <label><input type="checkbox" name="phase" value="forward" checked> forward</label>
@@ -85,7 +85,7 @@ function plan() {
   const phases = [...document.querySelectorAll("input[name=phase]:checked")].map((c) => c.value);
   const layers = $("layers").value.trim();
   const p = {version: 1, model: $("model").value, hooks, schedule: {phases}};
-  if (layers && layers !== "all") p.layers = layers.includes(":") ? layers : layers.split(",").map(Number);
+  if (layers && layers !== "all") p.layers = layers.includes(":") || SPAN.test(layers) ? layers : layers.split(",").map(Number);
   return JSON.stringify(p);
 }
 function workload() {
@@ -113,10 +113,12 @@ function drawDiagram(d, selected) {
   svg.push(`<rect x="10" y="${y}" width="${w - 20}" height="20" fill="#eef"/><text x="16" y="${y + 14}">final norm, lm head${g.layers > n ? " (" + (g.layers - n) + " layers not drawn)" : ""}</text></svg>`);
   $("diagram").innerHTML = svg.join("");
 }
+const SPAN = /^(\d+)\s*-\s*(\d+)$/;  // FIRST-LAST, both included: the span `dmi show` prints
 function selectedLayers(n) {
-  const text = $("layers").value.trim(), all = [...Array(n).keys()];
+  const text = $("layers").value.trim(), all = [...Array(n).keys()], span = SPAN.exec(text);
   if (!text || text === "all") return new Set(all);
   if (text.includes(":")) { const [a, b] = text.split(":").map(Number); return new Set(all.filter((l) => l >= a && l < b)); }
+  if (span) return new Set(all.filter((l) => l >= +span[1] && l <= +span[2]));
   return new Set(text.split(",").map(Number).map((l) => (l + n) % n));
 }
 async function describe() {

@@ -73,9 +73,11 @@ def test_attach_options_are_the_capture_keywords():
 
 
 @pytest.mark.parametrize(("written", "layers"), [("8:24", range(8, 24)), ("1:4", range(1, 4)), ("'1:4'", range(1, 4)),
-                                                 ("12", (12,)), ("[0x1, 0b11, 010]", (1, 3, 10))])
+                                                 ("12", (12,)), ("[0x1, 0b11, 010]", (1, 3, 10)),
+                                                 ("0-3", range(0, 4)), ("'8-23'", range(8, 24)), ("2-2", range(2, 3))])
 def test_layer_ranges_are_never_base_60_integers(written, layers):
-    """YAML 1.1 reads ``8:24`` as 504; a plan reads it as the range it looks like."""
+    """YAML 1.1 reads ``8:24`` as 504; a plan reads it as the range it looks like. ``FIRST-LAST``
+    (the span ``dmi show`` prints) includes both ends."""
     assert parse_plan(f"{BASE}layers: {written}\n").layers == layers
 
 
@@ -121,6 +123,9 @@ REJECTED = [
     (BASE + "layers: '3:1'\n", "layers", "START:STOP"),
     (BASE + "layers: 'a:b'\n", "layers", "START:STOP"),
     (BASE + "layers: '2'\n", "layers", "START:STOP"),
+    (BASE + "layers: '3-1'\n", "layers", "FIRST-LAST with FIRST <= LAST"),
+    (BASE + "layers: '-1'\n", "layers", "FIRST-LAST"),
+    (BASE + "layers: 'a-b'\n", "layers", "FIRST-LAST"),
     (BASE + "layers: []\n", "layers", "selects no layer"),
     (BASE + "layers: [0, x]\n", "layers[1]", "layer number"),
     (BASE + "layers: true\n", "layers", "START:STOP"),

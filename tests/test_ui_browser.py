@@ -237,6 +237,7 @@ def test_the_controls_update_the_estimate_and_save_the_chosen_plan(driven, tmp_p
         _plan("tiny-llama", ["resid_post", "logits"], "0:2"),  # as loaded from the plan file
         _plan("small-llama", ["resid_post", "logits"], "0:2"),  # another model
         _plan("small-llama", ["attn_out", "resid_post"], "0:2"),  # attn_out ticked, logits unticked
+        _plan("small-llama", ["attn_out", "resid_post"], "2-5"),  # a span typed (both ends included)
         _plan("small-llama", ["attn_out", "resid_post"], [1, 3, 5]),  # layers typed
     ]
     expected = [_api_estimate(url, plan) for plan in steps]
@@ -254,8 +255,12 @@ def test_the_controls_update_the_estimate_and_save_the_chosen_plan(driven, tmp_p
     browser.wait_for(SHOWN, str(expected[2]), "estimate after ticking attn_out and unticking logits")
     assert browser.js(HOOKS_CHECKED) == ["attn_out", "resid_post"]
 
+    browser.type_into("#layers", "2-5")
+    browser.wait_for(SHOWN, str(expected[3]), "estimate after typing layers 2-5")
+    assert browser.js(RED_DOTS) == 2 * 4  # two per-layer hooks at layers 2, 3, 4 and 5
+
     browser.type_into("#layers", "1,3,5")
-    browser.wait_for(SHOWN, str(expected[3]), "estimate after typing layers 1,3,5")
+    browser.wait_for(SHOWN, str(expected[4]), "estimate after typing layers 1,3,5")
     assert browser.js(TABLE_HOOKS) == ["attn_out", "resid_post"]
     assert browser.js(RED_DOTS) == 2 * 3  # two per-layer hooks at three of small-llama's 8 drawn layers
 
