@@ -153,7 +153,8 @@ def check_format(dtype: torch.dtype, ext: str) -> None:
     try:
         torch.empty(0, dtype=dtype).numpy()
     except TypeError as exc:
-        raise InvalidArgumentError(f"numpy cannot hold {dtype} exactly; write .safetensors or .pt instead") from exc
+        raise InvalidArgumentError(f"numpy cannot hold {dtype} exactly; write .safetensors or .pt instead, or widen "
+                                   "it to float32, which holds it exactly (--dtype float32)") from exc
 
 
 def _open_temp(out: str) -> tuple[BinaryIO, str]:

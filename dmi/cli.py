@@ -487,7 +487,7 @@ def _cmd_get(args: argparse.Namespace) -> int:
             merge_shards=args.merge_shards,
             run_id=args.run,
         )
-        tensor = view.read()
+        tensor = _cast(view.read(), args.hook, args.dtype)
     loss = CodecLoss.of(view.metas)
     export_tensor(tensor, args.output, name=args.hook, loss=loss)
     note = loss_note(args.output, loss)
@@ -500,6 +500,19 @@ def _cmd_get(args: argparse.Namespace) -> int:
     else:
         _say(args, f"wrote {args.hook} {tuple(tensor.shape)} {info['dtype']} to {args.output}")
     return EXIT_OK
+
+
+def _cast(tensor: Any, hook: str, dtype: str) -> Any:
+    """``tensor`` in ``dtype`` (``"stored"``: as it is); only floating-point hooks are cast (an
+    id cast to a float could round)."""
+    if dtype == "stored" or str(tensor.dtype) == f"torch.{dtype}":
+        return tensor
+    if not tensor.dtype.is_floating_point:
+        raise InvalidArgumentError(f"{hook} is {str(tensor.dtype).removeprefix('torch.')}: --dtype casts "
+                                   "floating-point hooks only; leave it out")
+    import torch
+
+    return tensor.to(getattr(torch, dtype))
 
 
 def _cmd_sql(args: argparse.Namespace) -> int:
@@ -862,6 +875,9 @@ def _build_parser() -> argparse.ArgumentParser:
                           "(default: every stored layer)")
     get.add_argument("--shard-rank", type=int, metavar="RANK", help="only this tensor-parallel rank's shard")
     get.add_argument("--merge-shards", action="store_true", help="join tensor-parallel shards into the full tensor")
+    get.add_argument("--dtype", choices=("stored", "float32", "float64", "bfloat16", "float16"), default="stored",
+                     help="write the values in this dtype (default: stored, as captured; float32 holds bfloat16 "
+                          "and float16 exactly, as .npy needs)")
 
     sql = add("sql", _cmd_sql, "run SQL over the catalog's index (no payload is read)", [tabular])
     sql.add_argument("query", help="the query ('-' reads it from stdin); values as %%(name)s")

@@ -133,6 +133,9 @@ def demo(tmp_path_factory) -> Demo:
         "get_token_ids": ["get", "tiny-llama", r0, "token_ids", "-o", str(out / "t.npy"), "--json"],
         "get_r2": ["get", "tiny-llama", r2, "resid_post", "-o", str(out / "r2.pt"), "--json"],
         "get_npy_bf16": ["get", "tiny-llama", r0, "resid_post", "-o", str(out / "x.npy")],
+        "get_npy_float32": ["get", "tiny-llama", r0, "resid_post", "--dtype", "float32", "-o", str(out / "f.npy"),
+                            "--json"],
+        "get_ids_as_float": ["get", "tiny-llama", r0, "token_ids", "--dtype", "float32", "-o", str(out / "i.npy")],
         "sql_norms": ["sql", NORMS_QUERY, "--json"],
         "sql_r2": ["sql", "SELECT layer, sqrt(sum(l2_norm * l2_norm)) AS norm FROM {records} "
                    f"WHERE hook = 'resid_post' AND request_id = '{r2}' GROUP BY layer ORDER BY layer", "--json"],
@@ -243,8 +246,17 @@ def test_get_writes_every_format_with_the_same_values(demo):
     ids = np.load(demo.out / "t.npy")
     prompt_ids = byte_tokenizer()(DEMO_PROMPTS[0])["input_ids"]
     assert ids.shape == (n,) and ids[: len(prompt_ids)].tolist() == prompt_ids
-    assert_one_line_error(demo.results["get_npy_bf16"], 2, "numpy cannot hold torch.bfloat16", ".safetensors")
+    assert_one_line_error(demo.results["get_npy_bf16"], 2, "numpy cannot hold torch.bfloat16", ".safetensors",
+                          "--dtype float32")
     assert not (demo.out / "x.npy").exists()
+    # widened on request: float32 holds every bfloat16 value exactly
+    assert parsed(demo.results["get_npy_float32"])["dtype"] == "float32"
+    widened = torch.from_numpy(np.load(demo.out / "f.npy"))
+    assert widened.dtype == torch.float32 and torch.equal(widened, full.float())
+    assert torch.equal(widened.bfloat16(), full)
+    assert_one_line_error(demo.results["get_ids_as_float"], 2, "token_ids is int64: --dtype casts floating-point "
+                          "hooks only")
+    assert not (demo.out / "i.npy").exists()
 
 
 def test_sql_answers_from_statistics_and_they_match_the_payload(demo):
