@@ -833,7 +833,7 @@ class Catalog:
         starting with ``dmi_`` are reserved; a binding problem (a stray ``%``, a missing
         parameter, a value with no SQL literal) is an ``InvalidArgumentError`` on both backends.
         Ordered by run, request, hook, layer, start token, shard rank. Raises
-        ``InvalidArgumentError`` for a malformed selection or fragment, ``ServerError`` when
+        ``InvalidArgumentError`` for a malformed selection or fragment, ``ServerError`` (naming the filter) when
         ClickHouse refuses the filter.
         """
         conditions = ["model_id = %(dmi_model_id)s"]
@@ -865,12 +865,18 @@ class Catalog:
             # as broken SQL.
             bind(where, values)
         columns = ", ".join(_schema.RECORD_COLUMNS)
-        table = self._backend.query(
-            f"SELECT {columns} FROM {self._tables['records_published']} WHERE {' AND '.join(conditions)} "
-            "ORDER BY run_id, request_id, hook, layer, start_token, shard_rank, pack_id, record_index",
-            values,
-            readonly=True,  # the caller's filter runs where ClickHouse itself refuses any write
-        )
+        try:
+            table = self._backend.query(
+                f"SELECT {columns} FROM {self._tables['records_published']} WHERE {' AND '.join(conditions)} "
+                "ORDER BY run_id, request_id, hook, layer, start_token, shard_rank, pack_id, record_index",
+                values,
+                readonly=True,  # the caller's filter runs where ClickHouse itself refuses any write
+            )
+        except ServerError as exc:
+            if where is None:
+                raise
+            raise ServerError(f"the selection with where={where!r} (--where on the command line) failed; check "
+                              f"it names columns of {{records}} ({exc})", code=exc.code, name=exc.name) from exc
         return _schema.entries_from_table(table) if table.num_rows else []
 
     def _visible_pack_ids(self) -> tuple[pa.Array, pa.Array]:

@@ -2,7 +2,8 @@
 ``InvalidArgumentError`` on both backends. On a ClickHouse server the driver substituted the
 parameters itself: a stray ``%`` in ``where`` (``LIKE 'a%'``) was a bare ``TypeError``, a
 parameter ``params`` lacks a bare ``KeyError``, and a ``bytes`` value went on as broken SQL
-(a ``ServerError`` syntax error) — where chDB named each."""
+(a ``ServerError`` syntax error) — where chDB named each. A filter ClickHouse itself refuses (an
+unknown column) stays a ``ServerError`` with ClickHouse's code, named with the filter it came from."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 import dmi
 from dmi.storage import PackWriter
-from dmi.storage.errors import InvalidArgumentError
+from dmi.storage.errors import InvalidArgumentError, ServerError
 from dmi.storage.records import RecordKey
 
 CASES = [
@@ -59,3 +60,25 @@ def test_binding_problems_are_argument_errors_on_a_server(clickhouse_uri, tmp_pa
     with dmi.open(catalog=clickhouse_uri, packs=str(tmp_path / "packs")) as store:
         _filled(store)
         _check(store, where, params, message)
+
+
+def _check_refused_filter(store) -> None:
+    """A filter ClickHouse refuses is named with the selection it broke, keeping ClickHouse's own
+    code and words."""
+    with pytest.raises(ServerError) as info:
+        store.catalog.select_records("m", where="nonsense > 0")
+    message = str(info.value)
+    assert message.startswith("the selection with where='nonsense > 0' (--where on the command line) failed; "
+                              "check it names columns of {records} (")
+    assert "UNKNOWN_IDENTIFIER" in message and info.value.name == "UNKNOWN_IDENTIFIER"
+    assert info.value.code == 47
+
+
+def test_a_filter_clickhouse_refuses_is_named_on_chdb(chdb_store):
+    _check_refused_filter(chdb_store)
+
+
+def test_a_filter_clickhouse_refuses_is_named_on_a_server(clickhouse_uri, tmp_path):
+    with dmi.open(catalog=clickhouse_uri, packs=str(tmp_path / "packs")) as store:
+        _filled(store)
+        _check_refused_filter(store)
