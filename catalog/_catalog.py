@@ -833,8 +833,8 @@ class Catalog:
         starting with ``dmi_`` are reserved; a binding problem (a stray ``%``, a missing
         parameter, a value with no SQL literal) is an ``InvalidArgumentError`` on both backends.
         Ordered by run, request, hook, layer, start token, shard rank. Raises
-        ``InvalidArgumentError`` for a malformed selection or fragment, ``ServerError`` (naming the filter) when
-        ClickHouse refuses the filter.
+        ``InvalidArgumentError`` for a malformed selection or fragment, ``ServerError`` when
+        ClickHouse refuses the filter (its message names the filter; ClickHouse's code kept).
         """
         conditions = ["model_id = %(dmi_model_id)s"]
         values: dict[str, object] = {"dmi_model_id": validate_value_id(model_id, "model id")}

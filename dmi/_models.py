@@ -135,8 +135,9 @@ def load_model(
 
     Returns a ``LoadedModel`` (model in eval mode, tokenizer, the name it came from).
     Raises ``InvalidArgumentError`` when the name is neither built in, real, nor an existing
-    directory, when the directory holds no ``config.json``, when it cannot be loaded (the reason is in the message), or when
-    a built-in model is asked for an attention implementation other than eager;
+    directory, when the directory holds no ``config.json`` or cannot be loaded (the reason is
+    in the message), or when a built-in model is asked for an attention implementation other
+    than eager;
     ``ModelNotInstalledError`` (with the ``pip install`` command) when ``smollm2``'s
     package is absent and not cached yet; ``ModelCacheError`` when its cache cannot be
     written or loaded; ``ModelError`` when transformers cannot convert the package's file.
