@@ -35,6 +35,13 @@ UNPUBLISHED_TAIL = (
 """Added to a misalignment whose features share a first token and end at different ones: the
 selection caught a running capture between two publishes."""
 
+APART_TAIL = (
+    ": every feature must hold the same tokens of a request, and a hook that keeps fewer positions "
+    "(logits keeps only the last prompt position of a prefill) does not; select the tokens all of them hold, such as "
+    "phases='decode' (--phases decode on the command line), or leave that hook out")
+"""Added to a misalignment whose features start at different tokens: one hook keeps fewer
+positions than the others (``logits`` under ``generate``)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Feature:
@@ -133,7 +140,7 @@ def _request_units(run: str, request: str, features: Sequence[Feature],
         elif (min(own), max(own)) != span:
             raise ReaderError(f"{where}: {feature.name} covers tokens {min(own)}..{max(own)} but "
                               f"{features[0].name} covers {span[0]}..{span[1]}; the features are not aligned"
-                              + (UNPUBLISHED_TAIL if min(own) == span[0] else ""))
+                              + (UNPUBLISHED_TAIL if min(own) == span[0] else APART_TAIL))
         edges = own if edges is None else edges & own
     cuts = sorted(edges)
     grouped = [_split_at(records, cuts) for records in per_feature]

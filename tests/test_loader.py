@@ -492,6 +492,28 @@ def test_selections_that_cannot_be_served(store):
         store.loader("m", batch_size=0)
 
 
+def test_logits_beside_a_full_hook_is_refused_with_the_phases_that_align_them(tmp_path):
+    """Under ``generate`` the prefill keeps one logits row (the last prompt position) and the
+    residual stream every prompt row: the refusal says so and names what aligns them, which does."""
+    from ._models import left_padded_batch, tiny
+
+    ids, mask = left_padded_batch()
+    with dmi.open(home=tmp_path / "home") as store:
+        with store.capture(tiny(), model_id="g", hooks="resid_post,logits", layers=[0]) as cap:
+            cap.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        with pytest.raises(ReaderError) as info:
+            store.loader("g", hooks=["logits", "resid_post"], layout="concat")
+        assert info.value.args[0].endswith(
+            "the features are not aligned: every feature must hold the same tokens of a request, and a hook that "
+            "keeps fewer positions (logits keeps only the last prompt position of a prefill) does not; select the "
+            "tokens all of them hold, such as phases='decode' (--phases decode on the command line), or leave "
+            "that hook out")
+        rows = _tokens(_epoch(store.loader("g", hooks=["logits", "resid_post"], layout="concat", phases="decode",
+                                           with_tokens=True)))
+        # the two decode steps after the prefill, at each request's own positions (prompts of 7, 4, 6 tokens)
+        assert sorted(position for *_, position in rows) == [4, 5, 6, 7, 7, 8]
+
+
 # ------------------------------------------------------------------------------ rows
 
 
