@@ -79,12 +79,14 @@ def write_norm_plot(
     the token axis; a dashed vertical line (``BOUNDARY_COLOR``) is drawn between it and the
     last prefill position. ``token_labels``: one string per token (the token strings), shown
     on the token axis (see :func:`norm_figure`). Returns what was drawn. Raises
-    ``InvalidArgumentError`` for a size under 200×150 pixels, norms that do not match
-    the layers, or labels that do not match the tokens.
+    ``InvalidArgumentError`` for a ``path`` not named ``.png``, a size under 200×150 pixels,
+    norms that do not match the layers, or labels that do not match the tokens.
     """
+    out = os.fspath(path)
+    if os.path.splitext(out)[1].lower() != ".png":
+        raise InvalidArgumentError(f"the plot is a PNG image: name it FILE.png, not {out!r}")
     fig = norm_figure(norms, layers, title=title, width=width, height=height, decode_start=decode_start,
                       token_labels=token_labels)
-    out = os.fspath(path)
     with warnings.catch_warnings():  # a token the font cannot draw (e.g. CJK in DejaVu Sans) shows as a box
         warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font", category=UserWarning)
         fig.savefig(out, format="png", dpi=_DPI)

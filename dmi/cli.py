@@ -631,6 +631,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     with _open_store(args) as store:
         view = store.lazy(args.model_id, args.request_id, args.hook, layers=parse_layers(args.layers),
                           shard_rank=args.shard_rank, run_id=args.run)
+        if not view.dtype.is_floating_point:
+            raise InvalidArgumentError(
+                f"{args.hook} holds {str(view.dtype).removeprefix('torch.')} ids, not activations: there is no norm "
+                "to plot; plot an activation hook such as resid_post (dmi show lists what the request holds)")
         tensor = view[:]
         tokens = store.tokens(args.model_id, args.request_id, run_id=args.run)
     if view.per_layer:

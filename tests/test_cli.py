@@ -151,6 +151,8 @@ def demo(tmp_path_factory) -> Demo:
         "plot": ["plot", "tiny-llama", r1, "--hook", "mlp_out", "-o", str(out / "mlp.png"), "--size", "640x360",
                  "--json"],
         "plot_global": ["plot", "tiny-llama", r1, "--hook", "final_norm", "-o", str(out / "final.png"), "--json"],
+        "plot_ids": ["plot", "tiny-llama", r1, "--hook", "token_ids", "-o", str(out / "ids.png")],
+        "plot_svg": ["plot", "tiny-llama", r1, "--hook", "resid_post", "-o", str(out / "plot.svg")],
         "verify": ["verify", "--json"],
         "no_model": ["requests", "no-such-model"],
         "no_request": ["show", "tiny-llama", "no-such-request"],
@@ -291,6 +293,10 @@ def test_plot_writes_a_png_of_the_requested_size(demo):
     final = parsed(demo.results["plot_global"])  # a global hook: one row, labelled -1
     assert final["layers"] == [-1] and final["n_tokens"] == drawn["n_tokens"]
     assert png_size(demo.out / "final.png") == (1200, 500)
+    # token ids are not activations: no norm to draw; and the image is a PNG whatever the name says
+    assert_one_line_error(demo.results["plot_ids"], 2, "token_ids holds int64 ids, not activations")
+    assert_one_line_error(demo.results["plot_svg"], 2, "the plot is a PNG image: name it FILE.png, not ")
+    assert not (demo.out / "ids.png").exists() and not (demo.out / "plot.svg").exists()
 
 
 def test_verify_a_clean_store(demo):

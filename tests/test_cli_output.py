@@ -159,3 +159,9 @@ def test_plot_is_a_png_of_the_requested_size(tmp_path):
         write_norm_plot(norms, [4, 5, 6], tmp_path / "q.png", title="t", width=20, height=20)
     with pytest.raises(InvalidArgumentError, match="do not match"):
         write_norm_plot(norms, [4, 5], tmp_path / "q.png", title="t")
+    for name in ("q.svg", "q.jpg", "q"):  # saved as PNG bytes under any of these names before
+        with pytest.raises(InvalidArgumentError, match="the plot is a PNG image: name it FILE.png"):
+            write_norm_plot(norms, [4, 5, 6], tmp_path / name, title="t")
+        assert not (tmp_path / name).exists()
+    write_norm_plot(norms, [4, 5, 6], tmp_path / "upper.PNG", title="t")
+    assert png_size(tmp_path / "upper.PNG") == (1200, 500)
