@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from dmi.storage.errors import InvalidArgumentError
+from dmi.storage.errors import InvalidArgumentError, ModelError
 
 __all__ = ["HookDescription", "ModelDescription", "read_model_config", "model_geometry", "offered_hooks",
            "sparse_layer_count", "describe_model"]
@@ -74,7 +74,7 @@ def read_model_config(source: str, *, home: str | os.PathLike[str] | None = None
     """``(where, config)`` for a model directory, a ``config.json`` path, a built-in model name
     or a real model's name, cached in the DMI home ``home`` (default: ``$DMI_HOME``, else
     ``~/.local/share/dmi``) or read from its package (``ModelNotInstalledError`` with the
-    install hint when it is neither)."""
+    install hint when it is neither, ``ModelError`` when the package's file does not read)."""
     from dmi._models import BUILTIN_MODELS
     from dmi._real_model import REAL_MODELS
 
@@ -110,7 +110,10 @@ def _real_config(spec: Any, home: str | os.PathLike[str] | None) -> tuple[str, d
     from transformers import AutoConfig
 
     gguf = locate_gguf(spec)
-    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).to_dict()
+    try:
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).to_dict()
+    except Exception as exc:  # noqa: BLE001 - whatever transformers' GGUF reader raises, the header did not read
+        raise ModelError(f"transformers could not read the header of {gguf}: {type(exc).__name__}: {exc}") from exc
     return str(gguf), {**config, "torch_dtype": "float32"}
 
 

@@ -23,6 +23,7 @@ import torch
 
 import dmi
 from dmi import _real_model
+from dmi._describe import describe_model
 from dmi._models import byte_tokenizer
 from dmi._real_model import INSTALL_HINT, REAL_MODELS
 from dmi.cli import main
@@ -185,6 +186,8 @@ def test_a_truncated_gguf_file_is_a_named_error_and_leaves_no_cache(tmp_path, fa
         dmi.load_model("smollm2", home=home, progress=lambda line: None)
     assert not isinstance(caught.value, ModelCacheError) and str(fake_gguf) in str(caught.value)
     assert list((home / "models").iterdir()) == []
+    with pytest.raises(ModelError, match=f"could not read the header of {fake_gguf}"):  # describe-model's path
+        describe_model("smollm2", home=home)
 
 
 def test_when_another_process_finishes_first_its_cache_is_kept(tmp_path, fake_gguf, monkeypatch):
