@@ -202,9 +202,10 @@ def run_demo(
 def _plot_target(path: str) -> str:
     """``path``, checked before anything is captured (a run is not stored only for its plot to
     fail): its directory is made if missing; ``InvalidArgumentError`` when the plot cannot be
-    written there (a directory, a file in the way, no permission)."""
+    written there (a directory, a file in the way, no permission) or is not named ``.png``."""
     import os
 
+    from dmi._plot import check_png_name
     from dmi.storage.errors import InvalidArgumentError
 
     directory = os.path.dirname(os.path.abspath(path))
@@ -217,6 +218,7 @@ def _plot_target(path: str) -> str:
         raise InvalidArgumentError(f"cannot write the plot {path}: Is a directory")
     if not os.access(directory, os.W_OK):
         raise InvalidArgumentError(f"cannot write the plot {path}: Permission denied")
+    check_png_name(path)
     return path
 
 

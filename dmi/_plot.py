@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["NormPlot", "token_norms", "write_norm_plot", "norm_figure", "axis_token_labels", "MAX_LABEL_CHARS"]
+__all__ = ["NormPlot", "token_norms", "check_png_name", "write_norm_plot", "norm_figure", "axis_token_labels", "MAX_LABEL_CHARS"]
 
 _DPI = 100
 _HEAT_SHARE = 0.4  # the heatmap's share of the figure's width
@@ -62,6 +62,13 @@ def token_norms(stacked: torch.Tensor, token_axis: int = 1) -> torch.Tensor:
     return torch.linalg.vector_norm(flat, dim=-1)
 
 
+def check_png_name(path: str) -> None:
+    """Refuse, with ``InvalidArgumentError``, a file name that does not end in ``.png``: the
+    plot is a PNG whatever the name says (``x.svg`` would hold PNG bytes)."""
+    if os.path.splitext(path)[1].lower() != ".png":
+        raise InvalidArgumentError(f"the plot is a PNG image: name it FILE.png, not {path!r}")
+
+
 def write_norm_plot(
     norms: torch.Tensor,
     layers: Sequence[int],
@@ -79,12 +86,12 @@ def write_norm_plot(
     the token axis; a dashed vertical line (``BOUNDARY_COLOR``) is drawn between it and the
     last prefill position. ``token_labels``: one string per token (the token strings), shown
     on the token axis (see :func:`norm_figure`). Returns what was drawn. Raises
-    ``InvalidArgumentError`` for a ``path`` not named ``.png``, a size under 200×150 pixels,
+    ``InvalidArgumentError`` for a file ``path`` not named ``.png``, a size under 200×150 pixels,
     norms that do not match the layers, or labels that do not match the tokens.
     """
     out = os.fspath(path)
-    if os.path.splitext(out)[1].lower() != ".png":
-        raise InvalidArgumentError(f"the plot is a PNG image: name it FILE.png, not {out!r}")
+    if not os.path.isdir(out):  # a directory is "cannot write ...: Is a directory", from the write
+        check_png_name(out)
     fig = norm_figure(norms, layers, title=title, width=width, height=height, decode_start=decode_start,
                       token_labels=token_labels)
     with warnings.catch_warnings():  # a token the font cannot draw (e.g. CJK in DejaVu Sans) shows as a box

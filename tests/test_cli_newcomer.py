@@ -109,6 +109,9 @@ def test_the_demo_refuses_a_plot_path_before_capturing(tmp_path):
     with pytest.raises(InvalidArgumentError) as refused:
         run_demo(store, plot_path=str(tmp_path), say=said.append)
     assert str(refused.value) == f"cannot write the plot {tmp_path}: Is a directory"
+    with pytest.raises(InvalidArgumentError) as refused:
+        run_demo(store, plot_path=str(tmp_path / "demo.svg"), say=said.append)
+    assert str(refused.value) == f"the plot is a PNG image: name it FILE.png, not {str(tmp_path / 'demo.svg')!r}"
     assert said == []  # refused before step 1
 
 
