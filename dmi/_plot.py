@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["NormPlot", "token_norms", "check_png_name", "write_norm_plot", "norm_figure", "axis_token_labels", "MAX_LABEL_CHARS"]
+__all__ = ["NormPlot", "token_norms", "check_plottable", "check_png_name", "write_norm_plot", "norm_figure", "axis_token_labels", "MAX_LABEL_CHARS"]
 
 _DPI = 100
 _HEAT_SHARE = 0.4  # the heatmap's share of the figure's width
@@ -60,6 +60,15 @@ def token_norms(stacked: torch.Tensor, token_axis: int = 1) -> torch.Tensor:
     stacked = stacked.movedim(token_axis, 1)
     flat = stacked.reshape(stacked.shape[0], stacked.shape[1], -1).to(torch.float64)
     return torch.linalg.vector_norm(flat, dim=-1)
+
+
+def check_plottable(hook: str, dtype: torch.dtype) -> None:
+    """Refuse, with ``InvalidArgumentError``, a hook of ids (``token_ids``, ``router_topk``):
+    an id has no norm to draw. Called before its payload is read."""
+    if not dtype.is_floating_point:
+        raise InvalidArgumentError(
+            f"{hook} holds {str(dtype).removeprefix('torch.')} ids, not activations: there is no norm to plot; "
+            "plot an activation hook such as resid_post (dmi show lists what the request holds)")
 
 
 def check_png_name(path: str) -> None:

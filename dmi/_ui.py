@@ -412,10 +412,11 @@ def _contents(h: _Handler, query: dict[str, str]):
 
 def _plot(h: _Handler, query: dict[str, str]):
     """The PNG ``dmi plot`` draws."""
-    from dmi._plot import token_norms, write_norm_plot
+    from dmi._plot import check_plottable, token_norms, write_norm_plot
 
     model, request, hook = _need(query, "model"), _need(query, "request"), _need(query, "hook")
     view = _store(h).lazy(model, request, hook, run_id=query.get("run"))
+    check_plottable(hook, view.dtype)
     tensor = view[:]
     norms = token_norms(tensor if view.per_layer else tensor.unsqueeze(0))
     with tempfile.TemporaryDirectory() as tmp:

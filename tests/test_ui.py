@@ -31,7 +31,8 @@ def home(tmp_path_factory):
     """A store with one captured request, to browse."""
     home = tmp_path_factory.mktemp("ui-home")
     with dmi.open(home=home) as store:
-        with dmi.capture(tiny("llama"), hooks="resid_post", store=store, model_id="ui-model", run_id="ui-run") as cap:
+        with dmi.capture(tiny("llama"), hooks="resid_post,token_ids", store=store, model_id="ui-model",
+                         run_id="ui-run") as cap:
             with torch.inference_mode():
                 cap.forward(*left_padded_batch((5,)), request_ids=["r0"])
     return home
@@ -121,6 +122,8 @@ def test_browse_the_store(server, home):
         assert contents == json.loads(json.dumps(store.contents("ui-model", "r0", run_id="ui-run").as_dict()))
     status, ctype, png = _call(srv.url, path="/api/plot.png?model=ui-model&request=r0&hook=resid_post")
     assert (status, ctype) == (200, "image/png") and png[:8] == b"\x89PNG\r\n\x1a\n"
+    status, _, err = _call(srv.url, path="/api/plot.png?model=ui-model&request=r0&hook=token_ids")
+    assert status == 400 and err["error"].startswith("token_ids holds int64 ids, not activations")
     status, _, err = _call(srv.url, path="/api/requests?model=nope")
     assert status == 404 and "nope" in err["error"]
 
