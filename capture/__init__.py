@@ -24,6 +24,7 @@ from ._tp_layout import TPReplicated, TPShard
 from ._tp_load import load_tensor_parallel
 from ._token_text import PROMPT_TEXT, TEXT_HOOKS, TOKEN_TEXT, decode_strings
 from ._vllm import VLLM_WRITER_PREFIX, VLLMCaptureSession, attach_vllm, check_engine_config, engine_in_this_process
+from ._vllm_arch import VLLM_MODEL_TYPES
 
 __all__ = [
     "attach",
@@ -46,6 +47,7 @@ __all__ = [
     "derive_model_id",
     "resolve_architecture",
     "SUPPORTED_MODEL_TYPES",
+    "VLLM_MODEL_TYPES",
     "ALIASES",
     "HookAlias",
     "resolve_alias",

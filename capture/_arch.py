@@ -11,6 +11,11 @@ tensor in one of three layouts:
 * ``"flat"``: ``[batch * tokens, ...]`` (MoE routers flatten tokens)
 * ``"pattern"``: ``[batch, heads, q_tokens, kv_tokens]``
 
+Gemma keeps the Llama-like table (its embedding module scales by ``sqrt(hidden)`` itself, so
+``embed`` is the first layer's input). Gemma 2 and 3 normalise each block's output again before
+adding it to the residual, so their table takes ``attn_out``/``mlp_out`` after those norms and
+``resid_mid`` before ``pre_feedforward_layernorm``; Gemma 2 soft-caps its logits after the LM head.
+
 MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) share the Llama-like table: ``mlp_out`` is
 the whole MoE block's output (Qwen2-MoE's includes its sigmoid-gated shared expert), the
 router hooks are ``mlp.gate``'s outputs, and ``mlp_post`` does not exist (no dense
@@ -69,6 +74,26 @@ def _out(index: int | None = None) -> Extractor:
     return extract
 
 
+def _softcapped(cap: float | None) -> Extractor:
+    """The LM head's output soft-capped as Gemma 2/3 return their logits (``cap * tanh(x / cap)``,
+    the model's own three operations in its order, so the values are bit-exact with its output)."""
+    if cap is None:
+        return _out(0)
+
+    def extract(args, kwargs, output):
+        return torch.tanh(output / cap) * cap
+
+    return extract
+
+
+def _lm_head_output(config) -> Extractor:
+    return _out(0)
+
+
+def _final_softcapped(config) -> Extractor:
+    return _softcapped(getattr(config, "final_logit_softcapping", None))
+
+
 def _split3(part: int) -> Extractor:
     def extract(args, kwargs, output):
         width = output.shape[-1] // 3
@@ -87,6 +112,7 @@ class _Family:
     final_norm: str
     lm_head: str
     per_layer: dict[str, tuple[str, str, Extractor, str]]  # hook -> (module path, kind, extractor, layout)
+    logits: Callable[[Any], Extractor] = _lm_head_output  # the model config -> the lm_head's extractor
 
 
 _LLAMA_LIKE = _Family(
@@ -111,6 +137,26 @@ _LLAMA_LIKE = _Family(
         "router_topk": ("mlp.gate", "post", _out(2), "flat"),
     },
 )
+
+_SANDWICH_NORMS = _Family(
+    base=_LLAMA_LIKE.base,
+    layers=_LLAMA_LIKE.layers,
+    embed=_LLAMA_LIKE.embed,
+    final_norm=_LLAMA_LIKE.final_norm,
+    lm_head=_LLAMA_LIKE.lm_head,
+    per_layer={
+        **{h: _LLAMA_LIKE.per_layer[h] for h in ("resid_pre", "attn_q", "attn_k", "attn_v", "attn_z",
+                                                  "attn_pattern", "mlp_post", "resid_post")},
+        "attn_out": ("post_attention_layernorm", "post", _out(0), "bt"),
+        "resid_mid": ("pre_feedforward_layernorm", "pre", _arg0(), "bt"),
+        "mlp_out": ("post_feedforward_layernorm", "post", _out(0), "bt"),
+    },
+    logits=_final_softcapped,
+)
+"""Gemma 2 and 3: each block's output is normalised again before it is added to the residual
+(``post_attention_layernorm``, ``post_feedforward_layernorm``), so ``attn_out`` and ``mlp_out``
+are those norms' outputs — what the layer adds — and ``resid_mid`` is the input of
+``pre_feedforward_layernorm``; the logits are soft-capped after the LM head."""
 
 _GPT2 = _Family(
     base=("transformer", ""),
@@ -142,6 +188,9 @@ _FAMILIES: dict[str, _Family] = {
     "qwen2_moe": _LLAMA_LIKE,
     "qwen3_moe": _LLAMA_LIKE,
     "olmoe": _LLAMA_LIKE,
+    "gemma": _LLAMA_LIKE,
+    "gemma2": _SANDWICH_NORMS,
+    "gemma3_text": _SANDWICH_NORMS,
     "gpt2": _GPT2,
 }
 
@@ -207,7 +256,7 @@ class Architecture:
             elif hook == "final_norm":
                 add(_get(self.base, f.final_norm), "post", Emission(hook, -1, _out(0)))
             elif hook == "logits":
-                add(_get(self.model, f.lm_head), "post", Emission(hook, -1, _out(0)))
+                add(_get(self.model, f.lm_head), "post", Emission(hook, -1, f.logits(self.model.config)))
             else:
                 path, kind, extract, layout = f.per_layer[hook]
                 for layer in layers:

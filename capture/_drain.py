@@ -844,7 +844,7 @@ class Drain:
             self.stats.bytes += e.nbytes
             if HOOKS[e.hook].key_axis is not None:  # emitted per request, already [heads, q, kv]
                 s = plan.spans[e.span_index]
-                return [(s, data.view(-1, s.n, e.kv_tokens - s.kv_pad))]
+                return [(s, data.view(-1, s.n, e.kv_tokens))]
             rows = data.view(e.rows, -1)
             if self.decode_chunk_steps > 1 and plan.phase == "decode":
                 self._stage(e.hook, e.layer, plan, rows)

@@ -17,14 +17,16 @@ hook               stored record shape                        taken from
                                                               q/k norm and before RoPE)
 ``attn_z``         ``[tokens, heads, head_dim]``              input of the output projection
 ``attn_pattern``   ``[heads, q_tokens, kv_tokens]``           attention weights (eager only)
-``attn_out``       ``[tokens, hidden]``                       attention block output
+``attn_out``       ``[tokens, hidden]``                       attention block output (what the
+                                                              layer adds to the residual)
 ``resid_mid``      ``[tokens, hidden]``                       residual after attention
 ``mlp_post``       ``[tokens, intermediate]``                 input of the MLP down projection
-``mlp_out``        ``[tokens, hidden]``                       MLP / MoE block output
+``mlp_out``        ``[tokens, hidden]``                       MLP / MoE block output (what the
+                                                              layer adds to the residual)
 ``resid_post``     ``[tokens, hidden]``                       decoder layer output
 ``final_norm``     ``[tokens, hidden]``                       final norm output
-``logits``         ``[tokens, vocab]``                        LM head output, only the positions
-                                                              the model materialises
+``logits``         ``[tokens, vocab]``                        the model's output logits, only the
+                                                              positions it materialises
 ``router_logits``  ``[tokens, experts]``                      MoE router logits
 ``router_topk``    ``[tokens, top_k]`` int64                  experts chosen by the router
 =================  =========================================  ==================================
@@ -201,14 +203,16 @@ _SPECS = [
           lambda g: (g.n_heads, g.head_dim), tp_axis=1),
     _spec("attn_pattern", True, ("attn_pattern", "patterns"), "attention weights [heads, q, kv]",
           lambda g: (g.n_heads,), tp_axis=0, needs_eager=True, token_axis=1, key_axis=2),
-    _spec("attn_out", True, ("attn",), "attention block output (after o_proj)", _H),
+    _spec("attn_out", True, ("attn",), "attention block output: what the layer adds to the residual "
+          "(after o_proj; Gemma 2/3: after its post-attention norm)", _H),
     _spec("resid_mid", True, ("resid",), "residual stream after attention, before the MLP", _H),
     _spec("mlp_post", True, ("mlp",), "MLP activation (input of the down projection)",
           lambda g: (g.intermediate,), tp_axis=1),
-    _spec("mlp_out", True, ("mlp",), "MLP / MoE block output", _H),
+    _spec("mlp_out", True, ("mlp",), "MLP / MoE block output: what the layer adds to the residual "
+          "(Gemma 2/3: after its post-feedforward norm)", _H),
     _spec("resid_post", True, ("resid",), "decoder layer output (residual stream after the layer)", _H),
     _spec("final_norm", False, ("resid",), "final norm output", _H),
-    _spec("logits", False, ("logits",), "LM head output (positions the model materialises)",
+    _spec("logits", False, ("logits",), "the model's output logits, at the positions it materialises (Gemma 2: soft-capped)",
           lambda g: (g.vocab,)),
     _spec("router_logits", True, ("router",), "MoE router logits", lambda g: (g.n_experts,), moe_only=True),
     _spec("router_topk", True, ("router",), "experts chosen by the router (indices)",

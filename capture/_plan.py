@@ -47,6 +47,7 @@ class StepPlan:
     geometry: ModelGeometry
     hooks: dict[str, tuple[int, ...]]
     call_id: int = 0  # which generate/forward call the step belongs to
+    kv_len: int = 0  # key columns of the padded sequence so far, this step's included (0: this step's own)
     _tails: dict[int, "StepPlan"] = field(default_factory=dict)
     _device_index: dict = field(default_factory=dict)
     n_rows: int = field(init=False)  # rows the step gathers: every span's tokens (read by every hook)
@@ -71,9 +72,11 @@ class StepPlan:
         hooks: dict[str, tuple[int, ...]],
         call_id: int = 0,
         ends: list[int] | None = None,
+        kv_len: int = 0,
     ) -> "StepPlan | None":
         """``ends``: each row's exclusive end column (default: the row's end); a row with no
-        column left is not captured, and a step with none at all has no plan (``None``)."""
+        column left is not captured, and a step with none at all has no plan (``None``).
+        ``kv_len``: the padded sequence's length after this step (see :meth:`key_pad`)."""
         spans = []
         offset = 0
         for r in rows:
@@ -86,7 +89,7 @@ class StepPlan:
             return None
         full = len(spans) == batch and all(s.first_col == 0 and s.n == tokens for s in spans)
         index = None if full else _flat_index(spans, tokens)
-        return cls(batch, tokens, phase, step, tuple(spans), index, geometry, hooks, call_id)
+        return cls(batch, tokens, phase, step, tuple(spans), index, geometry, hooks, call_id, kv_len)
 
     def tail(self, t_out: int) -> "StepPlan":
         """The plan for a hook that materialises only the last ``t_out`` positions (logits)."""
@@ -106,7 +109,8 @@ class StepPlan:
                 offset += n
             full = len(spans) == self.batch and all(s.first_col == 0 and s.n == t_out for s in spans)
             plan = StepPlan(self.batch, t_out, self.phase, self.step, tuple(spans),
-                            None if full else _flat_index(spans, t_out), self.geometry, self.hooks, self.call_id)
+                            None if full else _flat_index(spans, t_out), self.geometry, self.hooks, self.call_id,
+                            self.kv_len)
             self._tails[t_out] = plan
         return plan
 
@@ -120,6 +124,14 @@ class StepPlan:
             self._device_index[device] = idx
         return idx
 
+    def key_pad(self, span: RowSpan, kv_tokens: int) -> int:
+        """The left-padding columns among ``kv_tokens`` key columns of ``span``'s row. A
+        sliding-window cache keeps only the sequence's last keys: padding that slid out of the
+        window is not among them, so fewer (or no) columns are padding — stripping all
+        ``kv_pad`` would cut real keys."""
+        slid = max(0, self.kv_len - kv_tokens)
+        return max(0, span.kv_pad - slid)
+
     def hook_bytes(self, hook: str, kv_tokens: int | None = None) -> int:
         """Bytes this step reserves for one (hook, layer), rounded up to 16.
 
@@ -130,7 +142,7 @@ class StepPlan:
         g = self.geometry
         if spec.key_axis is not None:
             kv = self.tokens if kv_tokens is None else kv_tokens
-            return sum(spec.record_bytes(g, s.n, kv - s.kv_pad) for s in self.spans)
+            return sum(spec.record_bytes(g, s.n, kv - self.key_pad(s, kv)) for s in self.spans)
         per_token = 1
         for d in spec.feature_shape(g):
             per_token *= d

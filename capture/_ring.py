@@ -74,7 +74,7 @@ class Entry:
     dtype: torch.dtype
     rows: int  # leading dimension as copied ([rows, features])
     plan: object  # the StepPlan that cuts the rows into records
-    kv_tokens: int = 0  # attn_pattern only: key length before stripping
+    kv_tokens: int = 0  # attn_pattern only: the key columns kept (padding stripped)
     span_index: int = -1  # attn_pattern only: the request this region belongs to
 
 

@@ -648,7 +648,8 @@ class CaptureSession:
         first_cols, starts, ends = self.schedule.window(first_cols, starts, t)
         plan = StepPlan.build(batch=b, tokens=t, phase=phase, step=call.step, first_cols=first_cols,
                               starts=starts, kv_pads=call.pads, rows=rows, request_ids=call.request_ids,
-                              geometry=self.geometry, hooks=self._emitted, call_id=call.call_id, ends=ends)
+                              geometry=self.geometry, hooks=self._emitted, call_id=call.call_id, ends=ends,
+                              kv_len=call.pads[0] + call.n_real[0])
         if plan is None:
             return None  # no token of this step is in the schedule's position window
         from_ids = [hook for hook in self._emitted if HOOKS[hook].source == "input_ids"]
@@ -800,7 +801,8 @@ class CaptureSession:
     def _emit_pattern(self, hook, layer, x, plan: StepPlan) -> None:
         kv = x.shape[-1]
         for i, s in enumerate(plan.spans):
-            src = x[s.row, :, s.first_col : s.first_col + s.n, s.kv_pad :]
+            keys = kv - plan.key_pad(s, kv)
+            src = x[s.row, :, s.first_col : s.first_col + s.n, kv - keys :]
             nbytes = src.numel() * src.element_size()
             res = self.ring.reserve(nbytes, check=self.drain.check)
             if res is None:
@@ -813,7 +815,7 @@ class CaptureSession:
                 self._copy_cuda(dst, src, None)
             else:
                 dst.copy_(src)
-            slot.entries.append(Entry(hook, layer, off, nbytes, src.dtype, s.n, plan, kv, i))
+            slot.entries.append(Entry(hook, layer, off, nbytes, src.dtype, s.n, plan, keys, i))
             self.ring.stats.copies += 1
 
     def _copy_cuda(self, dst, src, index) -> None:

@@ -13,7 +13,8 @@ token counts — no device synchronisation) to plan which rows belong to which r
 **Refused before anything is installed** (:class:`VLLMConfigError`, saying what to pass):
 an engine that could skip hooks silently — CUDA graphs or ``torch.compile`` (pass
 ``enforce_eager=True``), prefix caching (cached prompt tokens never run: pass
-``enable_prefix_caching=False``), speculative decoding, pipeline stages — and an ``LLM``
+``enable_prefix_caching=False``), speculative decoding, pipeline stages, a model type whose
+layers DMI has not mapped for vLLM (:data:`VLLM_MODEL_TYPES`) — and an ``LLM``
 whose workers run in other processes given here directly (``dmi.capture_vllm`` reaches them
 through the worker extension).
 
@@ -60,7 +61,7 @@ from ._selection import select
 from ._session import (CaptureSession, _PipelineOptions, _validate_id, check_pipeline_arguments,
                        default_publish_scope, new_run_id, owned_session)
 from ._tp_layout import TPLayout, emitted_hooks
-from ._vllm_arch import MUTATED_IN_PLACE, resolve_vllm_architecture
+from ._vllm_arch import MUTATED_IN_PLACE, VLLM_MODEL_TYPES, resolve_vllm_architecture
 from ._vllm_plan import BatchView, VLLMPlanner
 
 __all__ = ["attach_vllm", "VLLMCaptureSession", "check_engine_config", "engine_in_this_process", "VLLM_WRITER_PREFIX"]
@@ -84,6 +85,14 @@ def check_engine_config(vllm_config, *, sharded_ok: bool = False) -> None:
     """Refuse an engine configuration under which hooks would miss steps or tokens silently.
     ``sharded_ok``: the session attaches inside one tensor-parallel worker (its own shard)."""
     model_config = vllm_config.model_config
+    model_type = getattr(getattr(model_config, "hf_config", None), "model_type", None)
+    if model_type not in VLLM_MODEL_TYPES:
+        raise VLLMConfigError(
+            f"this vLLM engine runs a model of type {model_type!r}; DMI's vLLM capture maps the layers of "
+            f"{', '.join(VLLM_MODEL_TYPES)} only (another layout, such as Gemma's norms after each block, would be "
+            "stored as the wrong values). Capture this model through transformers (dmi.capture, or dmi capture "
+            "--model DIR)"
+        )
     compilation = vllm_config.compilation_config
     mode = getattr(compilation, "mode", None)
     compiled = mode is not None and int(getattr(mode, "value", mode)) != 0

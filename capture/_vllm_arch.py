@@ -56,7 +56,13 @@ from dmi.storage.records import GLOBAL_LAYER
 
 from ._arch import Emission, Tap
 
-__all__ = ["VLLMArchitecture", "resolve_vllm_architecture", "MUTATED_IN_PLACE", "STEP_HOOKS"]
+__all__ = ["VLLMArchitecture", "resolve_vllm_architecture", "MUTATED_IN_PLACE", "STEP_HOOKS", "VLLM_MODEL_TYPES"]
+
+VLLM_MODEL_TYPES = ("llama", "mistral", "mixtral", "olmoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+"""The model types whose vLLM layers compute as the table above says. Others may have the same
+module names and compute differently — vLLM's Gemma 2 norms each block's output before the
+residual add and scales its embeddings after ``embed_tokens`` — so hooks found by name would
+store other values than the catalogue's: they are refused by type, not mapped by name."""
 
 MUTATED_IN_PLACE = frozenset({"resid_pre", "resid_mid", "resid_post", "attn_q", "attn_k", "attn_out", "mlp_out"})
 """Hooks whose tensor vLLM overwrites in place later in the step: the residual and the blocks'

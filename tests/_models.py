@@ -28,6 +28,9 @@ def tiny(kind: str = "llama", *, attn: str = "sdpa", dtype=torch.float32, seed: 
             "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
             "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
             "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
+            "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
+            "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+            "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
         }[kind]
         kw = dict(SMALL)
         if kind == "mixtral":
@@ -39,8 +42,12 @@ def tiny(kind: str = "llama", *, attn: str = "sdpa", dtype=torch.float32, seed: 
             kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8)
         if kind == "olmoe":
             kw.update(num_experts=4, num_experts_per_tok=2, eos_token_id=None)
-        if kind == "qwen3":
+        if kind in ("qwen3", "gemma", "gemma2", "gemma3_text"):
             kw.update(head_dim=8)
+        if kind in ("gemma2", "gemma3_text"):  # a window shorter than the tests' prompts, so it is used
+            kw.update(sliding_window=5)
+        if kind == "gemma2" and attn == "sdpa":  # transformers has no sdpa for Gemma 2 (its soft-capping)
+            attn = "eager"
         kw.update(over)
         model = cls_model(cls_cfg(**kw))
     model = model.to(dtype).eval()

@@ -24,7 +24,7 @@ from dmi.storage.errors import AuditError
 from ._models import left_padded_batch, tiny
 from ._real_model import smollm2
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gpt2"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma2", "gemma3_text", "gpt2"]
 HOOKS = "all_but_patterns token_ids"
 N_NEW = 4
 
@@ -92,7 +92,7 @@ def test_an_honest_batched_left_padded_capture_passes_on_every_architecture(stor
     assert all(c.verdict in ("exact", "noise") for c in report.checks)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "gpt2"])
 def test_attention_patterns_of_a_batched_left_padded_capture_pass(store, kind):
     model = tiny(kind, attn="eager")
     ids, mask = left_padded_batch()

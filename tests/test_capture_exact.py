@@ -31,7 +31,7 @@ def _per_row(ref_steps, layer_index, row, pad):
     return torch.cat(parts)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2", "gemma3_text", "gpt2"])
 def test_resid_stream_bit_exact_over_prefill_and_decode(kind):
     model = tiny(kind)
     ids, mask = left_padded_batch()
@@ -70,7 +70,7 @@ def test_resid_stream_bit_exact_over_prefill_and_decode(kind):
         assert sum(n for _, n in spans) == N_NEW
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "gpt2"])
 def test_qkv_equal_projections_recomputed_from_resid_pre(kind):
     model = tiny(kind)
     ids, mask = left_padded_batch()
@@ -125,8 +125,13 @@ def test_router_topk_equals_gate_topk():
             assert torch.equal(collect(w, rid, "router_topk", layer), top[rows])
 
 
-def test_attn_pattern_equals_eager_attentions_with_padding_stripped():
-    model = tiny("llama", attn="eager")
+@pytest.mark.parametrize(("kind", "over"), [("llama", {}), ("mistral", {"sliding_window": 4}), ("gemma2", {})],
+                         ids=["llama", "mistral-window-4", "gemma2-window-5-every-other-layer"])
+def test_attn_pattern_equals_eager_attentions_with_padding_stripped(kind, over):
+    """Each record is the model's attention weights for the request's real queries and keys.
+    Under a sliding window the decode steps' cache holds only the last keys: the padding that
+    slid out of it is not stripped again (a row padded by 3 keeps all 4 keys of a window of 4)."""
+    model = tiny(kind, attn="eager", eos_token_id=None, **over)  # every request runs all N_NEW steps
     ids, mask = left_padded_batch()
     pads = (mask == 0).sum(1).tolist()
     ref = _reference(model, ids, mask)
@@ -143,6 +148,36 @@ def test_attn_pattern_equals_eager_attentions_with_padding_stripped():
                           if k.request_id == rid and k.layer == layer)
             assert len(recs) == N_NEW
             for step, k, d in recs:
-                want = ref_att[step][layer][i, :, pads[i]:, pads[i]:] if step == 0 else \
-                    ref_att[step][layer][i, :, :, pads[i]:]
+                att = ref_att[step][layer][i]
+                if step == 0:
+                    want = att[:, pads[i]:, pads[i]:]
+                else:  # the key columns are the last of the padded sequence so far: keep the real ones
+                    real = torch.cat([mask[i], torch.ones(step, dtype=mask.dtype)])[-att.shape[-1]:].bool()
+                    want = att[..., real]
                 assert torch.equal(d, want)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3_text"])
+def test_gemma_blocks_add_their_normed_outputs_to_the_residual(kind):
+    """Gemma 2/3 norm each block's output before the residual add: ``attn_out`` is
+    ``post_attention_layernorm(o_proj(attn_z))`` and ``mlp_out`` ``post_feedforward_layernorm
+    (down_proj(mlp_post))``, recomputed here from the captured inputs (one request's rows, not the
+    batch's: the matrix products may round differently, so to 1e-5), and the residual stream is
+    their running sum, bit for bit; ``embed`` (scaled in the module) is layer 0's input."""
+    model = tiny(kind)
+    ids, mask = left_padded_batch()
+    w = MemoryWriter()
+    with attach(model, hooks="embed resid_pre attn_z attn_out resid_mid mlp_post mlp_out resid_post", writer=w) as cap:
+        rids, _ = cap.forward(ids, attention_mask=mask)
+    for rid in rids:
+        assert torch.equal(collect(w, rid, "embed", -1), collect(w, rid, "resid_pre", 0))
+        for layer, blk in enumerate(model.model.layers):
+            got = {h: collect(w, rid, h, layer) for h in ("resid_pre", "attn_z", "attn_out", "resid_mid",
+                                                           "mlp_post", "mlp_out", "resid_post")}
+            with torch.no_grad():
+                attn_out = blk.post_attention_layernorm(blk.self_attn.o_proj(got["attn_z"].flatten(1)))
+                mlp_out = blk.post_feedforward_layernorm(blk.mlp.down_proj(got["mlp_post"]))
+            torch.testing.assert_close(got["attn_out"], attn_out, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got["mlp_out"], mlp_out, rtol=1e-5, atol=1e-5)
+            assert torch.equal(got["resid_mid"], got["resid_pre"] + got["attn_out"]), layer
+            assert torch.equal(got["resid_post"], got["resid_mid"] + got["mlp_out"]), layer

@@ -10,7 +10,7 @@ from dmi.capture import HOOKS, ModelGeometry, attach, derive_model_id
 from ._models import MemoryWriter, left_padded_batch, tiny
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2", "gemma3_text", "gpt2"])
 def test_all_hooks_match_catalogue_shapes(kind):
     model = tiny(kind, attn="eager")
     ids, mask = left_padded_batch()
@@ -31,6 +31,9 @@ def test_all_hooks_match_catalogue_shapes(kind):
         real = ids.shape[1] - pads[rids.index(key.request_id)]
         if key.hook == "attn_pattern":
             kv = real if key.step == 0 else real + key.step
+            if key.step > 0 and getattr(model.config, "layer_types", None) and \
+                    model.config.layer_types[key.layer] == "sliding_attention":
+                kv = min(kv, model.config.sliding_window)  # a decode step sees the window's keys
             assert tuple(data.shape) == spec.record_shape(g, key.n_tokens, kv)
         else:
             assert tuple(data.shape) == spec.record_shape(g, key.n_tokens), key.hook
