@@ -1,8 +1,8 @@
 """Tensor-parallel capture across processes: two real ranks (spawned, gloo), one embedded store.
 
-One 2-rank run (module fixture) captures five models — transformers' own TP for a tiny
-Llama with 4 kv heads, Qwen2 with 2, Llama with 1 (k/v replicated) and Mixtral (router
-replicated), plus a Llama sharded by hand and described with ``tp_layout=`` — generating
+One 2-rank run (module fixture) captures six models — transformers' own TP for a tiny
+Llama with 4 kv heads, Qwen2 with 2, Llama with 1 (k/v replicated), Mixtral (router
+replicated) and Gemma 2 with 2 (its own block table), plus a Llama sharded by hand and described with ``tp_layout=`` — generating
 from a left-padded batch (prefill + decode). The tests then read the store in this process:
 
 * replicated hooks equal the same TP run's ``output_hidden_states`` bit for bit, and were
@@ -43,6 +43,7 @@ CASES = {
     "qwen2-kv2": ("qwen2", dict(num_key_value_heads=2), "transformers", DENSE_HOOKS, "rank0"),
     "llama-kv1": ("llama", dict(num_key_value_heads=1), "transformers", DENSE_HOOKS, "rank0"),
     "mixtral": ("mixtral", dict(num_key_value_heads=2), "transformers", MOE_HOOKS, "rank0"),
+    "gemma2-kv2": ("gemma2", dict(num_key_value_heads=2), "transformers", DENSE_HOOKS, "rank0"),
     "llama-hand": ("llama", dict(num_key_value_heads=4), "hand", DENSE_HOOKS, "all"),
 }
 SHARDED = {"attn_q": "heads", "attn_k": "kv", "attn_v": "kv", "attn_z": "heads", "mlp_post": "inter"}
@@ -84,7 +85,7 @@ def _capture_cases(rank: int, world: int, home: str, paths: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory):
-    """Save the five models, run both ranks once, capture TP=1 here; yield what the tests read."""
+    """Save the six models, run both ranks once, capture TP=1 here; yield what the tests read."""
     import transformers
 
     root = tmp_path_factory.mktemp("tp")
@@ -150,8 +151,8 @@ def _reference(full, hook: str, layer: int, resid_pre: torch.Tensor, resid_mid: 
     attn, cfg = block.self_attn, full.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     x = block.input_layernorm(resid_pre)
-    if hook == "mlp_post":
-        h = block.post_attention_layernorm(resid_mid)
+    if hook == "mlp_post":  # Gemma 2 norms the MLP's input with pre_feedforward_layernorm
+        h = getattr(block, "pre_feedforward_layernorm", block.post_attention_layernorm)(resid_mid)
         return block.mlp.act_fn(block.mlp.gate_proj(h)) * block.mlp.up_proj(h)
     proj = {"attn_q": attn.q_proj, "attn_k": attn.k_proj, "attn_v": attn.v_proj}[hook]
     return proj(x).view(x.shape[0], -1, head_dim)
