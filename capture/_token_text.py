@@ -33,18 +33,13 @@ import numpy as np
 import torch
 
 from dmi.storage.errors import InvalidArgumentError, PackCorruptError
+from dmi.storage.records import PROMPT_TEXT, TEXT_HOOKS, TOKEN_TEXT
 
 from ._hooks import HOOKS
 from ._selection import Selection
 
 __all__ = ["TOKEN_TEXT", "PROMPT_TEXT", "TEXT_HOOKS", "TokenStrings", "encode_strings", "decode_strings",
            "with_token_ids"]
-
-TOKEN_TEXT = "token_text"
-PROMPT_TEXT = "prompt_text"
-TEXT_HOOKS = (TOKEN_TEXT, PROMPT_TEXT)
-"""The record names of the strings: not hooks of the model (``HOOKS`` does not list them),
-so readers of tensors and the audit leave them out."""
 
 _MISSING = -1
 _INT32 = struct.Struct("<i")

@@ -49,7 +49,7 @@ from dmi.storage.errors import (
     PackNotFoundError,
     RecordNotFoundError,
 )
-from dmi.storage.records import GLOBAL_LAYER, RecordEntry
+from dmi.storage.records import GLOBAL_LAYER, HOOK_ORDER, TEXT_HOOKS, RecordEntry
 
 if TYPE_CHECKING:  # torch and the reader (which imports torch) load on the first tensor read:
     import pyarrow as pa  # listing commands (`dmi models`) never pay for them
@@ -466,7 +466,6 @@ class Store:
         given), ``PackCorruptError``/``PackNotFoundError``.
         """
         from dmi._tokens import read_tokens
-        from dmi.capture import TEXT_HOOKS
 
         _check_read_arguments(model_id, request_id, "token_ids", run_id)
         run = self._resolve_run(model_id, request_id, run_id)
@@ -814,13 +813,14 @@ def tp_layout_text(shard_ranks: tuple[int, ...], tp_sizes: tuple[int, ...], shar
 
 
 def _check_hook(hook: str) -> None:
-    from dmi.capture import GROUPS, HOOKS
+    if hook in HOOK_ORDER:
+        return
+    from dmi.capture import GROUPS
 
-    if hook not in HOOKS:
-        hint = f" ({hook!r} is a group: read its hooks one by one)" if hook in GROUPS else ""
-        if _is_text(hook):
-            hint = f" ({hook!r} records hold text: read them with Store.tokens, or `dmi show`)"
-        raise HookSelectionError(f"unknown hook {hook!r}{hint}; hooks: {', '.join(HOOKS)}")
+    hint = f" ({hook!r} is a group: read its hooks one by one)" if hook in GROUPS else ""
+    if _is_text(hook):
+        hint = f" ({hook!r} records hold text: read them with Store.tokens, or `dmi show`)"
+    raise HookSelectionError(f"unknown hook {hook!r}{hint}; hooks: {', '.join(HOOK_ORDER)}")
 
 
 def _resolve_alias(hook: Any, layers: Any) -> tuple[Any, Any]:
@@ -842,16 +842,12 @@ def _resolve_alias(hook: Any, layers: Any) -> tuple[Any, Any]:
 
 def _is_text(hook: str) -> bool:
     """Whether ``hook`` names the token strings' records (not a hook of the model)."""
-    from dmi.capture import TEXT_HOOKS
-
     return hook in TEXT_HOOKS
 
 
 def _hook_order(hooks: Iterable[str]) -> tuple[str, ...]:
     """Catalogue order (the order of the model's computation), unknown names last."""
-    from dmi.capture import HOOKS
-
-    order = {name: i for i, name in enumerate(HOOKS)}
+    order = {name: i for i, name in enumerate(HOOK_ORDER)}
     return tuple(sorted(hooks, key=lambda h: (order.get(h, len(order)), h)))
 
 

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 __all__ = [
     "PHASES",
     "GLOBAL_LAYER",
+    "HOOK_ORDER",
+    "TOKEN_TEXT",
+    "PROMPT_TEXT",
+    "TEXT_HOOKS",
     "RecordKey",
     "ShardGeometry",
     "RecordStats",
@@ -26,6 +30,18 @@ PHASES = ("prefill", "decode", "forward")
 
 GLOBAL_LAYER = -1
 """Layer number of hooks that are not per layer (``token_ids``, ``embed``, ``logits``...)."""
+
+HOOK_ORDER = ("token_ids", "embed", "resid_pre", "attn_q", "attn_k", "attn_v", "attn_z", "attn_pattern", "attn_out",
+              "resid_mid", "mlp_post", "mlp_out", "resid_post", "final_norm", "logits", "router_logits", "router_topk")
+"""The hook names in the order of the model's computation: the capture catalogue's (``dmi.capture.HOOKS``,
+pinned equal by a test), here so that what only lists and sorts records does not load the
+capture package and torch with it."""
+
+TOKEN_TEXT = "token_text"
+PROMPT_TEXT = "prompt_text"
+TEXT_HOOKS = (TOKEN_TEXT, PROMPT_TEXT)
+"""The record names of the strings: not hooks of the model (``HOOK_ORDER`` does not list them),
+so readers of tensors and the audit leave them out."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """Startup cost of the command line: each command imports only what it needs.
 
 ``dmi --help`` loads no DMI layer below the error tree and no third-party library;
-``dmi models`` (and ``dmi sql``) open the catalog, but load no torch, transformers,
+``dmi models``, ``dmi requests`` and ``dmi sql`` open the catalog, but load no torch, transformers,
 safetensors or matplotlib. Checked by the modules a fresh process holds after the command,
 not by its time (the time is measured by ``bench/bench_cli.py``, in docs/cli.md).
 """
@@ -44,4 +44,15 @@ def test_help_imports_no_library():
 def test_listing_commands_import_no_torch(tmp_path, command):
     loaded = modules_after([*command, "--home", str(tmp_path), "-q"])
     assert "chdb" in loaded  # the command really opened the catalog
+    assert not loaded & set(HEAVY), loaded & set(HEAVY)
+
+
+def test_listing_a_models_requests_imports_no_torch(tmp_path):
+    """``dmi requests`` sorts each request's hooks in the catalogue's order: it takes that order
+    from ``dmi.storage.HOOK_ORDER``, not from the capture package (which loads torch)."""
+    subprocess.run([sys.executable, "-m", "dmi.cli", "capture", "--model", "tiny-llama", "--prompt", "a b",
+                    "--max-new-tokens", "1", "--hooks", "resid_post,embed", "--home", str(tmp_path), "-q"],
+                   check=True, capture_output=True, timeout=300)
+    loaded = modules_after(["requests", "tiny-llama", "--home", str(tmp_path), "-q"])
+    assert "chdb" in loaded
     assert not loaded & set(HEAVY), loaded & set(HEAVY)

@@ -45,7 +45,7 @@ CAPTURE_ALL = [
 ]
 
 STORAGE_ALL = [
-    "PHASES", "GLOBAL_LAYER", "RecordKey", "ShardGeometry", "RecordStats", "ByteRange", "RecordMeta", "RecordEntry",
+    "PHASES", "GLOBAL_LAYER", "HOOK_ORDER", "TOKEN_TEXT", "PROMPT_TEXT", "TEXT_HOOKS", "RecordKey", "ShardGeometry", "RecordStats", "ByteRange", "RecordMeta", "RecordEntry",
     "PackDescriptor", "CODECS", "DEFAULT_CODEC", "LOSSY_CODECS", "CodecError", "checksum", "decode", "gather_rows", "FORMAT_NAME",
     "FORMAT_VERSION", "dtype_name", "torch_dtype", "read_pack_descriptor", "read_pack_index", "verify_pack", "WholePack", "read_whole_pack", "check_whole_pack", "PackStore", "LocalPackStore", "FileSystemPackStore", "S3PackStore", "PackInput", "PackSink", "DIRECT_ALIGNMENT", "PackWriter",
     "DEFAULT_MAX_RECORDS", "DEFAULT_MAX_BYTES",
@@ -94,3 +94,13 @@ def test_every_public_callable_of_the_facade_says_what_it_returns_and_raises():
     reading = ("requests", "contents", "tokens", "get_internal", "lazy", "sql", "verify", "recover")
     for name in reading:
         assert "Raises" in inspect.getdoc(getattr(dmi.Store, name)), f"Store.{name} does not say what it raises"
+
+
+def test_the_storage_layers_hook_order_is_the_catalogues():
+    """``dmi.storage.HOOK_ORDER`` (what listing commands sort by without loading torch) is the
+    capture catalogue's order, and the text record names are the same objects in both."""
+    import dmi.capture
+    import dmi.storage
+
+    assert dmi.storage.HOOK_ORDER == tuple(dmi.capture.HOOKS)
+    assert dmi.storage.TEXT_HOOKS is dmi.capture.TEXT_HOOKS
