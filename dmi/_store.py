@@ -15,6 +15,7 @@ Where things live, by precedence (explicit arguments first, then the environment
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import socket
 import threading
@@ -48,6 +49,7 @@ from dmi.storage.errors import (
     PackError,
     PackNotFoundError,
     RecordNotFoundError,
+    ServerError,
 )
 from dmi.storage.records import GLOBAL_LAYER, HOOK_ORDER, TEXT_HOOKS, RecordEntry
 
@@ -363,15 +365,27 @@ class Store:
         to the other tables (see ``tables``). Other braces are left alone. Values go in
         ``params``, named in the text as ``%(name)s`` (a literal ``%`` is then written ``%%``):
         the catalog renders each as a literal, so a value never enters the text any other way.
-        Raises ``ServerError`` (with ClickHouse's code and name) on a bad query,
+        Raises ``ServerError`` (with ClickHouse's code and name) on a bad query — naming any
+        ``{word}`` that is not a table, where the query failed (``{recs}`` for ``{records}``) —,
         ``InvalidArgumentError`` if ``query`` is not a string, ``params`` not a dict, or a
         parameter is missing or has no SQL literal.
         """
         if not isinstance(query, str):
             raise InvalidArgumentError(f"sql() takes a str, not {type(query).__name__}")
+        text = query
         for name, qualified in self.tables.items():
             query = query.replace("{" + name + "}", qualified)
-        return self.catalog.sql(query, params)
+        try:
+            return self.catalog.sql(query, params)
+        except ServerError as exc:
+            unknown = sorted(set(_BRACED_WORD.findall(text)) - set(self.tables))
+            if exc.code != _SYNTAX_ERROR or not unknown:
+                raise
+            named = ", ".join("{" + u + "}" for u in unknown)
+            raise ServerError(
+                f"{named} {'is not a table' if len(unknown) == 1 else 'are not tables'}; the tables are "
+                f"{', '.join('{' + t + '}' for t in self.tables)} ({exc})", code=exc.code, name=exc.name,
+            ) from exc
 
     def models(self) -> list[ModelSummary]:
         """Every model id with published records, with run, request, record and byte totals."""
@@ -810,6 +824,15 @@ def tp_layout_text(shard_ranks: tuple[int, ...], tp_sizes: tuple[int, ...], shar
     text = f"split on axis {','.join(map(str, axes))} over {size} ranks"
     missing = sorted(set(range(size)) - set(shard_ranks))
     return f"{text}; rank(s) {missing} missing" if missing else text
+
+
+_SYNTAX_ERROR = 62
+"""ClickHouse's SYNTAX_ERROR: what a ``{word}`` left in the text gives (it reads as a query
+parameter without its type)."""
+
+_BRACED_WORD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+"""A ``{word}`` in SQL text: a table placeholder, or a typo for one (a ClickHouse query parameter
+is ``{name:Type}``, and a map literal holds a colon too)."""
 
 
 def _check_hook(hook: str) -> None:

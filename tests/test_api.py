@@ -223,6 +223,24 @@ def test_sql_takes_values_as_params_never_as_sql(store):
         store.sql("SELECT 1", params=[("hook", "resid_post")])
 
 
+def test_sql_names_a_placeholder_that_is_not_a_table(store):
+    """A typo in a table placeholder reached ClickHouse as ``{recs}`` and came back as its bare
+    syntax error ("Expected colon between name and type"); the error now names the typo and the
+    tables, keeping ClickHouse's code. A ``{word}`` inside a query that fails otherwise (here
+    inside a string, the query failing on a column) leaves ClickHouse's error alone."""
+    with pytest.raises(dmi.ServerError) as info:
+        store.sql("SELECT count() FROM {recs} JOIN {pack} USING pack_id")
+    tables = ", ".join("{" + t + "}" for t in store.tables)
+    assert str(info.value).startswith(f"{{pack}}, {{recs}} are not tables; the tables are {tables} (")
+    assert (info.value.code, info.value.name) == (62, "SYNTAX_ERROR")
+    with pytest.raises(dmi.ServerError) as info:
+        store.sql("SELECT count() FROM {record}")
+    assert str(info.value).startswith("{record} is not a table; the tables are {")
+    with pytest.raises(dmi.ServerError) as info:
+        store.sql("SELECT no_such_column FROM {records} WHERE hook = '{x}'")
+    assert "is not a table" not in str(info.value) and info.value.code != 62
+
+
 def test_verify_reports_progress_and_totals(store):
     ticks = []
 
