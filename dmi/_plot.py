@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dmi._export import write_file
 from dmi.storage.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -95,17 +96,21 @@ def write_norm_plot(
     the token axis; a dashed vertical line (``BOUNDARY_COLOR``) is drawn between it and the
     last prefill position. ``token_labels``: one string per token (the token strings), shown
     on the token axis (see :func:`norm_figure`). Returns what was drawn. Raises
-    ``InvalidArgumentError`` for a file ``path`` not named ``.png``, a size under 200×150 pixels,
-    norms that do not match the layers, or labels that do not match the tokens.
+    ``InvalidArgumentError`` for a file ``path`` not named ``.png`` or a directory, a size under
+    200×150 pixels, norms that do not match the layers, labels that do not match the tokens, or
+    a file that cannot be created there; ``ExportError`` when the write fails part-way (a full
+    disk). The PNG is written beside ``path`` and renamed into place when complete, so a failed
+    or interrupted write leaves no partial file, and an existing plot there as it was.
     """
     out = os.fspath(path)
-    if not os.path.isdir(out):  # a directory is "cannot write ...: Is a directory", from the write
-        check_png_name(out)
+    if os.path.isdir(out):
+        raise InvalidArgumentError(f"cannot write {out}: Is a directory")
+    check_png_name(out)
     fig = norm_figure(norms, layers, title=title, width=width, height=height, decode_start=decode_start,
                       token_labels=token_labels)
     with warnings.catch_warnings():  # a token the font cannot draw (e.g. CJK in DejaVu Sans) shows as a box
         warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font", category=UserWarning)
-        fig.savefig(out, format="png", dpi=_DPI)
+        write_file(out, lambda handle: fig.savefig(handle, format="png", dpi=_DPI))
     heat, curve = fig.axes[0], fig.axes[-1]
     return NormPlot(
         path=out,

@@ -165,3 +165,34 @@ def test_plot_is_a_png_of_the_requested_size(tmp_path):
         assert not (tmp_path / name).exists()
     write_norm_plot(norms, [4, 5, 6], tmp_path / "upper.PNG", title="t")
     assert png_size(tmp_path / "upper.PNG") == (1200, 500)
+
+
+_PLOT_PAST_THE_FILE_SIZE_LIMIT = """
+import os, resource, signal, sys, torch
+from dmi._plot import write_norm_plot
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    write_norm_plot(torch.rand(3, 10) + 1, [0, 1, 2], sys.argv[1], title="t", width=1200, height=500)
+except OSError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_a_plot_that_fails_part_way_leaves_the_old_file_and_no_partial_one(tmp_path):
+    """The PNG (tens of KB) is written under a file size limit of 4 KB, in a process of its own:
+    a real ``EFBIG`` part-way, as a full disk gives. The error is ``ExportError``; the plot that
+    was there is untouched and no temporary file is left (``savefig`` into the path itself left
+    4 KB of a PNG under the plot's name)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "p.png"
+    out.write_bytes(b"the earlier plot")
+    run = subprocess.run([sys.executable, "-c", _PLOT_PAST_THE_FILE_SIZE_LIMIT, str(out)], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(f"ExportError could not write {out} (File too large); nothing was written"), run.stdout
+    assert out.read_bytes() == b"the earlier plot"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.png"]
