@@ -11,7 +11,7 @@ See ``docs/capture.md``.
 """
 
 from ._aliases import ALIASES, HookAlias, resolve_alias
-from ._arch import SUPPORTED_MODEL_TYPES, resolve_architecture
+from ._arch import SUPPORTED_MODEL_TYPES, hooks_ruled_out, resolve_architecture
 from ._generate import CaptureResult, prepare_batch
 from ._hooks import GROUPS, HOOKS, HookSpec, ModelGeometry
 from ._plan import RowSpan, StepPlan
@@ -47,6 +47,7 @@ __all__ = [
     "derive_model_id",
     "resolve_architecture",
     "SUPPORTED_MODEL_TYPES",
+    "hooks_ruled_out",
     "VLLM_MODEL_TYPES",
     "ALIASES",
     "HookAlias",

@@ -16,6 +16,9 @@ Gemma keeps the Llama-like table (its embedding module scales by ``sqrt(hidden)`
 adding it to the residual, so their table takes ``attn_out``/``mlp_out`` after those norms and
 ``resid_mid`` before ``pre_feedforward_layernorm``; Gemma 2 soft-caps its logits after the LM head.
 
+GPT-NeoX (Pythia) has its own table: q/k/v per head out of one fused projection, and no
+``resid_mid`` under its parallel residual (:func:`hooks_ruled_out`).
+
 MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) share the Llama-like table: ``mlp_out`` is
 the whole MoE block's output (Qwen2-MoE's includes its sigmoid-gated shared expert), the
 router hooks are ``mlp.gate``'s outputs, and ``mlp_post`` does not exist (no dense
@@ -34,7 +37,7 @@ from torch import nn
 
 from dmi.storage.errors import AttachError
 
-__all__ = ["Tap", "Emission", "Architecture", "resolve_architecture", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["Tap", "Emission", "Architecture", "resolve_architecture", "SUPPORTED_MODEL_TYPES", "hooks_ruled_out"]
 
 Extractor = Callable[[tuple, dict, Any], torch.Tensor | None]
 
@@ -86,6 +89,40 @@ def _softcapped(cap: float | None) -> Extractor:
     return extract
 
 
+@dataclass(frozen=True, slots=True)
+class _PerConfig:
+    """An extractor that depends on the model's config (a head size), built at :meth:`Architecture.taps`."""
+
+    build: Callable[[Any], Extractor]
+
+
+def _neox_qkv(part: int) -> _PerConfig:
+    """q, k or v out of GPT-NeoX's fused ``query_key_value``, whose output holds each head's q, k
+    and v side by side (``[..., heads, 3 * head_dim]``) — a tensor-parallel rank's block of heads too."""
+
+    def build(config) -> Extractor:
+        head_dim = config.hidden_size // config.num_attention_heads
+
+        def extract(args, kwargs, output):
+            return output.unflatten(-1, (-1, 3 * head_dim))[..., part * head_dim : (part + 1) * head_dim]
+
+        return extract
+
+    return _PerConfig(build)
+
+
+def _no_hooks_ruled_out(config) -> frozenset[str]:
+    return frozenset()
+
+
+def _neox_ruled_out(config) -> frozenset[str]:
+    """A parallel residual (Pythia's, transformers' default) adds attention and MLP to the same
+    input: no ``resid_mid``."""
+    parallel = config.get("use_parallel_residual", True) if isinstance(config, dict) else \
+        getattr(config, "use_parallel_residual", True)
+    return frozenset({"resid_mid"}) if parallel else frozenset()
+
+
 def _lm_head_output(config) -> Extractor:
     return _out(0)
 
@@ -111,8 +148,9 @@ class _Family:
     embed: str
     final_norm: str
     lm_head: str
-    per_layer: dict[str, tuple[str, str, Extractor, str]]  # hook -> (module path, kind, extractor, layout)
+    per_layer: dict[str, tuple[str, str, Extractor | _PerConfig, str]]  # hook -> (module path, kind, extractor, layout)
     logits: Callable[[Any], Extractor] = _lm_head_output  # the model config -> the lm_head's extractor
+    ruled_out: Callable[[Any], frozenset[str]] = _no_hooks_ruled_out  # a config (object or dict) -> hooks its layers lack
 
 
 _LLAMA_LIKE = _Family(
@@ -179,6 +217,32 @@ _GPT2 = _Family(
     },
 )
 
+_GPT_NEOX = _Family(
+    base=("gpt_neox", ""),
+    layers="layers",
+    embed="embed_in",
+    final_norm="final_layer_norm",
+    lm_head="lm_head",
+    per_layer={
+        "resid_pre": ("", "pre", _arg0(), "bt"),
+        "attn_q": ("attention.query_key_value", "post", _neox_qkv(0), "bt"),
+        "attn_k": ("attention.query_key_value", "post", _neox_qkv(1), "bt"),
+        "attn_v": ("attention.query_key_value", "post", _neox_qkv(2), "bt"),
+        "attn_z": ("attention.dense", "pre", _arg0("input"), "bt"),
+        "attn_pattern": ("attention", "post", _out(1), "pattern"),
+        "attn_out": ("attention", "post", _out(0), "bt"),
+        "resid_mid": ("post_attention_layernorm", "pre", _arg0("input"), "bt"),
+        "mlp_post": ("mlp.dense_4h_to_h", "pre", _arg0("input"), "bt"),
+        "mlp_out": ("mlp", "post", _out(0), "bt"),
+        "resid_post": ("", "post", _out(0), "bt"),
+    },
+    ruled_out=_neox_ruled_out,
+)
+"""GPT-NeoX (Pythia): q/k/v are cut per head out of the fused projection; with its parallel
+residual (``use_parallel_residual``, Pythia's) the layer adds ``attn_out`` and ``mlp_out`` to
+``resid_pre`` at once, so there is no ``resid_mid`` (``post_attention_layernorm``'s input is then
+``resid_pre``, not a mid-layer residual); without it, ``resid_mid`` is that norm's input."""
+
 _FAMILIES: dict[str, _Family] = {
     "llama": _LLAMA_LIKE,
     "mistral": _LLAMA_LIKE,
@@ -191,10 +255,19 @@ _FAMILIES: dict[str, _Family] = {
     "gemma": _LLAMA_LIKE,
     "gemma2": _SANDWICH_NORMS,
     "gemma3_text": _SANDWICH_NORMS,
+    "gpt_neox": _GPT_NEOX,
     "gpt2": _GPT2,
 }
 
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
+
+
+def hooks_ruled_out(model_type: str, config: dict[str, Any]) -> frozenset[str]:
+    """The per-layer hooks a supported model type has modules for but its config rules out
+    (GPT-NeoX's parallel residual: ``resid_mid``), read from a ``config.json``'s fields — what
+    ``describe-model`` and ``estimate`` leave out without building the model."""
+    family = _FAMILIES.get(model_type)
+    return family.ruled_out(config) if family is not None else frozenset()
 
 
 def _get(root: nn.Module, path: str) -> nn.Module | None:
@@ -231,7 +304,7 @@ class Architecture:
             return _get(self.base, f.final_norm) is not None
         if hook == "logits":
             return _get(self.model, f.lm_head) is not None
-        if hook not in f.per_layer:
+        if hook not in f.per_layer or hook in f.ruled_out(self.model.config):
             return False
         path = f.per_layer[hook][0]
         return all(_get(layer, path) is not None for layer in self.layers)
@@ -259,6 +332,8 @@ class Architecture:
                 add(_get(self.model, f.lm_head), "post", Emission(hook, -1, f.logits(self.model.config)))
             else:
                 path, kind, extract, layout = f.per_layer[hook]
+                if isinstance(extract, _PerConfig):
+                    extract = extract.build(self.model.config)
                 for layer in layers:
                     add(_get(self.layers[layer], path), kind, Emission(hook, layer, extract, layout))
         return list(taps.values())

@@ -159,14 +159,16 @@ def offered_hooks(geometry: Any, config: dict[str, Any] | None = None) -> tuple[
     every layer and ``mlp_post`` a dense MLP on every layer (the experts share no down
     projection to hook), so a model mixing dense and sparse layers (Qwen2-MoE's and Qwen3-MoE's
     ``mlp_only_layers`` or ``decoder_sparse_step``, read from ``config``) has neither; without
-    ``config`` every layer of an MoE model is taken as sparse. The test over real models of
-    every family checks this agrees with what the runtime finds on the modules."""
-    from dmi.capture import HOOKS
+    ``config`` every layer of an MoE model is taken as sparse. A hook the config rules out
+    (GPT-NeoX's ``resid_mid`` under its parallel residual) is left out too. The test over real
+    models of every family checks this agrees with what the runtime finds on the modules."""
+    from dmi.capture import HOOKS, hooks_ruled_out
 
     sparse = sparse_layer_count(geometry, config or {})
     routers, dense_mlp = sparse == geometry.n_layers > 0, sparse == 0
+    ruled_out = hooks_ruled_out(geometry.model_type, config or {})
     return tuple(name for name, spec in HOOKS.items()
-                 if (routers or not spec.moe_only) and (dense_mlp or name != "mlp_post"))
+                 if (routers or not spec.moe_only) and (dense_mlp or name != "mlp_post") and name not in ruled_out)
 
 
 def sparse_layer_count(geometry: Any, config: dict[str, Any]) -> int:

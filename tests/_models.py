@@ -31,6 +31,7 @@ def tiny(kind: str = "llama", *, attn: str = "sdpa", dtype=torch.float32, seed: 
             "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
             "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
             "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+            "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM),
         }[kind]
         kw = dict(SMALL)
         if kind == "mixtral":
@@ -44,6 +45,8 @@ def tiny(kind: str = "llama", *, attn: str = "sdpa", dtype=torch.float32, seed: 
             kw.update(num_experts=4, num_experts_per_tok=2, eos_token_id=None)
         if kind in ("qwen3", "gemma", "gemma2", "gemma3_text"):
             kw.update(head_dim=8)
+        if kind == "gpt_neox":  # no grouped-query attention: every head has its own k and v
+            kw.pop("num_key_value_heads")
         if kind in ("gemma2", "gemma3_text"):  # a window shorter than the tests' prompts, so it is used
             kw.update(sliding_window=5)
         if kind == "gemma2" and attn == "sdpa":  # transformers has no sdpa for Gemma 2 (its soft-capping)

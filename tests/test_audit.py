@@ -24,7 +24,7 @@ from dmi.storage.errors import AuditError
 from ._models import left_padded_batch, tiny
 from ._real_model import smollm2
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma2", "gemma3_text", "gpt2"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma2", "gemma3_text", "gpt_neox", "gpt2"]
 HOOKS = "all_but_patterns token_ids"
 N_NEW = 4
 
@@ -111,7 +111,8 @@ def test_a_capture_alone_is_bit_exact(store, kind):
     report = store.audit(model_id, model=model, request_ids=rids, exact=True)
     assert report.passed and report.tolerance == "exact"
     assert all(c.verdict == "exact" for c in report.checks)
-    per_layer = 12 if kind == "mixtral" else 11  # mixtral: router logits and top-k, no single mlp_post
+    # mixtral: router logits and top-k, no single mlp_post; gpt_neox: a parallel residual, no resid_mid
+    per_layer = {"mixtral": 12, "gpt_neox": 10}.get(kind, 11)
     n_global = 4  # token_ids, embed, final_norm, logits
     assert len({(c.hook, c.layer) for c in report.checks}) == len(report.checks) == n_global + 3 * per_layer
 

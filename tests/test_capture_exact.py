@@ -31,7 +31,7 @@ def _per_row(ref_steps, layer_index, row, pad):
     return torch.cat(parts)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2", "gemma3_text", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2", "gemma3_text", "gpt_neox", "gpt2"])
 def test_resid_stream_bit_exact_over_prefill_and_decode(kind):
     model = tiny(kind)
     ids, mask = left_padded_batch()
@@ -70,7 +70,7 @@ def test_resid_stream_bit_exact_over_prefill_and_decode(kind):
         assert sum(n for _, n in spans) == N_NEW
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "gpt_neox", "gpt2"])
 def test_qkv_equal_projections_recomputed_from_resid_pre(kind):
     model = tiny(kind)
     ids, mask = left_padded_batch()
@@ -85,6 +85,11 @@ def test_qkv_equal_projections_recomputed_from_resid_pre(kind):
             qkv = blk.attn.c_attn(blk.ln_1(ref.hidden_states[layer]))
             q, k, v = qkv.split(model.config.n_embd, dim=2)
             hd = model.config.n_embd // model.config.n_head
+        elif kind == "gpt_neox":  # one fused projection: each head's q, k, v side by side
+            blk = model.gpt_neox.layers[layer]
+            qkv = blk.attention.query_key_value(blk.input_layernorm(ref.hidden_states[layer]))
+            hd = blk.attention.head_size
+            q, k, v = (part.flatten(2) for part in qkv.unflatten(-1, (-1, 3 * hd)).chunk(3, dim=-1))
         else:
             blk = model.model.layers[layer]
             x = blk.input_layernorm(ref.hidden_states[layer])
@@ -181,3 +186,32 @@ def test_gemma_blocks_add_their_normed_outputs_to_the_residual(kind):
             torch.testing.assert_close(got["mlp_out"], mlp_out, rtol=1e-5, atol=1e-5)
             assert torch.equal(got["resid_mid"], got["resid_pre"] + got["attn_out"]), layer
             assert torch.equal(got["resid_post"], got["resid_mid"] + got["mlp_out"]), layer
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel-residual", "sequential"])
+def test_gpt_neox_residual_stream_sums_its_blocks(parallel):
+    """GPT-NeoX (Pythia) with its parallel residual adds both blocks to the layer's input at once:
+    ``resid_post = mlp_out + attn_out + resid_pre`` (the model's own order of additions, so bit
+    for bit) and there is no ``resid_mid`` — naming it is refused, not answered with the MLP norm's
+    input (which is ``resid_pre`` there). Sequential, ``resid_mid = resid_pre + attn_out`` and
+    ``resid_post = resid_mid + mlp_out``."""
+    from dmi.storage.errors import HookSelectionError
+
+    model = tiny("gpt_neox", use_parallel_residual=parallel)
+    ids, mask = left_padded_batch()
+    hooks = "resid_pre attn_out mlp_out resid_post" + ("" if parallel else " resid_mid")
+    w = MemoryWriter()
+    with attach(model, hooks=hooks, writer=w) as cap:
+        rids, _ = cap.forward(ids, attention_mask=mask)
+    for rid in rids:
+        for layer in range(model.config.num_hidden_layers):
+            got = {h: collect(w, rid, h, layer) for h in hooks.split()}
+            if parallel:
+                assert torch.equal(got["resid_post"], got["mlp_out"] + got["attn_out"] + got["resid_pre"]), layer
+            else:
+                assert torch.equal(got["resid_mid"], got["attn_out"] + got["resid_pre"]), layer
+                assert torch.equal(got["resid_post"], got["mlp_out"] + got["resid_mid"]), layer
+    if parallel:
+        with pytest.raises(HookSelectionError, match="hook 'resid_mid' does not exist on model type 'gpt_neox'"):
+            with attach(model, hooks="resid_mid", writer=MemoryWriter()):
+                pass

@@ -40,6 +40,23 @@ def _points(model, kind: str) -> dict:
                 ("mlp_out", i): (layer.mlp, "post", lambda a, o: o),
                 ("resid_post", i): (layer, "post", lambda a, o: _last(o)),
             })
+    elif kind == "gpt_neox":
+        base, head_dim = model.gpt_neox, model.config.hidden_size // model.config.num_attention_heads
+        points = {("embed", -1): (base.embed_in, "post", lambda a, o: o),
+                  ("final_norm", -1): (base.final_layer_norm, "post", lambda a, o: o)}
+        for i, layer in enumerate(base.layers):
+            per_head = lambda o, part: o.view(*o.shape[:2], -1, 3 * head_dim)[..., part * head_dim:(part + 1) * head_dim]
+            points.update({
+                ("resid_pre", i): (layer, "pre", lambda a, o: a[0]),
+                ("attn_q", i): (layer.attention.query_key_value, "post", lambda a, o: per_head(o, 0)),
+                ("attn_k", i): (layer.attention.query_key_value, "post", lambda a, o: per_head(o, 1)),
+                ("attn_v", i): (layer.attention.query_key_value, "post", lambda a, o: per_head(o, 2)),
+                ("attn_z", i): (layer.attention.dense, "pre", lambda a, o: a[0]),
+                ("attn_out", i): (layer.attention, "post", lambda a, o: o[0]),
+                ("mlp_post", i): (layer.mlp.dense_4h_to_h, "pre", lambda a, o: a[0]),
+                ("mlp_out", i): (layer.mlp, "post", lambda a, o: o),
+                ("resid_post", i): (layer, "post", lambda a, o: _last(o)),
+            })  # a parallel residual: no resid_mid
     else:
         base = model.model
         points = {("embed", -1): (base.embed_tokens, "post", lambda a, o: o),
@@ -175,8 +192,8 @@ def _audit(kind, dtype, lengths, *, hooks="all_but_patterns", schedule=None, chu
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gpt2",
-                                  "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gpt_neox",
+                                  "gpt2", "mixtral"])
 def test_every_hook_equals_plain_hooks_at_every_position(kind, dtype):
     """Left-padded batch of unequal prompts and a batch of one, prefill and 4 decode steps
     coalesced by twos: each record's tokens, positions, steps and phase, bit for bit."""

@@ -20,7 +20,7 @@ from dmi.storage.errors import InvalidArgumentError
 from tests._models import tiny
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2",
-            "gemma3_text", "gpt2"]
+            "gemma3_text", "gpt_neox", "gpt2"]
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -144,7 +144,7 @@ def test_sizes_must_be_integers(field, value, tmp_path):
 @pytest.mark.parametrize(("config", "words"), [
     ({"model_type": "t5", "is_encoder_decoder": True, "d_model": 512}, "model type 't5' is an encoder-decoder"),
     ({"model_type": "bart", "d_model": 16}, "model type 'bart' is an encoder-decoder"),
-    ({"model_type": "falcon", "hidden_size": 64}, "model type 'falcon' is not supported; supported: gemma, gemma2, gemma3_text, gpt2, llama"),
+    ({"model_type": "falcon", "hidden_size": 64}, "model type 'falcon' is not supported; supported: gemma, gemma2, gemma3_text, gpt2, gpt_neox, llama"),
     ({"hidden_size": 64}, "model type None is not supported"),
     ({"model_type": "llama", "hidden_size": 64, "torch_dtype": "int8"}, "dtype 'int8' is not one of"),
     ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10},
@@ -222,3 +222,13 @@ def test_cli_yaml_writes_hooks_as_blocks_and_shapes_on_one_line():
     assert (rc, err) == (0, "")
     assert "\nhooks:\n- name: token_ids\n  scope: global\n  shape_per_token: []\n" in out
     assert "\n- name: embed\n  scope: global\n  shape_per_token: [64]\n  record_shape: tokens x 64\n" in out
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_gpt_neox_offers_resid_mid_only_without_its_parallel_residual(parallel, tmp_path):
+    """Described from its config.json alone, as the runtime finds it on the built model."""
+    model = tiny("gpt_neox", use_parallel_residual=parallel)
+    model.config.save_pretrained(tmp_path)
+    offered = [h.name for h in describe_model(str(tmp_path)).hooks]
+    assert ("resid_mid" in offered) == (not parallel)
+    assert offered == [h for h in HOOKS if resolve_architecture(model).available(h)]

@@ -37,7 +37,7 @@ DMI_ALL = [
 CAPTURE_ALL = [
     "attach", "CaptureSession", "CaptureResult", "Schedule", "HOOKS", "GROUPS", "HookSpec", "ModelGeometry",
     "resolve_hooks", "resolve_layers", "layer_numbers", "MAX_SELECTED_LAYERS", "Selection", "StepPlan", "RowSpan", "Ring", "prepare_batch",
-    "derive_model_id", "resolve_architecture", "SUPPORTED_MODEL_TYPES", "VLLM_MODEL_TYPES", "ALIASES", "HookAlias", "resolve_alias",
+    "derive_model_id", "resolve_architecture", "SUPPORTED_MODEL_TYPES", "hooks_ruled_out", "VLLM_MODEL_TYPES", "ALIASES", "HookAlias", "resolve_alias",
     "TPShard", "TPReplicated", "ParallelRanks", "resolve_parallel_ranks", "tp_mesh_of", "load_tensor_parallel",
     "TOKEN_TEXT", "PROMPT_TEXT", "TEXT_HOOKS", "decode_strings", "attach_vllm", "VLLMCaptureSession",
     "check_engine_config", "VLLM_WRITER_PREFIX", "engine_in_this_process",

@@ -1,8 +1,9 @@
 """Tensor-parallel capture across processes: two real ranks (spawned, gloo), one embedded store.
 
-One 2-rank run (module fixture) captures six models — transformers' own TP for a tiny
+One 2-rank run (module fixture) captures seven models — transformers' own TP for a tiny
 Llama with 4 kv heads, Qwen2 with 2, Llama with 1 (k/v replicated), Mixtral (router
-replicated) and Gemma 2 with 2 (its own block table), plus a Llama sharded by hand and described with ``tp_layout=`` — generating
+replicated), Gemma 2 with 2 (its own block table) and GPT-NeoX (Pythia's parallel residual,
+q/k/v cut per head out of one fused projection), plus a Llama sharded by hand and described with ``tp_layout=`` — generating
 from a left-padded batch (prefill + decode). The tests then read the store in this process:
 
 * replicated hooks equal the same TP run's ``output_hidden_states`` bit for bit, and were
@@ -44,6 +45,7 @@ CASES = {
     "llama-kv1": ("llama", dict(num_key_value_heads=1), "transformers", DENSE_HOOKS, "rank0"),
     "mixtral": ("mixtral", dict(num_key_value_heads=2), "transformers", MOE_HOOKS, "rank0"),
     "gemma2-kv2": ("gemma2", dict(num_key_value_heads=2), "transformers", DENSE_HOOKS, "rank0"),
+    "pythia": ("gpt_neox", {}, "transformers", [h for h in DENSE_HOOKS if h != "resid_mid"], "rank0"),
     "llama-hand": ("llama", dict(num_key_value_heads=4), "hand", DENSE_HOOKS, "all"),
 }
 SHARDED = {"attn_q": "heads", "attn_k": "kv", "attn_v": "kv", "attn_z": "heads", "mlp_post": "inter"}
@@ -85,7 +87,7 @@ def _capture_cases(rank: int, world: int, home: str, paths: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory):
-    """Save the six models, run both ranks once, capture TP=1 here; yield what the tests read."""
+    """Save the seven models, run both ranks once, capture TP=1 here; yield what the tests read."""
     import transformers
 
     root = tmp_path_factory.mktemp("tp")
@@ -145,8 +147,10 @@ def test_replicated_hooks_equal_hidden_states_bit_for_bit_and_are_written_once(t
                                store.get_internal(name, rid, "resid_pre", run_id=RUN))
 
 
-def _reference(full, hook: str, layer: int, resid_pre: torch.Tensor, resid_mid: torch.Tensor) -> torch.Tensor:
+def _reference(full, hook: str, layer: int, resid_pre: torch.Tensor, resid_mid: torch.Tensor | None) -> torch.Tensor:
     """What ``hook`` is at ``layer``, computed with the full weights from the captured residuals."""
+    if hasattr(full, "gpt_neox"):
+        return _neox_reference(full, hook, layer, resid_pre)
     block = full.model.layers[layer]
     attn, cfg = block.self_attn, full.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -158,13 +162,25 @@ def _reference(full, hook: str, layer: int, resid_pre: torch.Tensor, resid_mid: 
     return proj(x).view(x.shape[0], -1, head_dim)
 
 
+def _neox_reference(full, hook: str, layer: int, resid_pre: torch.Tensor) -> torch.Tensor:
+    """GPT-NeoX with its parallel residual: q/k/v cut per head out of the fused projection; the
+    MLP reads the layer's input (there is no mid-layer residual)."""
+    block = full.gpt_neox.layers[layer]
+    if hook == "mlp_post":
+        return block.mlp.act(block.mlp.dense_h_to_4h(block.post_attention_layernorm(resid_pre)))
+    head_dim = full.config.hidden_size // full.config.num_attention_heads
+    part = {"attn_q": 0, "attn_k": 1, "attn_v": 2}[hook]
+    qkv = block.attention.query_key_value(block.input_layernorm(resid_pre))
+    return qkv.unflatten(-1, (-1, 3 * head_dim))[..., part * head_dim : (part + 1) * head_dim]
+
+
 def test_sharded_hooks_merge_to_the_full_projection_and_each_shard_is_its_slice(tp_run):
     store, checked = tp_run["store"], 0
-    for name in CASES:
+    for name, (_, _, _, hooks, _) in CASES.items():
         full = tp_run["full"][name]
         for rid in tp_run["ranks"][0][name]["request_ids"]:
             resid_pre = store.get_internal(name, rid, "resid_pre", run_id=RUN)
-            resid_mid = store.get_internal(name, rid, "resid_mid", run_id=RUN)
+            resid_mid = store.get_internal(name, rid, "resid_mid", run_id=RUN) if "resid_mid" in hooks else None
             for hook in SHARDED:
                 if hook == "mlp_post" and name == "mixtral":
                     continue  # Mixtral's experts are fused parameters: no mlp_post module to hook
@@ -173,10 +189,11 @@ def test_sharded_hooks_merge_to_the_full_projection_and_each_shard_is_its_slice(
                 assert lazy.shape == merged.shape and torch.equal(lazy[-1], merged[-1])
                 if hook != "attn_z":
                     with torch.no_grad():
-                        want = torch.stack([_reference(full, hook, l, resid_pre[l], resid_mid[l])
+                        want = torch.stack([_reference(full, hook, l, resid_pre[l], None if resid_mid is None else resid_mid[l])
                                             for l in range(merged.shape[0])])
                     torch.testing.assert_close(merged, want, atol=1e-5, rtol=1e-5)
-                replicated = hook in ("attn_k", "attn_v") and full.config.num_key_value_heads < WORLD
+                kv_heads = getattr(full.config, "num_key_value_heads", None) or full.config.num_attention_heads
+                replicated = hook in ("attn_k", "attn_v") and kv_heads < WORLD
                 for rank in range(WORLD):
                     if replicated and rank > 0:  # replicated k/v: written once, by rank 0
                         with pytest.raises(RecordNotFoundError):
