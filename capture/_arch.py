@@ -16,7 +16,8 @@ Gemma keeps the Llama-like table (its embedding module scales by ``sqrt(hidden)`
 adding it to the residual, so their table takes ``attn_out``/``mlp_out`` after those norms and
 ``resid_mid`` before ``pre_feedforward_layernorm``; Gemma 2 soft-caps its logits after the LM head.
 
-GPT-NeoX (Pythia) has its own table: q/k/v per head out of one fused projection, and no
+Phi-3 keeps Llama's table but cuts q/k/v out of its fused ``qkv_proj`` by size. GPT-NeoX
+(Pythia) has its own table: q/k/v per head out of one fused projection, and no
 ``resid_mid`` under its parallel residual (:func:`hooks_ruled_out`).
 
 MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) share the Llama-like table: ``mlp_out`` is
@@ -105,6 +106,24 @@ def _neox_qkv(part: int) -> _PerConfig:
 
         def extract(args, kwargs, output):
             return output.unflatten(-1, (-1, 3 * head_dim))[..., part * head_dim : (part + 1) * head_dim]
+
+        return extract
+
+    return _PerConfig(build)
+
+
+def _phi3_qkv(part: int) -> _PerConfig:
+    """q, k or v out of Phi-3's fused ``qkv_proj``, whose output is every head's q, then every
+    key/value head's k, then v (``[..., heads * head_dim | kv_heads * head_dim | kv_heads * head_dim]``)."""
+
+    def build(config) -> Extractor:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        q = config.num_attention_heads * head_dim
+        kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+        lo, hi = ((0, q), (q, q + kv), (q + kv, q + 2 * kv))[part]
+
+        def extract(args, kwargs, output):
+            return output[..., lo:hi]
 
         return extract
 
@@ -217,6 +236,22 @@ _GPT2 = _Family(
     },
 )
 
+_PHI3 = _Family(
+    base=_LLAMA_LIKE.base,
+    layers=_LLAMA_LIKE.layers,
+    embed=_LLAMA_LIKE.embed,
+    final_norm=_LLAMA_LIKE.final_norm,
+    lm_head=_LLAMA_LIKE.lm_head,
+    per_layer={
+        **_LLAMA_LIKE.per_layer,
+        "attn_q": ("self_attn.qkv_proj", "post", _phi3_qkv(0), "bt"),
+        "attn_k": ("self_attn.qkv_proj", "post", _phi3_qkv(1), "bt"),
+        "attn_v": ("self_attn.qkv_proj", "post", _phi3_qkv(2), "bt"),
+    },
+)
+"""Phi-3: Llama's table but for q/k/v, which are cut by size out of one fused projection (its
+MLP's fused ``gate_up_proj`` changes nothing: ``mlp_post`` is ``down_proj``'s input)."""
+
 _GPT_NEOX = _Family(
     base=("gpt_neox", ""),
     layers="layers",
@@ -256,6 +291,7 @@ _FAMILIES: dict[str, _Family] = {
     "gemma2": _SANDWICH_NORMS,
     "gemma3_text": _SANDWICH_NORMS,
     "gpt_neox": _GPT_NEOX,
+    "phi3": _PHI3,
     "gpt2": _GPT2,
 }
 

@@ -57,15 +57,16 @@ class TPReplicated:
 
 
 _WHOLE_BY_STYLE = {
-    ("self_attn.q_proj", "colwise_gather_output"): "attn_q",
-    ("self_attn.k_proj", "colwise_gather_output"): "attn_k",
-    ("self_attn.v_proj", "colwise_gather_output"): "attn_v",
-    ("self_attn.o_proj", "rowwise_split_input"): "attn_z",
-    ("mlp.down_proj", "rowwise_split_input"): "mlp_post",
+    ("self_attn.q_proj", "colwise_gather_output"): ("attn_q",),
+    ("self_attn.k_proj", "colwise_gather_output"): ("attn_k",),
+    ("self_attn.v_proj", "colwise_gather_output"): ("attn_v",),
+    ("self_attn.qkv_proj", "colwise_gather_output"): ("attn_q", "attn_k", "attn_v"),
+    ("self_attn.o_proj", "rowwise_split_input"): ("attn_z",),
+    ("mlp.down_proj", "rowwise_split_input"): ("mlp_post",),
 }
-"""(module in a layer, transformers TP style) → the hook whose tensor that style leaves whole on
-every rank: a column-parallel output gathered inside the module, or a row-parallel input split
-inside it (its hook is the module's input)."""
+"""(module in a layer, transformers TP style) → the hooks whose tensors that style leaves whole
+on every rank: a column-parallel output gathered inside the module (Phi-3's fused ``qkv_proj``
+holds three), or a row-parallel input split inside it (its hook is the module's input)."""
 
 
 def whole_by_tp_plan(tp_plan: Mapping[str, str] | None) -> dict[str, TPReplicated]:
@@ -75,8 +76,7 @@ def whole_by_tp_plan(tp_plan: Mapping[str, str] | None) -> dict[str, TPReplicate
     attach under that plan starts from these (``tp_layout=`` still says otherwise per hook)."""
     whole = {}
     for pattern, style in (tp_plan or {}).items():
-        hook = _WHOLE_BY_STYLE.get((pattern.removeprefix("layers.*."), style))
-        if hook is not None:
+        for hook in _WHOLE_BY_STYLE.get((pattern.removeprefix("layers.*."), style), ()):
             whole[hook] = TPReplicated()
     return whole
 

@@ -32,6 +32,7 @@ def tiny(kind: str = "llama", *, attn: str = "sdpa", dtype=torch.float32, seed: 
             "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
             "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
             "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM),
+            "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
         }[kind]
         kw = dict(SMALL)
         if kind == "mixtral":
@@ -45,6 +46,8 @@ def tiny(kind: str = "llama", *, attn: str = "sdpa", dtype=torch.float32, seed: 
             kw.update(num_experts=4, num_experts_per_tok=2, eos_token_id=None)
         if kind in ("qwen3", "gemma", "gemma2", "gemma3_text"):
             kw.update(head_dim=8)
+        if kind == "phi3":  # its defaults name token ids past the tiny vocabulary
+            kw.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
         if kind == "gpt_neox":  # no grouped-query attention: every head has its own k and v
             kw.pop("num_key_value_heads")
         if kind in ("gemma2", "gemma3_text"):  # a window shorter than the tests' prompts, so it is used

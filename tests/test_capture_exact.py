@@ -31,7 +31,7 @@ def _per_row(ref_steps, layer_index, row, pad):
     return torch.cat(parts)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2", "gemma3_text", "gpt_neox", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2", "gemma3_text", "gpt_neox", "phi3", "gpt2"])
 def test_resid_stream_bit_exact_over_prefill_and_decode(kind):
     model = tiny(kind)
     ids, mask = left_padded_batch()
@@ -70,7 +70,7 @@ def test_resid_stream_bit_exact_over_prefill_and_decode(kind):
         assert sum(n for _, n in spans) == N_NEW
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "gpt_neox", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "gpt_neox", "phi3", "gpt2"])
 def test_qkv_equal_projections_recomputed_from_resid_pre(kind):
     model = tiny(kind)
     ids, mask = left_padded_batch()
@@ -90,6 +90,12 @@ def test_qkv_equal_projections_recomputed_from_resid_pre(kind):
             qkv = blk.attention.query_key_value(blk.input_layernorm(ref.hidden_states[layer]))
             hd = blk.attention.head_size
             q, k, v = (part.flatten(2) for part in qkv.unflatten(-1, (-1, 3 * hd)).chunk(3, dim=-1))
+        elif kind == "phi3":  # one fused projection: all q, then all k, then all v
+            blk = model.model.layers[layer]
+            a = blk.self_attn
+            hd = a.head_dim
+            sizes = [model.config.num_attention_heads * hd] + [model.config.num_key_value_heads * hd] * 2
+            q, k, v = a.qkv_proj(blk.input_layernorm(ref.hidden_states[layer])).split(sizes, dim=-1)
         else:
             blk = model.model.layers[layer]
             x = blk.input_layernorm(ref.hidden_states[layer])

@@ -59,15 +59,19 @@ def _points(model, kind: str) -> dict:
             })  # a parallel residual: no resid_mid
     else:
         base = model.model
+        head_dim = model.config.hidden_size // model.config.num_attention_heads
+        sizes = [model.config.num_attention_heads * head_dim] + [model.config.num_key_value_heads * head_dim] * 2
         points = {("embed", -1): (base.embed_tokens, "post", lambda a, o: o),
                   ("final_norm", -1): (base.norm, "post", lambda a, o: o)}
         for i, layer in enumerate(base.layers):
             attn = layer.self_attn
             points.update({
                 ("resid_pre", i): (layer, "pre", lambda a, o: a[0]),
-                ("attn_q", i): (attn.q_proj, "post", lambda a, o: o),
-                ("attn_k", i): (attn.k_proj, "post", lambda a, o: o),
-                ("attn_v", i): (attn.v_proj, "post", lambda a, o: o),
+                **({("attn_q", i): (attn.q_proj, "post", lambda a, o: o),
+                    ("attn_k", i): (attn.k_proj, "post", lambda a, o: o),
+                    ("attn_v", i): (attn.v_proj, "post", lambda a, o: o)} if kind != "phi3" else
+                   {(h, i): (attn.qkv_proj, "post", lambda a, o, part=part: o.split(sizes, dim=-1)[part])
+                    for part, h in enumerate(("attn_q", "attn_k", "attn_v"))}),
                 ("attn_z", i): (attn.o_proj, "pre", lambda a, o: a[0]),
                 ("attn_out", i): (attn, "post", lambda a, o: o[0]),
                 ("resid_mid", i): (layer.post_attention_layernorm, "pre", lambda a, o: a[0]),
@@ -193,7 +197,7 @@ def _audit(kind, dtype, lengths, *, hooks="all_but_patterns", schedule=None, chu
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gpt_neox",
-                                  "gpt2", "mixtral"])
+                                  "phi3", "gpt2", "mixtral"])
 def test_every_hook_equals_plain_hooks_at_every_position(kind, dtype):
     """Left-padded batch of unequal prompts and a batch of one, prefill and 4 decode steps
     coalesced by twos: each record's tokens, positions, steps and phase, bit for bit."""

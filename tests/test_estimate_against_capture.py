@@ -60,6 +60,7 @@ def _per_batch(est) -> dict:
     ("gemma2", {}, "{phases: [prefill, decode]}", 4, 2),  # full and sliding (window 5) layers in turn
     ("gemma3_text", {}, "{phases: [prefill, decode]}", 4, 32),
     ("gpt_neox", {}, "{phases: [prefill, decode]}", 4, 2),  # no resid_mid (a parallel residual)
+    ("phi3", {}, "{phases: [prefill, decode]}", 4, 32),
     ("llama", {"num_key_value_heads": 1}, "{phases: [prefill]}", 3, 32),
 ])
 def test_every_hook_matches_a_real_capture(kind, over, schedule, new_tokens, chunk, home, tmp_path):

@@ -158,7 +158,8 @@ DENSE_THEN_SPARSE = dict(decoder_sparse_step=2)
     ("qwen3_moe", {}, False),
     ("olmoe", {}, False),
     ("olmoe", {}, True),
-], ids=["qwen2_moe", "qwen2_moe-dense-then-sparse", "qwen3_moe", "olmoe", "olmoe-gathered"])
+    ("phi3", {}, False),
+], ids=["qwen2_moe", "qwen2_moe-dense-then-sparse", "qwen3_moe", "olmoe", "olmoe-gathered", "phi3"])
 def test_transformers_tp_capture_merges_to_the_tp1_capture(kind, over, gathered, tmp_path):
     """Two gloo ranks with transformers' TP plan: tokens equal TP=1, ``router_topk`` bit for
     bit (and ``token_ids``), float hooks merged to the reduction-order noise of the mixtral TP test (1e-4). The
@@ -167,7 +168,9 @@ def test_transformers_tp_capture_merges_to_the_tp1_capture(kind, over, gathered,
     are whole on every rank, which the session reads from the plan (``gathered=False``) or the
     caller declares (``gathered``). Qwen2-MoE's plan cuts only dense MLPs: with every layer
     sparse nothing in the MoE block is cut, with dense layers among sparse ones (no router hook)
-    their MLPs are, and ``mlp_out`` is still whole on every rank."""
+    their MLPs are, and ``mlp_out`` is still whole on every rank. Phi-3's plan gathers its fused
+    ``qkv_proj`` (q, k and v whole on every rank) and splits ``o_proj``'s and ``down_proj``'s
+    inputs inside the modules."""
     import torch
     import transformers
 
@@ -175,7 +178,7 @@ def test_transformers_tp_capture_merges_to_the_tp1_capture(kind, over, gathered,
 
     path = str(tmp_path / kind)
     tiny(kind, num_key_value_heads=2, vocab_size=98, **over).save_pretrained(path)
-    routers = () if over else ("router_logits", "router_topk")
+    routers = () if over or kind == "phi3" else ("router_logits", "router_topk")
     hooks = [h for h in TP_HOOKS if h in routers or not h.startswith("router_")]
     home = str(tmp_path / "home")
     results = run_ranks(_tp_capture, 2, tmp_path / "ranks", home, path, kind, gathered, hooks, timeout=300)
@@ -212,6 +215,8 @@ def test_the_tp_plan_styles_that_leave_a_hook_whole_on_every_rank():
 
     assert whole_by_tp_plan(tf.OlmoeConfig.base_model_tp_plan) == {
         h: TPReplicated() for h in ("attn_q", "attn_k", "attn_v", "attn_z")}
+    assert whole_by_tp_plan(tf.Phi3Config.base_model_tp_plan) == {  # its fused qkv_proj gathered: q, k and v
+        h: TPReplicated() for h in ("attn_q", "attn_k", "attn_v", "attn_z", "mlp_post")}
     assert whole_by_tp_plan(tf.Qwen3MoeConfig.base_model_tp_plan) == {}
     assert whole_by_tp_plan(tf.Qwen2MoeConfig.base_model_tp_plan) == {}
     assert whole_by_tp_plan({"layers.*.mlp.down_proj": "rowwise_split_input"}) == {"mlp_post": TPReplicated()}
