@@ -30,7 +30,7 @@ router hooks nor ``mlp_post``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -78,9 +78,23 @@ def _out(index: int | None = None) -> Extractor:
     return extract
 
 
-def _softcapped(cap: float | None) -> Extractor:
-    """The LM head's output soft-capped as Gemma 2/3 return their logits (``cap * tanh(x / cap)``,
-    the model's own three operations in its order, so the values are bit-exact with its output)."""
+@dataclass(frozen=True, slots=True)
+class _PerConfig:
+    """An extractor that depends on the model's config (a head size, a soft cap), built at
+    :meth:`Architecture.taps`."""
+
+    build: Callable[[Any], Extractor]
+
+
+def _built(extract: Extractor | _PerConfig, config) -> Extractor:
+    return extract.build(config) if isinstance(extract, _PerConfig) else extract
+
+
+def _final_softcapped(config) -> Extractor:
+    """The LM head's output soft-capped as Gemma 2 returns its logits (``cap * tanh(x / cap)``,
+    the model's own three operations in its order, so the values are bit-exact with its
+    output); the output itself where the config sets no cap (Gemma 3's)."""
+    cap = getattr(config, "final_logit_softcapping", None)
     if cap is None:
         return _out(0)
 
@@ -88,13 +102,6 @@ def _softcapped(cap: float | None) -> Extractor:
         return torch.tanh(output / cap) * cap
 
     return extract
-
-
-@dataclass(frozen=True, slots=True)
-class _PerConfig:
-    """An extractor that depends on the model's config (a head size), built at :meth:`Architecture.taps`."""
-
-    build: Callable[[Any], Extractor]
 
 
 def _neox_qkv(part: int) -> _PerConfig:
@@ -142,14 +149,6 @@ def _neox_ruled_out(config) -> frozenset[str]:
     return frozenset({"resid_mid"}) if parallel else frozenset()
 
 
-def _lm_head_output(config) -> Extractor:
-    return _out(0)
-
-
-def _final_softcapped(config) -> Extractor:
-    return _softcapped(getattr(config, "final_logit_softcapping", None))
-
-
 def _split3(part: int) -> Extractor:
     def extract(args, kwargs, output):
         width = output.shape[-1] // 3
@@ -168,7 +167,7 @@ class _Family:
     final_norm: str
     lm_head: str
     per_layer: dict[str, tuple[str, str, Extractor | _PerConfig, str]]  # hook -> (module path, kind, extractor, layout)
-    logits: Callable[[Any], Extractor] = _lm_head_output  # the model config -> the lm_head's extractor
+    logits: Extractor | _PerConfig = _out(0)  # the lm_head's output -> the model's logits
     ruled_out: Callable[[Any], frozenset[str]] = _no_hooks_ruled_out  # a config (object or dict) -> hooks its layers lack
 
 
@@ -195,12 +194,8 @@ _LLAMA_LIKE = _Family(
     },
 )
 
-_SANDWICH_NORMS = _Family(
-    base=_LLAMA_LIKE.base,
-    layers=_LLAMA_LIKE.layers,
-    embed=_LLAMA_LIKE.embed,
-    final_norm=_LLAMA_LIKE.final_norm,
-    lm_head=_LLAMA_LIKE.lm_head,
+_SANDWICH_NORMS = replace(
+    _LLAMA_LIKE,
     per_layer={
         **{h: _LLAMA_LIKE.per_layer[h] for h in ("resid_pre", "attn_q", "attn_k", "attn_v", "attn_z",
                                                   "attn_pattern", "mlp_post", "resid_post")},
@@ -208,7 +203,7 @@ _SANDWICH_NORMS = _Family(
         "resid_mid": ("pre_feedforward_layernorm", "pre", _arg0(), "bt"),
         "mlp_out": ("post_feedforward_layernorm", "post", _out(0), "bt"),
     },
-    logits=_final_softcapped,
+    logits=_PerConfig(_final_softcapped),
 )
 """Gemma 2 and 3: each block's output is normalised again before it is added to the residual
 (``post_attention_layernorm``, ``post_feedforward_layernorm``), so ``attn_out`` and ``mlp_out``
@@ -236,12 +231,8 @@ _GPT2 = _Family(
     },
 )
 
-_PHI3 = _Family(
-    base=_LLAMA_LIKE.base,
-    layers=_LLAMA_LIKE.layers,
-    embed=_LLAMA_LIKE.embed,
-    final_norm=_LLAMA_LIKE.final_norm,
-    lm_head=_LLAMA_LIKE.lm_head,
+_PHI3 = replace(
+    _LLAMA_LIKE,
     per_layer={
         **_LLAMA_LIKE.per_layer,
         "attn_q": ("self_attn.qkv_proj", "post", _phi3_qkv(0), "bt"),
@@ -365,11 +356,10 @@ class Architecture:
             elif hook == "final_norm":
                 add(_get(self.base, f.final_norm), "post", Emission(hook, -1, _out(0)))
             elif hook == "logits":
-                add(_get(self.model, f.lm_head), "post", Emission(hook, -1, f.logits(self.model.config)))
+                add(_get(self.model, f.lm_head), "post", Emission(hook, -1, _built(f.logits, self.model.config)))
             else:
                 path, kind, extract, layout = f.per_layer[hook]
-                if isinstance(extract, _PerConfig):
-                    extract = extract.build(self.model.config)
+                extract = _built(extract, self.model.config)
                 for layer in layers:
                     add(_get(self.layers[layer], path), kind, Emission(hook, layer, extract, layout))
         return list(taps.values())

@@ -801,8 +801,8 @@ class CaptureSession:
     def _emit_pattern(self, hook, layer, x, plan: StepPlan) -> None:
         kv = x.shape[-1]
         for i, s in enumerate(plan.spans):
-            keys = kv - plan.key_pad(s, kv)
-            src = x[s.row, :, s.first_col : s.first_col + s.n, kv - keys :]
+            pad = plan.key_pad(s, kv)
+            src = x[s.row, :, s.first_col : s.first_col + s.n, pad:]
             nbytes = src.numel() * src.element_size()
             res = self.ring.reserve(nbytes, check=self.drain.check)
             if res is None:
@@ -815,7 +815,7 @@ class CaptureSession:
                 self._copy_cuda(dst, src, None)
             else:
                 dst.copy_(src)
-            slot.entries.append(Entry(hook, layer, off, nbytes, src.dtype, s.n, plan, keys, i))
+            slot.entries.append(Entry(hook, layer, off, nbytes, src.dtype, s.n, plan, kv - pad, i))
             self.ring.stats.copies += 1
 
     def _copy_cuda(self, dst, src, index) -> None:
