@@ -38,6 +38,8 @@ from torch import nn
 
 from dmi.storage.errors import AttachError
 
+from ._hooks import ModelGeometry
+
 __all__ = ["Tap", "Emission", "Architecture", "resolve_architecture", "SUPPORTED_MODEL_TYPES", "hooks_ruled_out"]
 
 Extractor = Callable[[tuple, dict, Any], torch.Tensor | None]
@@ -109,7 +111,7 @@ def _neox_qkv(part: int) -> _PerConfig:
     and v side by side (``[..., heads, 3 * head_dim]``) — a tensor-parallel rank's block of heads too."""
 
     def build(config) -> Extractor:
-        head_dim = config.hidden_size // config.num_attention_heads
+        head_dim = ModelGeometry.from_config(config, torch.float32).head_dim
 
         def extract(args, kwargs, output):
             return output.unflatten(-1, (-1, 3 * head_dim))[..., part * head_dim : (part + 1) * head_dim]
@@ -124,9 +126,8 @@ def _phi3_qkv(part: int) -> _PerConfig:
     key/value head's k, then v (``[..., heads * head_dim | kv_heads * head_dim | kv_heads * head_dim]``)."""
 
     def build(config) -> Extractor:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        q = config.num_attention_heads * head_dim
-        kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+        g = ModelGeometry.from_config(config, torch.float32)
+        q, kv = g.n_heads * g.head_dim, g.n_kv_heads * g.head_dim
         lo, hi = ((0, q), (q, q + kv), (q + kv, q + 2 * kv))[part]
 
         def extract(args, kwargs, output):

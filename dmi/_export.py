@@ -113,8 +113,6 @@ def export_tensor(tensor: torch.Tensor, path: str | os.PathLike[str], *, name: s
         raise InvalidArgumentError(f"cannot tell the format of {out!r}: use one of {', '.join(EXPORT_FORMATS)}")
     tensor = tensor.detach().cpu().contiguous()
     check_format(tensor.dtype, ext)
-    if os.path.isdir(out):
-        raise InvalidArgumentError(f"cannot write {out}: Is a directory")
     write_file(out, _writer(tensor, ext, name=name, metadata=loss.metadata() if loss is not None else None))
     return ext
 
@@ -122,11 +120,13 @@ def export_tensor(tensor: torch.Tensor, path: str | os.PathLike[str], *, name: s
 def write_file(out: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> None:
     """Write the file ``out`` with ``write(handle)``: under a temporary name beside it, renamed
     into place when complete, so no failed or interrupted write leaves a partial file under
-    ``out``. A file that cannot be started raises ``InvalidArgumentError`` (no such directory,
-    no permission) or ``ExportError`` (a full disk); a write that fails part-way raises
-    ``ExportError`` (an ``OSError``) and removes the partial file; whatever else stops the
-    write (Ctrl-C, a bug) removes it too and is raised as it is."""
+    ``out``. A file that cannot be started raises ``InvalidArgumentError`` (``out`` is a
+    directory, no such directory, no permission) or ``ExportError`` (a full disk); a write that
+    fails part-way raises ``ExportError`` (an ``OSError``) and removes the partial file;
+    whatever else stops the write (Ctrl-C, a bug) removes it too and is raised as it is."""
     out = os.fspath(out)
+    if os.path.isdir(out):
+        raise InvalidArgumentError(f"cannot write {out}: Is a directory")
     handle, temp = _open_temp(out)
     try:
         with handle:

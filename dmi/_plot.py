@@ -103,9 +103,8 @@ def write_norm_plot(
     or interrupted write leaves no partial file, and an existing plot there as it was.
     """
     out = os.fspath(path)
-    if os.path.isdir(out):
-        raise InvalidArgumentError(f"cannot write {out}: Is a directory")
-    check_png_name(out)
+    if not os.path.isdir(out):  # a directory is "cannot write ...: Is a directory", from write_file
+        check_png_name(out)
     fig = norm_figure(norms, layers, title=title, width=width, height=height, decode_start=decode_start,
                       token_labels=token_labels)
     with warnings.catch_warnings():  # a token the font cannot draw (e.g. CJK in DejaVu Sans) shows as a box

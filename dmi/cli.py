@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import io
 import json
 import os
@@ -39,9 +38,6 @@ EXIT_USAGE = 2
 
 SCORING_HELP = "0: no generation, one scoring pass per batch, phase forward"
 """What ``--max-new-tokens 0`` does, worded once for the help and docs/cli.md."""
-
-_UNWRITABLE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS})
-"""Errors that say an output path is wrong (an argument error, exit 2), not that writing failed."""
 
 NO_TOKENIZER = "no token strings: this request was captured without a tokenizer (dmi.capture(..., tokenizer=))"
 """What ``show`` and ``plot`` say for a request without token strings."""
@@ -639,14 +635,9 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     else:
         norms = token_norms(tensor.unsqueeze(0), view.token_axis + 1)
     layers = view.layers if view.per_layer else (GLOBAL_LAYER,)
-    try:
-        drawn = write_norm_plot(norms, layers, output, width=width, height=height,
-                                title=f"{args.hook} L2 norm · {args.model_id} · {args.request_id}",
-                                decode_start=view.decode_start or None, token_labels=_token_labels(tokens, view))
-    except OSError as exc:
-        if exc.errno not in _UNWRITABLE:
-            raise
-        raise InvalidArgumentError(f"cannot write {output}: {exc.strerror or exc}") from exc
+    drawn = write_norm_plot(norms, layers, output, width=width, height=height,
+                            title=f"{args.hook} L2 norm · {args.model_id} · {args.request_id}",
+                            decode_start=view.decode_start or None, token_labels=_token_labels(tokens, view))
     if args.json:
         _emit_json({"path": drawn.path, "width": drawn.width, "height": drawn.height, "layers": drawn.layers,
                     "n_tokens": drawn.n_tokens, "mean_norm_per_layer": drawn.mean_norm_per_layer,

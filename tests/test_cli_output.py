@@ -196,3 +196,14 @@ def test_a_plot_that_fails_part_way_leaves_the_old_file_and_no_partial_one(tmp_p
     assert run.stdout.startswith(f"ExportError could not write {out} (File too large); nothing was written"), run.stdout
     assert out.read_bytes() == b"the earlier plot"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.png"]
+
+
+def test_an_export_to_a_directory_is_an_argument_error_and_writes_nothing(tmp_path):
+    """``write_file`` refuses a directory before it makes its temporary file: the same words for
+    ``dmi get -o DIR.npy`` (a directory named like a file) as for the plot."""
+    target = tmp_path / "x.npy"
+    target.mkdir()
+    with pytest.raises(InvalidArgumentError) as info:
+        export_tensor(torch.ones(2, 3), target, name="t")
+    assert str(info.value) == f"cannot write {target}: Is a directory"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"] and list(target.iterdir()) == []
