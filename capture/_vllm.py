@@ -89,8 +89,8 @@ def check_engine_config(vllm_config, *, sharded_ok: bool = False) -> None:
     if model_type not in VLLM_MODEL_TYPES:
         raise VLLMConfigError(
             f"this vLLM engine runs a model of type {model_type!r}; DMI's vLLM capture maps the layers of "
-            f"{', '.join(VLLM_MODEL_TYPES)} only (another layout, such as Gemma's norms after each block, would be "
-            "stored as the wrong values). Capture this model through transformers (dmi.capture, or dmi capture "
+            f"{', '.join(VLLM_MODEL_TYPES)} only (another layout, such as GPT-NeoX's parallel residual, would "
+            "be stored as the wrong values). Capture this model through transformers (dmi.capture, or dmi capture "
             "--model DIR)"
         )
     compilation = vllm_config.compilation_config

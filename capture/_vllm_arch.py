@@ -1,4 +1,4 @@
-"""Where each hook lives in a model vLLM built (the Llama family's module layout).
+"""Where each hook lives in a model vLLM built (the Llama family's module layout, and Gemma's).
 
 vLLM runs its own model classes, not ``transformers``': tokens of every scheduled request are
 flattened into one ``[num_tokens, ...]`` axis, q/k/v come out of one fused projection, and a
@@ -9,7 +9,7 @@ every value is one vLLM computes anyway — nothing is added or recomputed on th
 ==============  ===========================================================================
 hook            taken from (layer ``L`` of ``n``)
 ==============  ===========================================================================
-``embed``       ``embed_tokens`` output
+``embed``       ``embed_tokens`` output (Gemma: layer 0's ``hidden_states`` input, see below)
 ``resid_pre``   ``L = 0``: the layer's ``hidden_states`` input (the embeddings);
                 ``L > 0``: the residual ``input_layernorm`` returns (``h + residual``)
 ``attn_q/k/v``  ``qkv_proj`` output, split by the layer's own q/kv sizes (before RoPE and any
@@ -32,21 +32,31 @@ hook            taken from (layer ``L`` of ``n``)
                 token (the only positions vLLM materialises)
 ==============  ===========================================================================
 
+Gemma, Gemma 2 and Gemma 3 (text) multiply ``embed_tokens``' output by ``sqrt(hidden)`` in the
+model's forward, so ``embed`` is taken where that product enters layer 0. Gemma 2 and 3 also
+normalise each block's output before the residual add (``post_attention_layernorm``,
+``post_feedforward_layernorm``) and normalise the MLP's input with ``pre_feedforward_layernorm``,
+which does the fused add: ``attn_out`` and ``mlp_out`` are the post norms' outputs (what the
+layer adds, as on the Hugging Face path) and ``resid_mid`` the residual
+``pre_feedforward_layernorm`` returns. Their final soft cap is inside ``logits_processor``.
+Phi-3 is vLLM's Llama class.
+
 A per-layer hook is offered only where every decoder layer has its module (as on the Hugging
 Face path): a model mixing dense and sparse layers offers neither ``mlp_post`` nor the router hooks.
 ``attn_pattern`` does not exist here (vLLM's attention kernels never materialise weights).
 Several values are buffers vLLM later overwrites in place: the residual (the next fused
-add + RMSNorm adds into it), the attention and MLP blocks' outputs (that same fused op may
-write the normalised sum over its input, ``fused_add_rms_norm.maybe_inplace``), and the q and
-k slices of ``qkv_proj``'s output (the rotary embedding's CUDA kernel rotates them in place).
-:data:`MUTATED_IN_PLACE` names them so the session copies them before that happens on an
-asynchronous device (the step's ``input_ids``, a persistent buffer refilled every step, is
-copied the same way).
+add + RMSNorm adds into it; layer 0's residual is the embeddings themselves), the attention
+and MLP blocks' outputs (that same fused op may write the normalised sum over its input,
+``fused_add_rms_norm.maybe_inplace``), and the q and k slices of ``qkv_proj``'s output (the
+rotary embedding's CUDA kernel rotates them in place). :data:`MUTATED_IN_PLACE` names them so
+the session copies them before that happens on an asynchronous device (the step's
+``input_ids``, a persistent buffer refilled every step, is copied the same way).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -58,15 +68,11 @@ from ._arch import Emission, Tap
 
 __all__ = ["VLLMArchitecture", "resolve_vllm_architecture", "MUTATED_IN_PLACE", "STEP_HOOKS", "VLLM_MODEL_TYPES"]
 
-VLLM_MODEL_TYPES = ("llama", "mistral", "mixtral", "olmoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
-"""The model types whose vLLM layers compute as the table above says. Others may have the same
-module names and compute differently — vLLM's Gemma 2 norms each block's output before the
-residual add and scales its embeddings after ``embed_tokens`` — so hooks found by name would
-store other values than the catalogue's: they are refused by type, not mapped by name."""
-
-MUTATED_IN_PLACE = frozenset({"resid_pre", "resid_mid", "resid_post", "attn_q", "attn_k", "attn_out", "mlp_out"})
+MUTATED_IN_PLACE = frozenset({"embed", "resid_pre", "resid_mid", "resid_post", "attn_q", "attn_k", "attn_out",
+                              "mlp_out"})
 """Hooks whose tensor vLLM overwrites in place later in the step: the residual and the blocks'
-outputs (the next fused add + RMSNorm), q and k (the rotary embedding's in-place kernel)."""
+outputs (the next fused add + RMSNorm; the embeddings are layer 0's residual), q and k (the
+rotary embedding's in-place kernel)."""
 
 STEP_HOOKS = frozenset({"token_ids", "logits"})
 """Hooks the session emits itself (from the step's ``input_ids`` and the logits processor)."""
@@ -85,6 +91,33 @@ _LAYER_MODULES = {
     "resid_pre": "input_layernorm",
     "resid_post": "input_layernorm",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """How one model type's vLLM layers compute: the module of each per-layer hook, and whether
+    the model scales ``embed_tokens``' output before layer 0 (so ``embed`` is layer 0's input)."""
+
+    modules: Mapping[str, str]
+    embed_scaled_after: bool = False
+
+
+_LLAMA = _Layout(_LAYER_MODULES)
+_GEMMA = replace(_LLAMA, embed_scaled_after=True)
+_GEMMA2 = replace(_GEMMA, modules={**_LAYER_MODULES, "attn_out": "post_attention_layernorm",
+                                   "resid_mid": "pre_feedforward_layernorm", "mlp_out": "post_feedforward_layernorm"})
+
+_LAYOUTS = {
+    "gemma": _GEMMA, "gemma2": _GEMMA2, "gemma3_text": _GEMMA2, "llama": _LLAMA, "mistral": _LLAMA,
+    "mixtral": _LLAMA, "olmoe": _LLAMA, "phi3": _LLAMA, "qwen2": _LLAMA, "qwen2_moe": _LLAMA, "qwen3": _LLAMA,
+    "qwen3_moe": _LLAMA,
+}
+
+VLLM_MODEL_TYPES = tuple(_LAYOUTS)
+"""The model types whose vLLM layers DMI has mapped (see the module docstring). Others may have
+the same module names and compute otherwise — vLLM's GPT-NeoX adds both blocks to one residual
+in parallel — so hooks found by name could store other values than the catalogue's: they are
+refused by type, not mapped by name."""
 
 
 def _hidden_arg(args, kwargs, output):
@@ -142,18 +175,18 @@ def _plain_topk(layer: nn.Module) -> int | None:
     return int(router.top_k)
 
 
-def _path(layer: nn.Module, hook: str) -> str | None:
+def _path(layer: nn.Module, hook: str, layout: _Layout) -> str | None:
     """The module path of a per-layer hook on ``layer``, with the MoE block's name resolved."""
-    path = _LAYER_MODULES.get(hook)
+    path = layout.modules.get(hook)
     moe = _moe_block(layer)
     if path is None or (moe is None and hook.startswith("router_")):
         return None
     return path.replace("mlp", moe, 1) if moe is not None and path.split(".")[0] == "mlp" else path
 
 
-def _layer_has(layer: nn.Module, hook: str) -> bool:
+def _layer_has(layer: nn.Module, hook: str, layout: _Layout) -> bool:
     """Whether ``layer`` has the module of a per-layer hook (and, for ``router_topk``, plain top-k routing)."""
-    path = _path(layer, hook)
+    path = _path(layer, hook, layout)
     if hook == "router_topk" and _plain_topk(layer) is None:
         return False
     return path is not None and _get(layer, path) is not None
@@ -176,6 +209,7 @@ class VLLMArchitecture:
     model: nn.Module  # the *ForCausalLM vLLM runs
     base: nn.Module  # its decoder stack (embed_tokens, layers, norm)
     layers: nn.ModuleList
+    layout: _Layout
 
     @property
     def n_layers(self) -> int:
@@ -189,7 +223,7 @@ class VLLMArchitecture:
             return hook != "logits" or isinstance(getattr(self.model, "logits_processor", None), nn.Module)
         if hook in ("embed", "final_norm"):
             return _get(self.base, "embed_tokens" if hook == "embed" else "norm") is not None
-        return all(_layer_has(layer, hook) for layer in self.layers)
+        return all(_layer_has(layer, hook, self.layout) for layer in self.layers)
 
     def taps(self, selected: dict[str, tuple[int, ...]]) -> list[Tap]:
         """One :class:`Tap` per (module, pre/post) that serves the selected hooks."""
@@ -205,17 +239,20 @@ class VLLMArchitecture:
         for hook, layers in selected.items():
             if hook in STEP_HOOKS:
                 continue
-            if hook == "embed":
+            if hook == "embed" and self.layout.embed_scaled_after:
+                add(self.layers[0], "pre", hook, GLOBAL_LAYER, _hidden_arg)
+            elif hook == "embed":
                 add(_get(self.base, "embed_tokens"), "post", hook, GLOBAL_LAYER, _first_out)
             elif hook == "final_norm":
                 add(_get(self.base, "norm"), "post", hook, GLOBAL_LAYER, _first_out)
-            elif hook in _LAYER_MODULES:
+            elif hook in self.layout.modules:
                 for layer in layers:
                     self._add_layer_hook(add, hook, layer, n)
         return list(taps.values())
 
     def _add_layer_hook(self, add, hook: str, layer: int, n: int) -> None:
         block = self.layers[layer]
+        path = _path(block, hook, self.layout)
         if hook == "resid_pre" and layer == 0:
             add(block, "pre", hook, layer, _hidden_arg)
         elif hook == "resid_pre":
@@ -227,17 +264,18 @@ class VLLMArchitecture:
             attn = _get(block, "self_attn")
             add(_get(block, "self_attn.qkv_proj"), "post", hook, layer, _qkv_part(attn, "qkv".index(hook[-1])))
         elif hook in ("attn_z", "mlp_post"):
-            add(_get(block, _path(block, hook)), "pre", hook, layer, _arg0)
+            add(_get(block, path), "pre", hook, layer, _arg0)
         elif hook == "resid_mid":
-            add(_get(block, "post_attention_layernorm"), "post", hook, layer, _residual_out)
+            add(_get(block, path), "post", hook, layer, _residual_out)
         elif hook == "router_topk":
-            add(_get(block, _path(block, hook)), "post", hook, layer, _router_topk(_plain_topk(block)))
+            add(_get(block, path), "post", hook, layer, _router_topk(_plain_topk(block)))
         else:  # attn_out, mlp_out, router_logits
-            add(_get(block, _path(block, hook)), "post", hook, layer, _first_out)
+            add(_get(block, path), "post", hook, layer, _first_out)
 
 
 def resolve_vllm_architecture(model: nn.Module) -> VLLMArchitecture:
-    """The layout of a vLLM ``*ForCausalLM``; :class:`AttachError` for one DMI cannot map."""
+    """The layout of a vLLM ``*ForCausalLM`` of a type in :data:`VLLM_MODEL_TYPES`;
+    :class:`AttachError` where its modules are not where that type's layout has them."""
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     config = getattr(model, "config", None)
@@ -254,4 +292,5 @@ def resolve_vllm_architecture(model: nn.Module) -> VLLMArchitecture:
             f"vLLM model {type(model).__name__}: decoder layer {type(first).__name__} lacks {', '.join(missing)}; "
             "DMI's vLLM capture supports the Llama family's layout (Llama, Mistral, Qwen2, Qwen3 and the like)"
         )
-    return VLLMArchitecture(str(getattr(config, "model_type", "unknown")), model, base, layers)
+    model_type = str(config.model_type)  # one of VLLM_MODEL_TYPES: check_engine_config refused the others
+    return VLLMArchitecture(model_type, model, base, layers, _LAYOUTS[model_type])

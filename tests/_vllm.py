@@ -84,6 +84,42 @@ def tiny_mixtral_dir(root) -> str:
     return path
 
 
+FAMILY_CONFIGS = {
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=64, tie_word_embeddings=True)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=64, tie_word_embeddings=True, sliding_window=32)),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                    dict(head_dim=64, tie_word_embeddings=True, sliding_window=32)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False)),
+}
+"""Per model type beyond Llama's: its config and model classes and what differs from the
+tiny Llama's shapes (Gemma's models tie their embeddings, as vLLM's Gemma classes assume;
+Gemma 2/3's window of 32 is shorter than :data:`PROMPTS`' long prompt, so it is used)."""
+
+
+def tiny_family_dir(root, model_type: str, *, hidden: int = 128, heads: int = 2, kv_heads: int = 1,
+                    layers: int = 3) -> str:
+    """A model of ``model_type`` (a key of :data:`FAMILY_CONFIGS`) with heads of 64 (default:
+    the tiny Llama's 3 layers, hidden 128, 2 heads, 1 KV head), random weights from seed 0."""
+    import transformers
+
+    from dmi._models import byte_tokenizer
+
+    config_name, model_name, over = FAMILY_CONFIGS[model_type]
+    tok = byte_tokenizer()
+    config = getattr(transformers, config_name)(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **over,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = getattr(transformers, model_name)(config).eval()
+    path = str(root / f"tiny-{model_type}-vllm")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """The tiny Llama's directory, once per test module."""
@@ -122,10 +158,10 @@ def build_llm(model_dir: str, **over):
     return LLM(model=model_dir, **{**ENGINE, "max_model_len": 256, **over})
 
 
-def hf_model(model_dir: str):
+def hf_model(model_dir: str, **over):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **over).eval()
 
 
 def capture_in_this_process(spec: dict) -> dict:

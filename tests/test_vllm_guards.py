@@ -240,25 +240,27 @@ def test_attach_vllm_refuses_bad_writer_options(llm, store, bad, match):
 
 
 def test_a_model_type_whose_layers_compute_otherwise_is_refused(tmp_path):
-    """vLLM's Gemma 2 has the Llama layout's module names but norms each block's output before
-    the residual add and scales its embeddings after ``embed_tokens``: capture found its hooks by
-    name and stored pre-norm ``attn_out``/``mlp_out`` without a word. The engine's configuration
-    (a real tiny Gemma 2 directory, no engine started) is now refused by its model type."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    """A model type whose vLLM layers DMI has not mapped is refused by its type before anything
+    is installed: vLLM's Gemma 2 has the Llama layout's module names but norms each block's
+    output before the residual add, and capture once stored its pre-norm outputs without a word
+    (it is mapped now, ``tests/test_vllm_families.py``). GPT-NeoX, with its parallel residual,
+    is not: the engine's configuration (a real tiny GPT-NeoX directory, no engine started) is
+    refused."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     from dmi._models import byte_tokenizer
     from dmi.capture import check_engine_config
 
     tok = byte_tokenizer()
-    config = Gemma2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
-                          pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    Gemma2ForCausalLM(config).save_pretrained(tmp_path)
+    config = GPTNeoXConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=2, max_position_embeddings=512, pad_token_id=tok.pad_token_id,
+                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    GPTNeoXForCausalLM(config).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     with pytest.raises(VLLMConfigError) as info:
         check_engine_config(_engine_config(tmp_path))
     assert str(info.value) == (
-        "this vLLM engine runs a model of type 'gemma2'; DMI's vLLM capture maps the layers of llama, mistral, "
-        "mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_moe only (another layout, such as Gemma's norms after each "
-        "block, would be stored as the wrong values). Capture this model through transformers (dmi.capture, or "
-        "dmi capture --model DIR)")
+        "this vLLM engine runs a model of type 'gpt_neox'; DMI's vLLM capture maps the layers of gemma, gemma2, "
+        "gemma3_text, llama, mistral, mixtral, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe only (another "
+        "layout, such as GPT-NeoX's parallel residual, would be stored as the wrong values). Capture this model "
+        "through transformers (dmi.capture, or dmi capture --model DIR)")

