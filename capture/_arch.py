@@ -15,6 +15,8 @@ Gemma keeps the Llama-like table (its embedding module scales by ``sqrt(hidden)`
 ``embed`` is the first layer's input). Gemma 2 and 3 normalise each block's output again before
 adding it to the residual, so their table takes ``attn_out``/``mlp_out`` after those norms and
 ``resid_mid`` before ``pre_feedforward_layernorm``; Gemma 2 soft-caps its logits after the LM head.
+OLMo 2 and 3 have only those post norms (no norm before either block): ``attn_out``/``mlp_out``
+after them, and ``resid_mid`` as the MLP's input.
 
 Phi-3 keeps Llama's table but cuts q/k/v out of its fused ``qkv_proj`` by size. GPT-NeoX
 (Pythia) has its own table: q/k/v per head out of one fused projection, and no
@@ -211,6 +213,21 @@ _SANDWICH_NORMS = replace(
 are those norms' outputs — what the layer adds — and ``resid_mid`` is the input of
 ``pre_feedforward_layernorm``; the logits are soft-capped after the LM head."""
 
+_POST_NORMS = replace(
+    _LLAMA_LIKE,
+    per_layer={
+        **_LLAMA_LIKE.per_layer,
+        "attn_out": ("post_attention_layernorm", "post", _out(0), "bt"),
+        "resid_mid": ("mlp", "pre", _arg0(), "bt"),
+        "mlp_out": ("post_feedforward_layernorm", "post", _out(0), "bt"),
+    },
+)
+"""OLMo 2 and 3: each block's output is normalised before the residual add and neither block's
+input is (``h = x + post_attention_layernorm(attn(x))``, ``out = h +
+post_feedforward_layernorm(mlp(h))``), so ``attn_out`` and ``mlp_out`` are the post norms'
+outputs and ``resid_mid`` is the MLP's input. q and k are taken before the norms OLMo applies
+over the whole projection (``q_norm``, ``k_norm``), as the catalogue takes them before RoPE."""
+
 _GPT2 = _Family(
     base=("transformer", ""),
     layers="h",
@@ -282,6 +299,8 @@ _FAMILIES: dict[str, _Family] = {
     "gemma": _LLAMA_LIKE,
     "gemma2": _SANDWICH_NORMS,
     "gemma3_text": _SANDWICH_NORMS,
+    "olmo2": _POST_NORMS,
+    "olmo3": _POST_NORMS,
     "gpt_neox": _GPT_NEOX,
     "phi3": _PHI3,
     "gpt2": _GPT2,

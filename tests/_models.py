@@ -33,6 +33,8 @@ def tiny(kind: str = "llama", *, attn: str = "sdpa", dtype=torch.float32, seed: 
             "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
             "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM),
             "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+            "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
+            "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
         }[kind]
         kw = dict(SMALL)
         if kind == "mixtral":
@@ -50,11 +52,15 @@ def tiny(kind: str = "llama", *, attn: str = "sdpa", dtype=torch.float32, seed: 
             kw.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
         if kind == "gpt_neox":  # no grouped-query attention: every head has its own k and v
             kw.pop("num_key_value_heads")
-        if kind in ("gemma2", "gemma3_text"):  # a window shorter than the tests' prompts, so it is used
+        if kind in ("olmo2", "olmo3"):  # their defaults name token ids past the tiny vocabulary
+            kw.update(pad_token_id=0, bos_token_id=None, eos_token_id=2)
+        if kind in ("gemma2", "gemma3_text", "olmo3"):  # a window shorter than the tests' prompts, so it is used
             kw.update(sliding_window=5)
         if kind == "gemma2" and attn == "sdpa":  # transformers has no sdpa for Gemma 2 (its soft-capping)
             attn = "eager"
         kw.update(over)
+        if kind == "olmo3" and "layer_types" not in kw:  # sliding and full layers in turn
+            kw["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(kw["num_hidden_layers"])]
         model = cls_model(cls_cfg(**kw))
     model = model.to(dtype).eval()
     model.set_attn_implementation(attn)

@@ -31,7 +31,7 @@ def _per_row(ref_steps, layer_index, row, pad):
     return torch.cat(parts)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2", "gemma3_text", "gpt_neox", "phi3", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2", "gemma3_text", "gpt_neox", "phi3", "gpt2", "olmo2", "olmo3"])
 def test_resid_stream_bit_exact_over_prefill_and_decode(kind):
     model = tiny(kind)
     ids, mask = left_padded_batch()
@@ -70,7 +70,7 @@ def test_resid_stream_bit_exact_over_prefill_and_decode(kind):
         assert sum(n for _, n in spans) == N_NEW
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "gpt_neox", "phi3", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "gpt_neox", "phi3", "gpt2", "olmo2"])
 def test_qkv_equal_projections_recomputed_from_resid_pre(kind):
     model = tiny(kind)
     ids, mask = left_padded_batch()
@@ -98,7 +98,7 @@ def test_qkv_equal_projections_recomputed_from_resid_pre(kind):
             q, k, v = a.qkv_proj(blk.input_layernorm(ref.hidden_states[layer])).split(sizes, dim=-1)
         else:
             blk = model.model.layers[layer]
-            x = blk.input_layernorm(ref.hidden_states[layer])
+            x = ref.hidden_states[layer] if kind == "olmo2" else blk.input_layernorm(ref.hidden_states[layer])
             a = blk.self_attn
             q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
             hd = a.head_dim
@@ -136,8 +136,10 @@ def test_router_topk_equals_gate_topk():
             assert torch.equal(collect(w, rid, "router_topk", layer), top[rows])
 
 
-@pytest.mark.parametrize(("kind", "over"), [("llama", {}), ("mistral", {"sliding_window": 4}), ("gemma2", {})],
-                         ids=["llama", "mistral-window-4", "gemma2-window-5-every-other-layer"])
+@pytest.mark.parametrize(("kind", "over"), [("llama", {}), ("mistral", {"sliding_window": 4}), ("gemma2", {}),
+                                             ("olmo3", {})],
+                         ids=["llama", "mistral-window-4", "gemma2-window-5-every-other-layer",
+                              "olmo3-window-5-every-other-layer"])
 def test_attn_pattern_equals_eager_attentions_with_padding_stripped(kind, over):
     """Each record is the model's attention weights for the request's real queries and keys.
     Under a sliding window the decode steps' cache holds only the last keys: the padding that
@@ -168,13 +170,13 @@ def test_attn_pattern_equals_eager_attentions_with_padding_stripped(kind, over):
                 assert torch.equal(d, want)
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3_text"])
-def test_gemma_blocks_add_their_normed_outputs_to_the_residual(kind):
-    """Gemma 2/3 norm each block's output before the residual add: ``attn_out`` is
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3_text", "olmo2", "olmo3"])
+def test_post_normed_blocks_add_their_normed_outputs_to_the_residual(kind):
+    """Gemma 2/3 and OLMo 2/3 norm each block's output before the residual add: ``attn_out`` is
     ``post_attention_layernorm(o_proj(attn_z))`` and ``mlp_out`` ``post_feedforward_layernorm
     (down_proj(mlp_post))``, recomputed here from the captured inputs (one request's rows, not the
     batch's: the matrix products may round differently, so to 1e-5), and the residual stream is
-    their running sum, bit for bit; ``embed`` (scaled in the module) is layer 0's input."""
+    their running sum, bit for bit; ``embed`` (Gemma's scaled in the module) is layer 0's input."""
     model = tiny(kind)
     ids, mask = left_padded_batch()
     w = MemoryWriter()

@@ -78,6 +78,12 @@ def _points(model, kind: str) -> dict:
                 ("mlp_out", i): (layer.mlp, "post", lambda a, o: _last(o)),
                 ("resid_post", i): (layer, "post", lambda a, o: _last(o)),
             })
+            if kind in ("olmo2", "olmo3"):  # only post norms: the MLP's input is the mid-layer residual
+                points.update({
+                    ("attn_out", i): (layer.post_attention_layernorm, "post", lambda a, o: o),
+                    ("resid_mid", i): (layer.mlp, "pre", lambda a, o: a[0]),
+                    ("mlp_out", i): (layer.post_feedforward_layernorm, "post", lambda a, o: o),
+                })
             if kind in ("gemma2", "gemma3_text"):  # each block's output is normed before the residual add
                 points.update({
                     ("attn_out", i): (layer.post_attention_layernorm, "post", lambda a, o: o),
@@ -197,7 +203,7 @@ def _audit(kind, dtype, lengths, *, hooks="all_but_patterns", schedule=None, chu
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gpt_neox",
-                                  "phi3", "gpt2", "mixtral"])
+                                  "phi3", "gpt2", "mixtral", "olmo2", "olmo3"])
 def test_every_hook_equals_plain_hooks_at_every_position(kind, dtype):
     """Left-padded batch of unequal prompts and a batch of one, prefill and 4 decode steps
     coalesced by twos: each record's tokens, positions, steps and phase, bit for bit."""

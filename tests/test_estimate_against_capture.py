@@ -61,6 +61,7 @@ def _per_batch(est) -> dict:
     ("gemma3_text", {}, "{phases: [prefill, decode]}", 4, 32),
     ("gpt_neox", {}, "{phases: [prefill, decode]}", 4, 2),  # no resid_mid (a parallel residual)
     ("phi3", {}, "{phases: [prefill, decode]}", 4, 32),
+    ("olmo3", {}, "{phases: [prefill, decode]}", 4, 2),  # only post norms; sliding and full layers
     ("llama", {"num_key_value_heads": 1}, "{phases: [prefill]}", 3, 32),
 ])
 def test_every_hook_matches_a_real_capture(kind, over, schedule, new_tokens, chunk, home, tmp_path):

@@ -1,10 +1,12 @@
 """Tensor-parallel capture across processes: two real ranks (spawned, gloo), one embedded store.
 
-One 2-rank run (module fixture) captures seven models — transformers' own TP for a tiny
+One 2-rank run (module fixture) captures eight models — transformers' own TP for a tiny
 Llama with 4 kv heads, Qwen2 with 2, Llama with 1 (k/v replicated), Mixtral (router
-replicated), Gemma 2 with 2 (its own block table) and GPT-NeoX (Pythia's parallel residual,
-q/k/v cut per head out of one fused projection), plus a Llama sharded by hand and described with ``tp_layout=`` — generating
-from a left-padded batch (prefill + decode). The tests then read the store in this process:
+replicated), Gemma 2 with 2 (its own block table), GPT-NeoX (Pythia's parallel residual,
+q/k/v cut per head out of one fused projection) and OLMo 2 with 2 (its plan leaves q/k/v and
+``attn_z`` whole on every rank), plus a Llama sharded by hand and described with
+``tp_layout=`` — generating from a left-padded batch (prefill + decode). The tests then read the
+store in this process:
 
 * replicated hooks equal the same TP run's ``output_hidden_states`` bit for bit, and were
   written once (by TP rank 0), except where every rank's copy was asked for;
@@ -46,9 +48,13 @@ CASES = {
     "mixtral": ("mixtral", dict(num_key_value_heads=2), "transformers", MOE_HOOKS, "rank0"),
     "gemma2-kv2": ("gemma2", dict(num_key_value_heads=2), "transformers", DENSE_HOOKS, "rank0"),
     "pythia": ("gpt_neox", {}, "transformers", [h for h in DENSE_HOOKS if h != "resid_mid"], "rank0"),
+    "olmo2-kv2": ("olmo2", dict(num_key_value_heads=2), "transformers", DENSE_HOOKS, "rank0"),
     "llama-hand": ("llama", dict(num_key_value_heads=4), "hand", DENSE_HOOKS, "all"),
 }
 SHARDED = {"attn_q": "heads", "attn_k": "kv", "attn_v": "kv", "attn_z": "heads", "mlp_post": "inter"}
+WHOLE = {"olmo2-kv2": {"attn_q", "attn_k", "attn_v", "attn_z"}}
+"""Per case, the hooks its TP plan leaves whole on every rank: OLMo 2 gathers q/k/v inside the
+projections (its q/k norms span all heads) and splits ``o_proj``'s input inside the module."""
 
 
 def _load_rank_model(path: str, how: str, rank: int):
@@ -87,7 +93,7 @@ def _capture_cases(rank: int, world: int, home: str, paths: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory):
-    """Save the seven models, run both ranks once, capture TP=1 here; yield what the tests read."""
+    """Save the eight models, run both ranks once, capture TP=1 here; yield what the tests read."""
     import transformers
 
     root = tmp_path_factory.mktemp("tp")
@@ -154,9 +160,11 @@ def _reference(full, hook: str, layer: int, resid_pre: torch.Tensor, resid_mid: 
     block = full.model.layers[layer]
     attn, cfg = block.self_attn, full.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    x = block.input_layernorm(resid_pre)
+    post_norms_only = cfg.model_type == "olmo2"  # OLMo 2 norms neither block's input
+    x = resid_pre if post_norms_only else block.input_layernorm(resid_pre)
     if hook == "mlp_post":  # Gemma 2 norms the MLP's input with pre_feedforward_layernorm
-        h = getattr(block, "pre_feedforward_layernorm", block.post_attention_layernorm)(resid_mid)
+        h = resid_mid if post_norms_only else getattr(block, "pre_feedforward_layernorm",
+                                                          block.post_attention_layernorm)(resid_mid)
         return block.mlp.act_fn(block.mlp.gate_proj(h)) * block.mlp.up_proj(h)
     proj = {"attn_q": attn.q_proj, "attn_k": attn.k_proj, "attn_v": attn.v_proj}[hook]
     return proj(x).view(x.shape[0], -1, head_dim)
@@ -193,9 +201,9 @@ def test_sharded_hooks_merge_to_the_full_projection_and_each_shard_is_its_slice(
                                             for l in range(merged.shape[0])])
                     torch.testing.assert_close(merged, want, atol=1e-5, rtol=1e-5)
                 kv_heads = getattr(full.config, "num_key_value_heads", None) or full.config.num_attention_heads
-                replicated = hook in ("attn_k", "attn_v") and kv_heads < WORLD
+                replicated = hook in ("attn_k", "attn_v") and kv_heads < WORLD or hook in WHOLE.get(name, ())
                 for rank in range(WORLD):
-                    if replicated and rank > 0:  # replicated k/v: written once, by rank 0
+                    if replicated and rank > 0:  # replicated k/v, a whole hook: written once, by rank 0
                         with pytest.raises(RecordNotFoundError):
                             store.get_internal(name, rid, hook, run_id=RUN, shard_rank=rank)
                         continue
