@@ -22,7 +22,8 @@ Phi-3 keeps Llama's table but cuts q/k/v out of its fused ``qkv_proj`` by size. 
 (Pythia) has its own table: q/k/v per head out of one fused projection, and no
 ``resid_mid`` under its parallel residual (:func:`hooks_ruled_out`).
 
-MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) share the Llama-like table: ``mlp_out`` is
+MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; gpt-oss with its router at ``mlp.router``)
+share the Llama-like table: ``mlp_out`` is
 the whole MoE block's output (Qwen2-MoE's includes its sigmoid-gated shared expert), the
 router hooks are ``mlp.gate``'s outputs, and ``mlp_post`` does not exist (no dense
 ``mlp.down_proj``). A hook is available only if every layer has its module, so a model with
@@ -228,6 +229,20 @@ post_feedforward_layernorm(mlp(h))``), so ``attn_out`` and ``mlp_out`` are the p
 outputs and ``resid_mid`` is the MLP's input. q and k are taken before the norms OLMo applies
 over the whole projection (``q_norm``, ``k_norm``), as the catalogue takes them before RoPE."""
 
+_GPT_OSS = replace(
+    _LLAMA_LIKE,
+    per_layer={
+        **_LLAMA_LIKE.per_layer,
+        "router_logits": ("mlp.router", "post", _out(0), "flat"),
+        "router_topk": ("mlp.router", "post", _out(2), "flat"),
+    },
+)
+"""gpt-oss: Llama's table, with its router at ``mlp.router`` (logits with the router's bias, and
+the experts its ``topk`` chose); its MoE block returns ``(output, router scores)``, so
+``mlp_out`` is the block's first output, and its experts are fused parameters (no ``mlp_post``).
+``attn_pattern`` is the model's own weights: the softmax over the keys and the head's sink,
+with the sink's column dropped, so a row sums to less than one."""
+
 _GPT2 = _Family(
     base=("transformer", ""),
     layers="h",
@@ -304,6 +319,7 @@ _FAMILIES: dict[str, _Family] = {
     "gpt_neox": _GPT_NEOX,
     "phi3": _PHI3,
     "gpt2": _GPT2,
+    "gpt_oss": _GPT_OSS,
 }
 
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))

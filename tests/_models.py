@@ -35,9 +35,10 @@ def tiny(kind: str = "llama", *, attn: str = "sdpa", dtype=torch.float32, seed: 
             "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
             "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
             "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
+            "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
         }[kind]
         kw = dict(SMALL)
-        if kind == "mixtral":
+        if kind in ("mixtral", "gpt_oss"):
             kw.update(num_local_experts=4, num_experts_per_tok=2)
         if kind == "qwen2_moe":  # every layer sparse (decoder_sparse_step 1), each with its shared expert
             kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -46,20 +47,24 @@ def tiny(kind: str = "llama", *, attn: str = "sdpa", dtype=torch.float32, seed: 
             kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8)
         if kind == "olmoe":
             kw.update(num_experts=4, num_experts_per_tok=2, eos_token_id=None)
-        if kind in ("qwen3", "gemma", "gemma2", "gemma3_text"):
+        if kind in ("qwen3", "gemma", "gemma2", "gemma3_text", "gpt_oss"):
             kw.update(head_dim=8)
+        if kind == "gpt_oss":  # its defaults name token ids past the tiny vocabulary; YaRN from 4 positions
+            kw.update(pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                      rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                       "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4})
         if kind == "phi3":  # its defaults name token ids past the tiny vocabulary
             kw.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
         if kind == "gpt_neox":  # no grouped-query attention: every head has its own k and v
             kw.pop("num_key_value_heads")
         if kind in ("olmo2", "olmo3"):  # their defaults name token ids past the tiny vocabulary
             kw.update(pad_token_id=0, bos_token_id=None, eos_token_id=2)
-        if kind in ("gemma2", "gemma3_text", "olmo3"):  # a window shorter than the tests' prompts, so it is used
+        if kind in ("gemma2", "gemma3_text", "olmo3", "gpt_oss"):  # a window shorter than the tests' prompts
             kw.update(sliding_window=5)
-        if kind == "gemma2" and attn == "sdpa":  # transformers has no sdpa for Gemma 2 (its soft-capping)
+        if kind in ("gemma2", "gpt_oss") and attn == "sdpa":  # transformers has no sdpa for them (soft-capping, sinks)
             attn = "eager"
         kw.update(over)
-        if kind == "olmo3" and "layer_types" not in kw:  # sliding and full layers in turn
+        if kind in ("olmo3", "gpt_oss") and "layer_types" not in kw:  # sliding and full layers in turn
             kw["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(kw["num_hidden_layers"])]
         model = cls_model(cls_cfg(**kw))
     model = model.to(dtype).eval()

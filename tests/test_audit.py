@@ -25,7 +25,7 @@ from ._models import left_padded_batch, tiny
 from ._real_model import smollm2
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma2", "gemma3_text", "gpt_neox", "phi3", "gpt2", "olmo2",
-         "olmo3"]
+         "olmo3", "gpt_oss"]
 HOOKS = "all_but_patterns token_ids"
 N_NEW = 4
 
@@ -112,8 +112,8 @@ def test_a_capture_alone_is_bit_exact(store, kind):
     report = store.audit(model_id, model=model, request_ids=rids, exact=True)
     assert report.passed and report.tolerance == "exact"
     assert all(c.verdict == "exact" for c in report.checks)
-    # mixtral: router logits and top-k, no single mlp_post; gpt_neox: a parallel residual, no resid_mid
-    per_layer = {"mixtral": 12, "gpt_neox": 10}.get(kind, 11)
+    # mixtral, gpt_oss: router logits and top-k, no single mlp_post; gpt_neox: a parallel residual, no resid_mid
+    per_layer = {"mixtral": 12, "gpt_oss": 12, "gpt_neox": 10}.get(kind, 11)
     n_global = 4  # token_ids, embed, final_norm, logits
     assert len({(c.hook, c.layer) for c in report.checks}) == len(report.checks) == n_global + 3 * per_layer
 

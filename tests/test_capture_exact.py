@@ -31,7 +31,8 @@ def _per_row(ref_steps, layer_index, row, pad):
     return torch.cat(parts)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2", "gemma3_text", "gpt_neox", "phi3", "gpt2", "olmo2", "olmo3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2", "gemma3_text", "gpt_neox", "phi3", "gpt2", "olmo2", "olmo3",
+                                  "gpt_oss"])
 def test_resid_stream_bit_exact_over_prefill_and_decode(kind):
     model = tiny(kind)
     ids, mask = left_padded_batch()
@@ -70,7 +71,7 @@ def test_resid_stream_bit_exact_over_prefill_and_decode(kind):
         assert sum(n for _, n in spans) == N_NEW
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "gpt_neox", "phi3", "gpt2", "olmo2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "gpt_neox", "phi3", "gpt2", "olmo2", "gpt_oss"])
 def test_qkv_equal_projections_recomputed_from_resid_pre(kind):
     model = tiny(kind)
     ids, mask = left_padded_batch()
@@ -137,9 +138,9 @@ def test_router_topk_equals_gate_topk():
 
 
 @pytest.mark.parametrize(("kind", "over"), [("llama", {}), ("mistral", {"sliding_window": 4}), ("gemma2", {}),
-                                             ("olmo3", {})],
+                                             ("olmo3", {}), ("gpt_oss", {})],
                          ids=["llama", "mistral-window-4", "gemma2-window-5-every-other-layer",
-                              "olmo3-window-5-every-other-layer"])
+                              "olmo3-window-5-every-other-layer", "gpt-oss-window-5-and-sinks"])
 def test_attn_pattern_equals_eager_attentions_with_padding_stripped(kind, over):
     """Each record is the model's attention weights for the request's real queries and keys.
     Under a sliding window the decode steps' cache holds only the last keys: the padding that

@@ -10,7 +10,7 @@ from dmi.capture import HOOKS, ModelGeometry, attach, derive_model_id
 from ._models import MemoryWriter, left_padded_batch, tiny
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2", "gemma3_text", "gpt_neox", "phi3", "gpt2", "olmo2", "olmo3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2", "gemma3_text", "gpt_neox", "phi3", "gpt2", "olmo2", "olmo3", "gpt_oss"])
 def test_all_hooks_match_catalogue_shapes(kind):
     model = tiny(kind, attn="eager")
     ids, mask = left_padded_batch()
@@ -21,7 +21,7 @@ def test_all_hooks_match_catalogue_shapes(kind):
         rids, _ = cap.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
     got = {k.hook for k, _, _ in w.records}
     assert got == set(cap.hooks)
-    moe = kind in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+    moe = kind in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
     assert ("router_topk" in got) == moe and ("mlp_post" in got) == (not moe)
     for key, data, shard in w.records:
         spec = HOOKS[key.hook]

@@ -90,9 +90,10 @@ def _points(model, kind: str) -> dict:
                     ("resid_mid", i): (layer.pre_feedforward_layernorm, "pre", lambda a, o: a[0]),
                     ("mlp_out", i): (layer.post_feedforward_layernorm, "post", lambda a, o: o),
                 })
-            if kind == "mixtral":
-                points[("router_logits", i)] = (layer.mlp.gate, "post", lambda a, o: o[0])
-                points[("router_topk", i)] = (layer.mlp.gate, "post", lambda a, o: o[2])
+            if kind in ("mixtral", "gpt_oss"):
+                router = layer.mlp.gate if kind == "mixtral" else layer.mlp.router
+                points[("router_logits", i)] = (router, "post", lambda a, o: o[0])
+                points[("router_topk", i)] = (router, "post", lambda a, o: o[2])
             else:
                 points[("mlp_post", i)] = (layer.mlp.down_proj, "pre", lambda a, o: a[0])
     points[("logits", -1)] = (model, "post", lambda a, o: o.logits)  # as the model returns them (soft-capped)
@@ -203,7 +204,7 @@ def _audit(kind, dtype, lengths, *, hooks="all_but_patterns", schedule=None, chu
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gpt_neox",
-                                  "phi3", "gpt2", "mixtral", "olmo2", "olmo3"])
+                                  "phi3", "gpt2", "mixtral", "olmo2", "olmo3", "gpt_oss"])
 def test_every_hook_equals_plain_hooks_at_every_position(kind, dtype):
     """Left-padded batch of unequal prompts and a batch of one, prefill and 4 decode steps
     coalesced by twos: each record's tokens, positions, steps and phase, bit for bit."""

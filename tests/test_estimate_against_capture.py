@@ -62,6 +62,7 @@ def _per_batch(est) -> dict:
     ("gpt_neox", {}, "{phases: [prefill, decode]}", 4, 2),  # no resid_mid (a parallel residual)
     ("phi3", {}, "{phases: [prefill, decode]}", 4, 32),
     ("olmo3", {}, "{phases: [prefill, decode]}", 4, 2),  # only post norms; sliding and full layers
+    ("gpt_oss", {}, "{phases: [prefill, decode]}", 4, 2),  # router at mlp.router; sinks; sliding and full layers
     ("llama", {"num_key_value_heads": 1}, "{phases: [prefill]}", 3, 32),
 ])
 def test_every_hook_matches_a_real_capture(kind, over, schedule, new_tokens, chunk, home, tmp_path):
