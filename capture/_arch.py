@@ -311,6 +311,7 @@ _FAMILIES: dict[str, _Family] = {
     "qwen2_moe": _LLAMA_LIKE,
     "qwen3_moe": _LLAMA_LIKE,
     "olmoe": _LLAMA_LIKE,
+    "smollm3": _LLAMA_LIKE,
     "gemma": _LLAMA_LIKE,
     "gemma2": _SANDWICH_NORMS,
     "gemma3_text": _SANDWICH_NORMS,

@@ -36,6 +36,7 @@ def tiny(kind: str = "llama", *, attn: str = "sdpa", dtype=torch.float32, seed: 
             "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
             "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
             "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
+            "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
         }[kind]
         kw = dict(SMALL)
         if kind in ("mixtral", "gpt_oss"):
@@ -57,8 +58,10 @@ def tiny(kind: str = "llama", *, attn: str = "sdpa", dtype=torch.float32, seed: 
             kw.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
         if kind == "gpt_neox":  # no grouped-query attention: every head has its own k and v
             kw.pop("num_key_value_heads")
-        if kind in ("olmo2", "olmo3"):  # their defaults name token ids past the tiny vocabulary
+        if kind in ("olmo2", "olmo3", "smollm3"):  # their defaults name token ids past the tiny vocabulary
             kw.update(pad_token_id=0, bos_token_id=None, eos_token_id=2)
+        if kind == "smollm3":  # every other layer without RoPE (NoPE), as SmolLM3 has every fourth
+            kw.update(no_rope_layer_interval=2)
         if kind in ("gemma2", "gemma3_text", "olmo3", "gpt_oss"):  # a window shorter than the tests' prompts
             kw.update(sliding_window=5)
         if kind in ("gemma2", "gpt_oss") and attn == "sdpa":  # transformers has no sdpa for them (soft-capping, sinks)

@@ -32,7 +32,7 @@ def _per_row(ref_steps, layer_index, row, pad):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2", "gemma3_text", "gpt_neox", "phi3", "gpt2", "olmo2", "olmo3",
-                                  "gpt_oss"])
+                                  "gpt_oss", "smollm3"])
 def test_resid_stream_bit_exact_over_prefill_and_decode(kind):
     model = tiny(kind)
     ids, mask = left_padded_batch()
@@ -169,6 +169,33 @@ def test_attn_pattern_equals_eager_attentions_with_padding_stripped(kind, over):
                     real = torch.cat([mask[i], torch.ones(step, dtype=mask.dtype)])[-att.shape[-1]:].bool()
                     want = att[..., real]
                 assert torch.equal(d, want)
+
+
+SEQUENTIAL = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2",
+              "gemma3_text", "phi3", "gpt2", "olmo2", "olmo3", "gpt_oss", "smollm3"]
+"""Every supported family whose layer adds its attention block, then its MLP block, to the
+residual stream (GPT-NeoX's parallel residual adds both at once: its own test below)."""
+
+
+@pytest.mark.parametrize("kind", SEQUENTIAL)
+def test_each_layer_adds_its_attn_out_then_its_mlp_out_to_the_residual_stream(kind):
+    """``attn_out`` and ``mlp_out`` are what the layer adds (TransformerLens's definition),
+    whatever a family does around its blocks — norms after them, a gated shared expert:
+    ``resid_mid = resid_pre + attn_out`` and ``resid_post = resid_mid + mlp_out``, bit for bit,
+    at every layer; and ``embed`` is layer 0's input (but on GPT-2, whose positions are added
+    after the token embedding it stores)."""
+    model = tiny(kind)
+    ids, mask = left_padded_batch()
+    w = MemoryWriter()
+    with attach(model, hooks="embed resid_pre attn_out resid_mid mlp_out resid_post", writer=w) as cap:
+        rids, _ = cap.forward(ids, attention_mask=mask)
+    for rid in rids:
+        if kind != "gpt2":
+            assert torch.equal(collect(w, rid, "embed", -1), collect(w, rid, "resid_pre", 0))
+        for layer in range(model.config.num_hidden_layers):
+            got = {h: collect(w, rid, h, layer) for h in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")}
+            assert torch.equal(got["resid_mid"], got["resid_pre"] + got["attn_out"]), layer
+            assert torch.equal(got["resid_post"], got["resid_mid"] + got["mlp_out"]), layer
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3_text", "olmo2", "olmo3"])

@@ -20,7 +20,7 @@ from dmi.storage.errors import InvalidArgumentError
 from tests._models import tiny
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2",
-            "gemma3_text", "gpt_neox", "phi3", "gpt2", "olmo2", "olmo3", "gpt_oss"]
+            "gemma3_text", "gpt_neox", "phi3", "gpt2", "olmo2", "olmo3", "gpt_oss", "smollm3"]
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
