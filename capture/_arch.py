@@ -198,22 +198,6 @@ _LLAMA_LIKE = _Family(
     },
 )
 
-_SANDWICH_NORMS = replace(
-    _LLAMA_LIKE,
-    per_layer={
-        **{h: _LLAMA_LIKE.per_layer[h] for h in ("resid_pre", "attn_q", "attn_k", "attn_v", "attn_z",
-                                                  "attn_pattern", "mlp_post", "resid_post")},
-        "attn_out": ("post_attention_layernorm", "post", _out(0), "bt"),
-        "resid_mid": ("pre_feedforward_layernorm", "pre", _arg0(), "bt"),
-        "mlp_out": ("post_feedforward_layernorm", "post", _out(0), "bt"),
-    },
-    logits=_PerConfig(_final_softcapped),
-)
-"""Gemma 2 and 3: each block's output is normalised again before it is added to the residual
-(``post_attention_layernorm``, ``post_feedforward_layernorm``), so ``attn_out`` and ``mlp_out``
-are those norms' outputs — what the layer adds — and ``resid_mid`` is the input of
-``pre_feedforward_layernorm``; the logits are soft-capped after the LM head."""
-
 _POST_NORMS = replace(
     _LLAMA_LIKE,
     per_layer={
@@ -228,6 +212,15 @@ input is (``h = x + post_attention_layernorm(attn(x))``, ``out = h +
 post_feedforward_layernorm(mlp(h))``), so ``attn_out`` and ``mlp_out`` are the post norms'
 outputs and ``resid_mid`` is the MLP's input. q and k are taken before the norms OLMo applies
 over the whole projection (``q_norm``, ``k_norm``), as the catalogue takes them before RoPE."""
+
+_SANDWICH_NORMS = replace(
+    _POST_NORMS,
+    per_layer={**_POST_NORMS.per_layer, "resid_mid": ("pre_feedforward_layernorm", "pre", _arg0(), "bt")},
+    logits=_PerConfig(_final_softcapped),
+)
+"""Gemma 2 and 3: OLMo 2's norms after each block, and norms before each block too, so
+``resid_mid`` is the input of ``pre_feedforward_layernorm``; the logits are soft-capped after the
+LM head."""
 
 _GPT_OSS = replace(
     _LLAMA_LIKE,

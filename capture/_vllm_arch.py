@@ -115,9 +115,10 @@ _LAYOUTS = {
 
 VLLM_MODEL_TYPES = tuple(_LAYOUTS)
 """The model types whose vLLM layers DMI has mapped (see the module docstring). Others may have
-the same module names and compute otherwise — vLLM's GPT-NeoX adds both blocks to one residual
-in parallel — so hooks found by name could store other values than the catalogue's: they are
-refused by type, not mapped by name."""
+the same module names and compute otherwise — GPT-NeoX adds both blocks to one residual in
+parallel; vLLM 0.32 runs it, and OLMo 2/3, through its Transformers backend, a layout of its own
+— so hooks found by name could store other values than the catalogue's: they are refused by
+type, not mapped by name."""
 
 
 def _hidden_arg(args, kwargs, output):

@@ -197,6 +197,41 @@ def capture_in_this_process(spec: dict) -> dict:
     return result
 
 
+def capture_each_model(spec: dict, refuse: tuple[str, ...] = ()) -> dict:
+    """In this process, per model of ``spec["models"]`` (name → directory): an engine, the hooks
+    ``all_but_patterns token_ids`` gives it and a capture of :data:`PROMPTS` (run id = the name)
+    into the store at ``spec["home"]``, or the error that stopped it; then each hook of
+    ``refuse`` attached alone (``""``, or the error that refused it)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import vllm
+
+    import dmi
+
+    result = {}
+    with dmi.open(home=spec["home"]) as store:
+        for name, path in spec["models"].items():
+            llm = build_llm(path, max_num_batched_tokens=64)
+            params = vllm.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+            got = {"hooks": {}, "rids": [], "error": "", "refused": {}}
+            try:
+                with store.capture_vllm(llm, hooks="all_but_patterns token_ids", run_id=name) as cap:
+                    got["hooks"] = {h: list(v) for h, v in cap.hooks.items()}
+                    got["rids"] = [o.request_id for o in cap.generate(PROMPTS, params)]
+            except dmi.DMIError as exc:
+                got["error"] = f"{type(exc).__name__}: {exc}"
+            for hook in refuse:
+                try:
+                    with store.capture_vllm(llm, hooks=hook):
+                        got["refused"][hook] = ""
+                except dmi.DMIError as exc:
+                    got["refused"][hook] = f"{type(exc).__name__}: {exc}"
+            result[name] = got
+            del llm
+            gc.collect()
+    return result
+
+
 def _native_in_this_process(spec: dict) -> dict:
     """vLLM's own extractor (``extract_hidden_states``, layers ``spec["native"]["layers"]``)
     through the benchmark's CPU-safe connector (``bench/_vllm_native.py``: the stock one needs

