@@ -57,12 +57,14 @@ class ModelDescription:
     model_type: str
     geometry: Any  # dmi.capture.ModelGeometry
     hooks: tuple[HookDescription, ...]
+    vllm_capture: bool  # whether dmi.capture_vllm has mapped this model type's vLLM layers
 
     def as_dict(self) -> dict[str, Any]:
         g = self.geometry
         return {
             "source": self.source,
             "model_type": self.model_type,
+            "vllm_capture": self.vllm_capture,
             "geometry": {"layers": g.n_layers, "hidden": g.hidden, "heads": g.n_heads, "kv_heads": g.n_kv_heads,
                          "head_dim": g.head_dim, "intermediate": g.intermediate, "experts": g.n_experts,
                          "experts_per_token": g.top_k, "vocab": g.vocab, "dtype": _dtype_name(g.dtype)},
@@ -191,7 +193,7 @@ def describe_model(source: str, *, dtype: str | None = None,
                    home: str | os.PathLike[str] | None = None) -> ModelDescription:
     """Describe the model at ``source`` (directory, config.json, built-in or real model name;
     ``home``: see :func:`read_model_config`)."""
-    from dmi.capture import HOOKS
+    from dmi.capture import HOOKS, VLLM_MODEL_TYPES
 
     where, config = read_model_config(source, home=home)
     g = model_geometry(config, where=where, dtype=dtype)
@@ -207,7 +209,7 @@ def describe_model(source: str, *, dtype: str | None = None,
             ["tokens", *map(str, shape)])
         hooks.append(HookDescription(name, "layer" if spec.per_layer else "global", tuple(shape), record,
                                      _dtype_name(spec.dtype(g)), spec.tp_axis, spec.doc))
-    return ModelDescription(where, g.model_type, g, tuple(hooks))
+    return ModelDescription(where, g.model_type, g, tuple(hooks), g.model_type in VLLM_MODEL_TYPES)
 
 
 def _dtype_name(dtype: Any) -> str:

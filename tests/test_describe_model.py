@@ -41,6 +41,18 @@ def test_describe_matches_the_runtime_on_a_real_model(kind, tmp_path):
     assert desc.source == str(tmp_path / "config.json")
 
 
+def test_it_says_which_model_types_vllm_capture_maps(tmp_path):
+    """``vllm_capture``: the types whose vLLM layers ``dmi.capture_vllm`` has mapped (the others
+    are refused there, and captured through transformers)."""
+    mapped = []
+    for kind in FAMILIES:
+        tiny(kind).config.save_pretrained(tmp_path / kind)
+        if describe_model(str(tmp_path / kind)).as_dict()["vllm_capture"]:
+            mapped.append(kind)
+    assert mapped == ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma",
+                      "gemma2", "gemma3_text", "phi3"]
+
+
 # Hand-written configs in each family's own naming (values of the published models).
 CONFIGS = {
     "llama-3-8b": ({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
