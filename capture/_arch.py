@@ -18,6 +18,9 @@ adding it to the residual, so their table takes ``attn_out``/``mlp_out`` after t
 OLMo 2 and 3 have only those post norms (no norm before either block): ``attn_out``/``mlp_out``
 after them, and ``resid_mid`` as the MLP's input.
 
+Granite keeps Llama's modules; its multipliers (embeddings, block outputs, logits) are applied
+to the taken tensors as the model applies them.
+
 Phi-3 keeps Llama's table but cuts q/k/v out of its fused ``qkv_proj`` by size. GPT-NeoX
 (Pythia) has its own table: q/k/v per head out of one fused projection, and no
 ``resid_mid`` under its parallel residual (:func:`hooks_ruled_out`).
@@ -109,6 +112,23 @@ def _final_softcapped(config) -> Extractor:
     return extract
 
 
+def _scaled_by(field: str, *, divide: bool = False) -> _PerConfig:
+    """A module's first output times (or divided by) the config's ``field``, as Granite's layers
+    scale each block's output before the residual add and its logits after the LM head: the
+    model's own operation on the same tensor, so the values are bit-exact with what it adds."""
+
+    def build(config) -> Extractor:
+        factor, first = getattr(config, field), _out(0)
+
+        def extract(args, kwargs, output):
+            x = first(args, kwargs, output)
+            return x / factor if divide else x * factor
+
+        return extract
+
+    return _PerConfig(build)
+
+
 def _neox_qkv(part: int) -> _PerConfig:
     """q, k or v out of GPT-NeoX's fused ``query_key_value``, whose output holds each head's q, k
     and v side by side (``[..., heads, 3 * head_dim]``) — a tensor-parallel rank's block of heads too."""
@@ -172,6 +192,7 @@ class _Family:
     lm_head: str
     per_layer: dict[str, tuple[str, str, Extractor | _PerConfig, str]]  # hook -> (module path, kind, extractor, layout)
     logits: Extractor | _PerConfig = _out(0)  # the lm_head's output -> the model's logits
+    embed_scaled_after: bool = False  # the model scales the embeddings: embed is layer 0's input
     ruled_out: Callable[[Any], frozenset[str]] = _no_hooks_ruled_out  # a config (object or dict) -> hooks its layers lack
 
 
@@ -235,6 +256,22 @@ the experts its ``topk`` chose); its MoE block returns ``(output, router scores)
 ``mlp_out`` is the block's first output, and its experts are fused parameters (no ``mlp_post``).
 ``attn_pattern`` is the model's own weights: the softmax over the keys and the head's sink,
 with the sink's column dropped, so a row sums to less than one."""
+
+_GRANITE = replace(
+    _LLAMA_LIKE,
+    per_layer={
+        **_LLAMA_LIKE.per_layer,
+        "attn_out": ("self_attn", "post", _scaled_by("residual_multiplier"), "bt"),
+        "mlp_out": ("mlp", "post", _scaled_by("residual_multiplier"), "bt"),
+    },
+    logits=_scaled_by("logits_scaling", divide=True),
+    embed_scaled_after=True,
+)
+"""Granite: Llama's modules, with multipliers outside them: the model scales the embeddings
+(``embedding_multiplier``) before layer 0, each block's output (``residual_multiplier``) before
+the residual add, and divides the LM head's output by ``logits_scaling``. So ``embed`` is layer
+0's input, ``attn_out``/``mlp_out`` are the scaled outputs the layer adds, and ``logits`` are
+what the model returns."""
 
 _GPT2 = _Family(
     base=("transformer", ""),
@@ -314,6 +351,7 @@ _FAMILIES: dict[str, _Family] = {
     "phi3": _PHI3,
     "gpt2": _GPT2,
     "gpt_oss": _GPT_OSS,
+    "granite": _GRANITE,
 }
 
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
@@ -381,7 +419,9 @@ class Architecture:
         for hook, layers in selected.items():
             if hook == "token_ids":
                 continue
-            if hook == "embed":
+            if hook == "embed" and f.embed_scaled_after:
+                add(self.layers[0], "pre", Emission(hook, -1, _arg0()))
+            elif hook == "embed":
                 add(_get(self.base, f.embed), "post", Emission(hook, -1, _out(0)))
             elif hook == "final_norm":
                 add(_get(self.base, f.final_norm), "post", Emission(hook, -1, _out(0)))

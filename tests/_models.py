@@ -37,6 +37,7 @@ def tiny(kind: str = "llama", *, attn: str = "sdpa", dtype=torch.float32, seed: 
             "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
             "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
             "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
+            "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
         }[kind]
         kw = dict(SMALL)
         if kind in ("mixtral", "gpt_oss"):
@@ -60,6 +61,9 @@ def tiny(kind: str = "llama", *, attn: str = "sdpa", dtype=torch.float32, seed: 
             kw.pop("num_key_value_heads")
         if kind in ("olmo2", "olmo3", "smollm3"):  # their defaults name token ids past the tiny vocabulary
             kw.update(pad_token_id=0, bos_token_id=None, eos_token_id=2)
+        if kind == "granite":  # multipliers that change every value they touch, as Granite 3's do
+            kw.update(embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0,
+                      attention_multiplier=0.0078125)
         if kind == "smollm3":  # every other layer without RoPE (NoPE), as SmolLM3 has every fourth
             kw.update(no_rope_layer_interval=2)
         if kind in ("gemma2", "gemma3_text", "olmo3", "gpt_oss"):  # a window shorter than the tests' prompts

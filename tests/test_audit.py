@@ -25,7 +25,7 @@ from ._models import left_padded_batch, tiny
 from ._real_model import smollm2
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma2", "gemma3_text", "gpt_neox", "phi3", "gpt2", "olmo2",
-         "olmo3", "gpt_oss", "smollm3"]
+         "olmo3", "gpt_oss", "smollm3", "granite"]
 HOOKS = "all_but_patterns token_ids"
 N_NEW = 4
 

@@ -32,7 +32,7 @@ def _per_row(ref_steps, layer_index, row, pad):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2", "gemma3_text", "gpt_neox", "phi3", "gpt2", "olmo2", "olmo3",
-                                  "gpt_oss", "smollm3"])
+                                  "gpt_oss", "smollm3", "granite"])
 def test_resid_stream_bit_exact_over_prefill_and_decode(kind):
     model = tiny(kind)
     ids, mask = left_padded_batch()
@@ -183,7 +183,7 @@ def _forward_captured(kind: str, hooks: str):
 
 
 SEQUENTIAL = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2",
-              "gemma3_text", "phi3", "gpt2", "olmo2", "olmo3", "gpt_oss", "smollm3"]
+              "gemma3_text", "phi3", "gpt2", "olmo2", "olmo3", "gpt_oss", "smollm3", "granite"]
 """Every supported family whose layer adds its attention block, then its MLP block, to the
 residual stream (GPT-NeoX's parallel residual adds both at once: its own test below)."""
 

@@ -10,7 +10,8 @@ from dmi.capture import HOOKS, ModelGeometry, attach, derive_model_id
 from ._models import MemoryWriter, left_padded_batch, tiny
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2", "gemma3_text", "gpt_neox", "phi3", "gpt2", "olmo2", "olmo3", "gpt_oss", "smollm3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2", "gemma3_text", "gpt_neox", "phi3", "gpt2", "olmo2", "olmo3", "gpt_oss", "smollm3",
+                                  "granite"])
 def test_all_hooks_match_catalogue_shapes(kind):
     model = tiny(kind, attn="eager")
     ids, mask = left_padded_batch()

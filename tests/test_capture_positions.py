@@ -63,6 +63,8 @@ def _points(model, kind: str) -> dict:
         sizes = [model.config.num_attention_heads * head_dim] + [model.config.num_key_value_heads * head_dim] * 2
         points = {("embed", -1): (base.embed_tokens, "post", lambda a, o: o),
                   ("final_norm", -1): (base.norm, "post", lambda a, o: o)}
+        if kind == "granite":  # the model scales the embeddings before layer 0
+            points[("embed", -1)] = (base.layers[0], "pre", lambda a, o: a[0])
         for i, layer in enumerate(base.layers):
             attn = layer.self_attn
             points.update({
@@ -78,6 +80,12 @@ def _points(model, kind: str) -> dict:
                 ("mlp_out", i): (layer.mlp, "post", lambda a, o: _last(o)),
                 ("resid_post", i): (layer, "post", lambda a, o: _last(o)),
             })
+            if kind == "granite":  # each block's output scaled before the residual add
+                m = model.config.residual_multiplier
+                points.update({
+                    ("attn_out", i): (attn, "post", lambda a, o, m=m: o[0] * m),
+                    ("mlp_out", i): (layer.mlp, "post", lambda a, o, m=m: o * m),
+                })
             if kind in ("olmo2", "olmo3"):  # only post norms: the MLP's input is the mid-layer residual
                 points.update({
                     ("attn_out", i): (layer.post_attention_layernorm, "post", lambda a, o: o),
@@ -204,7 +212,7 @@ def _audit(kind, dtype, lengths, *, hooks="all_but_patterns", schedule=None, chu
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gpt_neox",
-                                  "phi3", "gpt2", "mixtral", "olmo2", "olmo3", "gpt_oss", "smollm3"])
+                                  "phi3", "gpt2", "mixtral", "olmo2", "olmo3", "gpt_oss", "smollm3", "granite"])
 def test_every_hook_equals_plain_hooks_at_every_position(kind, dtype):
     """Left-padded batch of unequal prompts and a batch of one, prefill and 4 decode steps
     coalesced by twos: each record's tokens, positions, steps and phase, bit for bit."""

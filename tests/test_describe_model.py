@@ -20,7 +20,7 @@ from dmi.storage.errors import InvalidArgumentError
 from tests._models import tiny
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2",
-            "gemma3_text", "gpt_neox", "phi3", "gpt2", "olmo2", "olmo3", "gpt_oss", "smollm3"]
+            "gemma3_text", "gpt_neox", "phi3", "gpt2", "olmo2", "olmo3", "gpt_oss", "smollm3", "granite"]
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -156,7 +156,7 @@ def test_sizes_must_be_integers(field, value, tmp_path):
 @pytest.mark.parametrize(("config", "words"), [
     ({"model_type": "t5", "is_encoder_decoder": True, "d_model": 512}, "model type 't5' is an encoder-decoder"),
     ({"model_type": "bart", "d_model": 16}, "model type 'bart' is an encoder-decoder"),
-    ({"model_type": "falcon", "hidden_size": 64}, "model type 'falcon' is not supported; supported: gemma, gemma2, gemma3_text, gpt2, gpt_neox, gpt_oss, llama, mistral, mixtral, olmo2, olmo3, olmoe, phi3"),
+    ({"model_type": "falcon", "hidden_size": 64}, "model type 'falcon' is not supported; supported: gemma, gemma2, gemma3_text, gpt2, gpt_neox, gpt_oss, granite, llama, mistral, mixtral, olmo2, olmo3, olmoe, phi3"),
     ({"hidden_size": 64}, "model type None is not supported"),
     ({"model_type": "llama", "hidden_size": 64, "torch_dtype": "int8"}, "dtype 'int8' is not one of"),
     ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10},

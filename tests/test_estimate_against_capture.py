@@ -63,6 +63,7 @@ def _per_batch(est) -> dict:
     ("phi3", {}, "{phases: [prefill, decode]}", 4, 32),
     ("olmo3", {}, "{phases: [prefill, decode]}", 4, 2),  # only post norms; sliding and full layers
     ("gpt_oss", {}, "{phases: [prefill, decode]}", 4, 2),  # router at mlp.router; sinks; sliding and full layers
+    ("granite", {}, "{phases: [prefill, decode]}", 4, 32),  # embed, block outputs and logits scaled
     ("llama", {"num_key_value_heads": 1}, "{phases: [prefill]}", 3, 32),
 ])
 def test_every_hook_matches_a_real_capture(kind, over, schedule, new_tokens, chunk, home, tmp_path):

@@ -137,15 +137,15 @@ def test_the_supported_model_types_and_the_refusal_naming_them():
     class Unmapped(torch.nn.Module):
         config = type("Config", (), {"model_type": "phimoe"})()
 
-    assert SUPPORTED_MODEL_TYPES == ("gemma", "gemma2", "gemma3_text", "gpt2", "gpt_neox", "gpt_oss", "llama", "mistral",
-                                     "mixtral", "olmo2", "olmo3", "olmoe", "phi3", "qwen2", "qwen2_moe", "qwen3",
-                                     "qwen3_moe", "smollm3")
+    assert SUPPORTED_MODEL_TYPES == ("gemma", "gemma2", "gemma3_text", "gpt2", "gpt_neox", "gpt_oss", "granite",
+                                     "llama", "mistral", "mixtral", "olmo2", "olmo3", "olmoe", "phi3", "qwen2",
+                                     "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")
     with pytest.raises(AttachError) as info:
         with attach(Unmapped(), hooks="router", writer=MemoryWriter()):
             pass
     assert str(info.value) == ("cannot attach to a model of type 'phimoe' (Unmapped); supported model types: "
-                               "gemma, gemma2, gemma3_text, gpt2, gpt_neox, gpt_oss, llama, mistral, mixtral, olmo2, "
-                               "olmo3, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3")
+                               "gemma, gemma2, gemma3_text, gpt2, gpt_neox, gpt_oss, granite, llama, mistral, mixtral, "
+                               "olmo2, olmo3, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3")
 
 
 def _dense_then_sparse(kind):
