@@ -33,7 +33,7 @@ _chain_result: dict[str, str] = {}
 VLLM_MODULES = ["test_vllm.py", "test_vllm_serve.py", "test_vllm_tp.py", "test_vllm_bench.py", "test_vllm_audit.py",
                 "test_vllm_guards.py", "test_vllm_serve_tp.py", "test_vllm_capture_failure.py",
                 "test_vllm_worker_errors.py", "test_vllm_qwen2_moe.py", "test_vllm_qwen2_moe_tp.py",
-                "test_vllm_edges.py"]
+                "test_vllm_edges.py", "test_vllm_families.py"]
 """The modules that need vLLM; where it is not installed they are not collected (the header says
 so), so a run without vLLM — the README's main pass — neither imports nor skips them. Their own
 pass (``pytest -m vllm`` in vLLM's environment) collecting nothing is an error (exit 5)."""
