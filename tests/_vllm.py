@@ -41,25 +41,8 @@ PROMPTS = [
 def tiny_llama_dir(root, *, hidden: int = 128, heads: int = 2, kv_heads: int = 1, layers: int = 3,
                    name: str = "tiny-llama-vllm") -> str:
     """A Llama with heads of 64 (default: 3 layers, hidden 128, 2 heads, 1 KV head), random
-    weights from seed 0."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from dmi._models import byte_tokenizer
-
-    tok = byte_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
-        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=False,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config).eval()
-    path = str(root / name)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    weights from seed 0: :func:`tiny_family_dir` of ``"llama"``."""
+    return tiny_family_dir(root, "llama", hidden=hidden, heads=heads, kv_heads=kv_heads, layers=layers, name=name)
 
 
 def tiny_mixtral_dir(root) -> str:
@@ -85,19 +68,20 @@ def tiny_mixtral_dir(root) -> str:
 
 
 FAMILY_CONFIGS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=64, tie_word_embeddings=True)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=64, tie_word_embeddings=True, sliding_window=32)),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                     dict(head_dim=64, tie_word_embeddings=True, sliding_window=32)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False)),
 }
-"""Per model type beyond Llama's: its config and model classes and what differs from the
-tiny Llama's shapes (Gemma's models tie their embeddings, as vLLM's Gemma classes assume;
+"""Per model type: its config and model classes, and what differs from the defaults of
+:func:`tiny_family_dir` (Gemma's models tie their embeddings, as vLLM's Gemma classes assume;
 Gemma 2/3's window of 32 is shorter than :data:`PROMPTS`' long prompt, so it is used)."""
 
 
 def tiny_family_dir(root, model_type: str, *, hidden: int = 128, heads: int = 2, kv_heads: int = 1,
-                    layers: int = 3) -> str:
+                    layers: int = 3, name: str | None = None) -> str:
     """A model of ``model_type`` (a key of :data:`FAMILY_CONFIGS`) with heads of 64 (default:
     the tiny Llama's 3 layers, hidden 128, 2 heads, 1 KV head), random weights from seed 0."""
     import transformers
@@ -114,7 +98,7 @@ def tiny_family_dir(root, model_type: str, *, hidden: int = 128, heads: int = 2,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = getattr(transformers, model_name)(config).eval()
-    path = str(root / f"tiny-{model_type}-vllm")
+    path = str(root / (name or f"tiny-{model_type}-vllm"))
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path

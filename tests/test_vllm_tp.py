@@ -32,9 +32,7 @@ TWO_RANKS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND":
 @pytest.mark.parametrize("model_type", ["llama", "gemma2"])
 def test_two_tensor_parallel_ranks_merge_into_the_unsharded_model(tmp_path, model_type):
     """Llama, and Gemma 2 (its norms after each block, replicated on every rank; a window of 32)."""
-    shape = dict(hidden=256, heads=4, kv_heads=2, layers=2)
-    model_dir = (tiny_llama_dir(tmp_path, **shape, name="tp-llama") if model_type == "llama"
-                 else tiny_family_dir(tmp_path, model_type, **shape))
+    model_dir = tiny_family_dir(tmp_path, model_type, hidden=256, heads=4, kv_heads=2, layers=2)
     result = capture_in_a_fresh_process({
         "model": model_dir, "home": str(tmp_path / "home"), "hooks": ",".join(SHARDED + REPLICATED),
         "env": TWO_RANKS,
