@@ -1,4 +1,4 @@
-"""Where each hook lives in a model vLLM built (the Llama family's module layout, and Gemma's).
+"""Where each hook lives in a model vLLM built (the Llama family's module layout, Gemma's, Granite's).
 
 vLLM runs its own model classes, not ``transformers``': tokens of every scheduled request are
 flattened into one ``[num_tokens, ...]`` axis, q/k/v come out of one fused projection, and a
@@ -39,7 +39,13 @@ normalise each block's output before the residual add (``post_attention_layernor
 which does the fused add: ``attn_out`` and ``mlp_out`` are the post norms' outputs (what the
 layer adds, as on the Hugging Face path) and ``resid_mid`` the residual
 ``pre_feedforward_layernorm`` returns. Their final soft cap is inside ``logits_processor``.
-Phi-3 is vLLM's Llama class.
+Phi-3 is vLLM's Llama class. Granite scales ``embed_tokens``' output (``embedding_multiplier``,
+in place) before layer 0, and its layers add each block's output times ``residual_multiplier``
+themselves and return the sum, with no residual handed to the next norm: ``resid_pre`` and
+``resid_post`` are the layer's input and output, ``resid_mid`` ``post_attention_layernorm``'s
+input, and ``attn_out``/``mlp_out`` the blocks' outputs times that multiplier (the one product
+taken on the model's thread, the op the layer itself runs). Its ``logits_scaling`` is inside
+``logits_processor``.
 
 A per-layer hook is offered only where every decoder layer has its module (as on the Hugging
 Face path): a model mixing dense and sparse layers offers neither ``mlp_post`` nor the router hooks.
@@ -95,22 +101,28 @@ _LAYER_MODULES = {
 
 @dataclass(frozen=True, slots=True)
 class _Layout:
-    """How one model type's vLLM layers compute: the module of each per-layer hook, and whether
-    the model scales ``embed_tokens``' output before layer 0 (so ``embed`` is layer 0's input)."""
+    """How one model type's vLLM layers compute: the module of each per-layer hook; whether the
+    model scales ``embed_tokens``' output before layer 0 (so ``embed`` is layer 0's input);
+    whether a layer returns ``(hidden_states, residual)`` for the next layer's fused add
+    (Llama) or the sum itself (Granite); and the config attribute, if any, by which the layer
+    multiplies each block's output before adding it (Granite's ``residual_multiplier``)."""
 
     modules: Mapping[str, str]
     embed_scaled_after: bool = False
+    residual_in_norms: bool = True
+    block_scale: str | None = None
 
 
 _LLAMA = _Layout(_LAYER_MODULES)
 _GEMMA = replace(_LLAMA, embed_scaled_after=True)
 _GEMMA2 = replace(_GEMMA, modules={**_LAYER_MODULES, "attn_out": "post_attention_layernorm",
                                    "resid_mid": "pre_feedforward_layernorm", "mlp_out": "post_feedforward_layernorm"})
+_GRANITE = replace(_GEMMA, residual_in_norms=False, block_scale="residual_multiplier")
 
 _LAYOUTS = {
-    "gemma": _GEMMA, "gemma2": _GEMMA2, "gemma3_text": _GEMMA2, "llama": _LLAMA, "mistral": _LLAMA,
-    "mixtral": _LLAMA, "olmoe": _LLAMA, "phi3": _LLAMA, "qwen2": _LLAMA, "qwen2_moe": _LLAMA, "qwen3": _LLAMA,
-    "qwen3_moe": _LLAMA,
+    "gemma": _GEMMA, "gemma2": _GEMMA2, "gemma3_text": _GEMMA2, "granite": _GRANITE, "llama": _LLAMA,
+    "mistral": _LLAMA, "mixtral": _LLAMA, "olmoe": _LLAMA, "phi3": _LLAMA, "qwen2": _LLAMA, "qwen2_moe": _LLAMA,
+    "qwen3": _LLAMA, "qwen3_moe": _LLAMA,
 }
 
 VLLM_MODEL_TYPES = tuple(_LAYOUTS)
@@ -146,6 +158,14 @@ def _qkv_part(attn, part: int):
         return out[:, lo:hi]
 
     return extract
+
+
+def _scaled(extract, factor: float):
+    """``extract``'s tensor times ``factor``: the product the layer computes before its add."""
+    def scaled(args, kwargs, output):
+        return extract(args, kwargs, output) * factor
+
+    return scaled
 
 
 def _router_topk(k: int):
@@ -254,8 +274,15 @@ class VLLMArchitecture:
     def _add_layer_hook(self, add, hook: str, layer: int, n: int) -> None:
         block = self.layers[layer]
         path = _path(block, hook, self.layout)
-        if hook == "resid_pre" and layer == 0:
+        if hook == "resid_pre" and (layer == 0 or not self.layout.residual_in_norms):
             add(block, "pre", hook, layer, _hidden_arg)
+        elif hook == "resid_post" and not self.layout.residual_in_norms:
+            add(block, "post", hook, layer, _first_out)
+        elif hook == "resid_mid" and not self.layout.residual_in_norms:
+            add(_get(block, path), "pre", hook, layer, _arg0)
+        elif hook in ("attn_out", "mlp_out") and self.layout.block_scale:
+            factor = float(getattr(self.model.config, self.layout.block_scale))
+            add(_get(block, path), "post", hook, layer, _scaled(_first_out, factor))
         elif hook == "resid_pre":
             add(_get(block, "input_layernorm"), "post", hook, layer, _residual_out)
         elif hook == "resid_post":

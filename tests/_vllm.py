@@ -74,10 +74,14 @@ FAMILY_CONFIGS = {
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                     dict(head_dim=64, tie_word_embeddings=True, sliding_window=32)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
+                     logits_scaling=8.0, attention_multiplier=0.0078125)),
 }
 """Per model type: its config and model classes, and what differs from the defaults of
 :func:`tiny_family_dir` (Gemma's models tie their embeddings, as vLLM's Gemma classes assume;
-Gemma 2/3's window of 32 is shorter than :data:`PROMPTS`' long prompt, so it is used)."""
+Gemma 2/3's window of 32 is shorter than :data:`PROMPTS`' long prompt, so it is used;
+Granite's multipliers are Granite 3's magnitudes, so each changes every value it touches)."""
 
 
 def tiny_family_dir(root, model_type: str, *, hidden: int = 128, heads: int = 2, kv_heads: int = 1,

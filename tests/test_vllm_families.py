@@ -1,12 +1,12 @@
-"""Gemma, Gemma 2, Gemma 3 (text) and Phi-3 under vLLM: captured, then audited against transformers.
+"""Gemma, Gemma 2, Gemma 3 (text), Phi-3 and Granite under vLLM: captured, then audited against transformers.
 
 Marked ``vllm`` (see tests/test_vllm.py). One tiny model per type (``tests/_vllm.py``'s
 ``tiny_family_dir``: the tiny Llama's shapes, seed 0) is captured in one fresh process with
 every hook vLLM offers; each capture is then audited in this process by ``store.audit``,
 re-running the requests through transformers on the same weights (eager attention: Gemma 2's
 soft-capped scores have no sdpa path there). The audit compares every hook, so a value taken
-from the wrong module fails it: Gemma 2's pre-norm block outputs, or Gemma's unscaled
-embeddings.
+from the wrong module fails it: Gemma 2's pre-norm block outputs, Gemma's unscaled
+embeddings, or Granite's block outputs before its ``residual_multiplier``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dmi.capture import HOOKS  # noqa: E402
 from tests._vllm import (PROMPTS, capture_each_model, hf_model, run_child_in_a_fresh_process,  # noqa: E402
                          tiny_family_dir)
 
-TYPES = ("gemma", "gemma2", "gemma3_text", "phi3")
+TYPES = ("gemma", "gemma2", "gemma3_text", "phi3", "granite")
 ATOL = 2e-4  # as tests/test_vllm.py: above vLLM's CPU float32 noise, far below a missing term
 OFFERED = ("token_ids", "embed", "resid_pre", "attn_q", "attn_k", "attn_v", "attn_z", "attn_out", "resid_mid",
            "mlp_post", "mlp_out", "resid_post", "final_norm", "logits")  # catalogue order
@@ -63,11 +63,11 @@ def test_every_hook_vllm_offers_passes_the_audit(captured, model_type):
     assert {c.hook for c in report.checks} == set(OFFERED)
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
-def test_the_block_outputs_are_what_each_layer_adds_after_its_norms(captured, model_type):
-    """Gemma 2/3 norm each block's output before the residual add: the stored ``attn_out`` and
-    ``mlp_out`` are the post norms' outputs, so the residual stream sums them; the block's
-    output before its norm would not."""
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "granite"])
+def test_the_block_outputs_are_what_each_layer_adds(captured, model_type):
+    """Gemma 2/3 norm each block's output before the residual add, and Granite multiplies it by
+    ``residual_multiplier``: the stored ``attn_out`` and ``mlp_out`` are the normed (scaled)
+    outputs, so the residual stream sums them; the block's raw output would not."""
     models, home, result = captured
     model_id = os.path.realpath(models[model_type])
     rids = result[model_type]["rids"]
@@ -82,11 +82,11 @@ def test_the_block_outputs_are_what_each_layer_adds_after_its_norms(captured, mo
             torch.testing.assert_close(post, mid + get("mlp_out"), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text", "granite"])
 def test_embed_holds_the_scaled_embeddings_layer_0_receives(captured, model_type):
     """vLLM's Gemma classes multiply ``embed_tokens``' output by ``sqrt(hidden)`` in the model's
-    forward: ``embed`` is that product, equal to layer 0's ``resid_pre`` and to transformers'
-    first hidden state, not the table's rows."""
+    forward, and Granite's by ``embedding_multiplier`` (in place): ``embed`` is that product,
+    equal to layer 0's ``resid_pre`` and to transformers' first hidden state, not the table's rows."""
     models, home, result = captured
     model_id = os.path.realpath(models[model_type])
     hf = hf_model(models[model_type])

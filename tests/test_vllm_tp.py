@@ -29,9 +29,10 @@ REPLICATED = ("attn_out", "mlp_out", "resid_pre", "resid_post")
 TWO_RANKS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "granite"])
 def test_two_tensor_parallel_ranks_merge_into_the_unsharded_model(tmp_path, model_type):
-    """Llama, and Gemma 2 (its norms after each block, replicated on every rank; a window of 32)."""
+    """Llama, Gemma 2 (its norms after each block, replicated on every rank; a window of 32) and
+    Granite (its block outputs scaled after ``o_proj``'s all-reduce, on every rank)."""
     model_dir = tiny_family_dir(tmp_path, model_type, hidden=256, heads=4, kv_heads=2, layers=2)
     result = capture_in_a_fresh_process({
         "model": model_dir, "home": str(tmp_path / "home"), "hooks": ",".join(SHARDED + REPLICATED),
