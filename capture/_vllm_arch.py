@@ -1,4 +1,4 @@
-"""Where each hook lives in a model vLLM built (the Llama family's module layout, Gemma's, Granite's).
+"""Where each hook lives in a model vLLM built (the Llama family's module layout, Gemma's, Granite's, gpt-oss').
 
 vLLM runs its own model classes, not ``transformers``': tokens of every scheduled request are
 flattened into one ``[num_tokens, ...]`` axis, q/k/v come out of one fused projection, and a
@@ -45,7 +45,8 @@ themselves and return the sum, with no residual handed to the next norm: ``resid
 ``resid_post`` are the layer's input and output, ``resid_mid`` ``post_attention_layernorm``'s
 input, and ``attn_out``/``mlp_out`` the blocks' outputs times that multiplier (the one product
 taken on the model's thread, the op the layer itself runs). Its ``logits_scaling`` is inside
-``logits_processor``.
+``logits_processor``. gpt-oss is the Llama layout under other names (``attn``, ``embedding``,
+``hidden_states`` first among a layer's arguments) with its router at ``mlp.router``.
 
 A per-layer hook is offered only where every decoder layer has its module (as on the Hugging
 Face path): a model mixing dense and sparse layers offers neither ``mlp_post`` nor the router hooks.
@@ -105,12 +106,16 @@ class _Layout:
     model scales ``embed_tokens``' output before layer 0 (so ``embed`` is layer 0's input);
     whether a layer returns ``(hidden_states, residual)`` for the next layer's fused add
     (Llama) or the sum itself (Granite); and the config attribute, if any, by which the layer
-    multiplies each block's output before adding it (Granite's ``residual_multiplier``)."""
+    multiplies each block's output before adding it (Granite's ``residual_multiplier``); the
+    embedding module's name; and where ``hidden_states`` is among a layer's positional arguments
+    (gpt-oss: ``(hidden_states, positions, residual)``)."""
 
     modules: Mapping[str, str]
     embed_scaled_after: bool = False
     residual_in_norms: bool = True
     block_scale: str | None = None
+    embedding: str = "embed_tokens"
+    hidden_index: int = 1
 
 
 _LLAMA = _Layout(_LAYER_MODULES)
@@ -118,9 +123,12 @@ _GEMMA = replace(_LLAMA, embed_scaled_after=True)
 _GEMMA2 = replace(_GEMMA, modules={**_LAYER_MODULES, "attn_out": "post_attention_layernorm",
                                    "resid_mid": "pre_feedforward_layernorm", "mlp_out": "post_feedforward_layernorm"})
 _GRANITE = replace(_GEMMA, residual_in_norms=False, block_scale="residual_multiplier")
+_GPT_OSS = _Layout({**{h: p.replace("self_attn", "attn") for h, p in _LAYER_MODULES.items() if h != "mlp_post"},
+                    "router_logits": "mlp.router", "router_topk": "mlp.router"}, embedding="embedding", hidden_index=0)
 
 _LAYOUTS = {
-    "gemma": _GEMMA, "gemma2": _GEMMA2, "gemma3_text": _GEMMA2, "granite": _GRANITE, "llama": _LLAMA,
+    "gemma": _GEMMA, "gemma2": _GEMMA2, "gemma3_text": _GEMMA2, "gpt_oss": _GPT_OSS, "granite": _GRANITE,
+    "llama": _LLAMA,
     "mistral": _LLAMA, "mixtral": _LLAMA, "olmoe": _LLAMA, "phi3": _LLAMA, "qwen2": _LLAMA, "qwen2_moe": _LLAMA,
     "qwen3": _LLAMA, "qwen3_moe": _LLAMA,
 }
@@ -133,8 +141,12 @@ parallel; vLLM 0.32 runs it, and OLMo 2/3, through its Transformers backend, a l
 type, not mapped by name."""
 
 
-def _hidden_arg(args, kwargs, output):
-    return args[1] if len(args) > 1 else kwargs["hidden_states"]
+def _hidden_arg(index: int):
+    """The layer's ``hidden_states`` argument, the ``index``-th positional one or by name."""
+    def extract(args, kwargs, output):
+        return args[index] if len(args) > index else kwargs["hidden_states"]
+
+    return extract
 
 
 def _residual_out(args, kwargs, output):
@@ -180,7 +192,7 @@ def _moe_block(layer: nn.Module) -> str | None:
     """Where a decoder layer keeps its mixture of experts (Mixtral: ``block_sparse_moe``)."""
     for name in ("block_sparse_moe", "mlp"):
         block = getattr(layer, name, None)
-        if isinstance(getattr(block, "gate", None), nn.Module) and isinstance(getattr(block, "experts", None), nn.Module):
+        if isinstance(getattr(block, "experts", None), nn.Module):
             return name
     return None
 
@@ -228,7 +240,7 @@ class VLLMArchitecture:
 
     model_type: str
     model: nn.Module  # the *ForCausalLM vLLM runs
-    base: nn.Module  # its decoder stack (embed_tokens, layers, norm)
+    base: nn.Module  # its decoder stack (the embedding, layers, norm)
     layers: nn.ModuleList
     layout: _Layout
 
@@ -243,7 +255,7 @@ class VLLMArchitecture:
         if hook in STEP_HOOKS:
             return hook != "logits" or isinstance(getattr(self.model, "logits_processor", None), nn.Module)
         if hook in ("embed", "final_norm"):
-            return _get(self.base, "embed_tokens" if hook == "embed" else "norm") is not None
+            return _get(self.base, self.layout.embedding if hook == "embed" else "norm") is not None
         return all(_layer_has(layer, hook, self.layout) for layer in self.layers)
 
     def taps(self, selected: dict[str, tuple[int, ...]]) -> list[Tap]:
@@ -261,9 +273,9 @@ class VLLMArchitecture:
             if hook in STEP_HOOKS:
                 continue
             if hook == "embed" and self.layout.embed_scaled_after:
-                add(self.layers[0], "pre", hook, GLOBAL_LAYER, _hidden_arg)
+                add(self.layers[0], "pre", hook, GLOBAL_LAYER, _hidden_arg(self.layout.hidden_index))
             elif hook == "embed":
-                add(_get(self.base, "embed_tokens"), "post", hook, GLOBAL_LAYER, _first_out)
+                add(_get(self.base, self.layout.embedding), "post", hook, GLOBAL_LAYER, _first_out)
             elif hook == "final_norm":
                 add(_get(self.base, "norm"), "post", hook, GLOBAL_LAYER, _first_out)
             elif hook in self.layout.modules:
@@ -275,7 +287,7 @@ class VLLMArchitecture:
         block = self.layers[layer]
         path = _path(block, hook, self.layout)
         if hook == "resid_pre" and (layer == 0 or not self.layout.residual_in_norms):
-            add(block, "pre", hook, layer, _hidden_arg)
+            add(block, "pre", hook, layer, _hidden_arg(self.layout.hidden_index))
         elif hook == "resid_post" and not self.layout.residual_in_norms:
             add(block, "post", hook, layer, _first_out)
         elif hook == "resid_mid" and not self.layout.residual_in_norms:
@@ -289,8 +301,8 @@ class VLLMArchitecture:
             module = _get(self.base, "norm") if layer == n - 1 else _get(self.layers[layer + 1], "input_layernorm")
             add(module, "post", hook, layer, _residual_out)
         elif hook in ("attn_q", "attn_k", "attn_v"):
-            attn = _get(block, "self_attn")
-            add(_get(block, "self_attn.qkv_proj"), "post", hook, layer, _qkv_part(attn, "qkv".index(hook[-1])))
+            attn = _get(block, path.rsplit(".", 1)[0])
+            add(_get(block, path), "post", hook, layer, _qkv_part(attn, "qkv".index(hook[-1])))
         elif hook in ("attn_z", "mlp_post"):
             add(_get(block, path), "pre", hook, layer, _arg0)
         elif hook == "resid_mid":
@@ -312,13 +324,13 @@ def resolve_vllm_architecture(model: nn.Module) -> VLLMArchitecture:
             f"vLLM model {type(model).__name__} has no decoder layer list at .model.layers; DMI's vLLM "
             "capture supports the Llama family's layout (Llama, Mistral, Qwen2, Qwen3 and the like)"
         )
-    first = layers[0]
-    missing = [p for p in ("input_layernorm", "post_attention_layernorm", "self_attn.qkv_proj", "self_attn.o_proj")
-               if _get(first, p) is None]
+    model_type = str(config.model_type)  # one of VLLM_MODEL_TYPES: check_engine_config refused the others
+    layout, first = _LAYOUTS[model_type], layers[0]
+    missing = [p for p in ("input_layernorm", "post_attention_layernorm", layout.modules["attn_q"],
+                           layout.modules["attn_z"]) if _get(first, p) is None]
     if missing:
         raise AttachError(
             f"vLLM model {type(model).__name__}: decoder layer {type(first).__name__} lacks {', '.join(missing)}; "
-            "DMI's vLLM capture supports the Llama family's layout (Llama, Mistral, Qwen2, Qwen3 and the like)"
+            f"DMI's vLLM capture maps {model_type}'s layers with them (a vLLM version that moved them is not mapped)"
         )
-    model_type = str(config.model_type)  # one of VLLM_MODEL_TYPES: check_engine_config refused the others
-    return VLLMArchitecture(model_type, model, base, layers, _LAYOUTS[model_type])
+    return VLLMArchitecture(model_type, model, base, layers, layout)

@@ -77,11 +77,18 @@ FAMILY_CONFIGS = {
     "granite": ("GraniteConfig", "GraniteForCausalLM",
                 dict(tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
                      logits_scaling=8.0, attention_multiplier=0.0078125)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(head_dim=64, tie_word_embeddings=False, sliding_window=32, num_local_experts=4,
+                     num_experts_per_tok=2,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 512})),
 }
 """Per model type: its config and model classes, and what differs from the defaults of
 :func:`tiny_family_dir` (Gemma's models tie their embeddings, as vLLM's Gemma classes assume;
 Gemma 2/3's window of 32 is shorter than :data:`PROMPTS`' long prompt, so it is used;
-Granite's multipliers are Granite 3's magnitudes, so each changes every value it touches)."""
+Granite's multipliers are Granite 3's magnitudes, so each changes every value it touches;
+gpt-oss keeps its default layer types, sliding and full in turn, which is the order vLLM's
+class assumes, and YaRN over the 512 positions)."""
 
 
 def tiny_family_dir(root, model_type: str, *, hidden: int = 128, heads: int = 2, kv_heads: int = 1,
