@@ -26,16 +26,21 @@ from tests._vllm import capture_in_a_fresh_process, hf_model, tiny_family_dir, t
 ATOL = 2e-4  # vLLM's CPU kernels against transformers' (tests/test_vllm.py); TP adds an all-reduce's order
 SHARDED = ("attn_q", "attn_k", "attn_v", "attn_z", "mlp_post")
 REPLICATED = ("attn_out", "mlp_out", "resid_pre", "resid_post")
+HOOKS = {"llama": SHARDED + REPLICATED, "gemma2": SHARDED + REPLICATED, "granite": SHARDED + REPLICATED,
+         "gpt_oss": tuple(h for h in SHARDED if h != "mlp_post") + REPLICATED + ("router_logits", "router_topk")}
+"""Per type, what two ranks capture: gpt-oss's fused experts have no ``mlp_post``; its router
+is replicated, so every rank holds the whole ``router_logits`` and ``router_topk``."""
 TWO_RANKS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2", "granite"])
+@pytest.mark.parametrize("model_type", list(HOOKS))
 def test_two_tensor_parallel_ranks_merge_into_the_unsharded_model(tmp_path, model_type):
-    """Llama, Gemma 2 (its norms after each block, replicated on every rank; a window of 32) and
-    Granite (its block outputs scaled after ``o_proj``'s all-reduce, on every rank)."""
+    """Llama, Gemma 2 (its norms after each block, replicated on every rank; a window of 32),
+    Granite (its block outputs scaled after ``o_proj``'s all-reduce, on every rank) and gpt-oss
+    (its experts' intermediate split over the ranks, attention sinks per rank's heads)."""
     model_dir = tiny_family_dir(tmp_path, model_type, hidden=256, heads=4, kv_heads=2, layers=2)
     result = capture_in_a_fresh_process({
-        "model": model_dir, "home": str(tmp_path / "home"), "hooks": ",".join(SHARDED + REPLICATED),
+        "model": model_dir, "home": str(tmp_path / "home"), "hooks": ",".join(HOOKS[model_type]),
         "env": TWO_RANKS,
         "engine": {"tensor_parallel_size": 2, "worker_extension_cls": "dmi.vllm.CaptureWorkerExtension"},
     })
@@ -46,11 +51,11 @@ def test_two_tensor_parallel_ranks_merge_into_the_unsharded_model(tmp_path, mode
                           "WHERE hook = 'attn_q' ORDER BY shard_rank").to_pylist()
         assert ranks == [{"shard_rank": 0, "tp_size": 2}, {"shard_rank": 1, "tp_size": 2}]
         reference = hf_model(model_dir, attn_implementation="eager")
-        with ref_store.capture(reference, hooks=",".join(SHARDED + REPLICATED), model_id="hf") as ref:
+        with ref_store.capture(reference, hooks=",".join(HOOKS[model_type]), model_id="hf") as ref:
             for request_id, fed in result["fed"].items():
                 ref.forward(torch.tensor([fed]), request_ids=[f"hf-{request_id}"])
         for request_id in result["fed"]:
-            for hook in SHARDED + REPLICATED:
+            for hook in HOOKS[model_type]:
                 got = store.get_internal(model_id, request_id, hook)  # shards merged by their geometry
                 want = ref_store.get_internal("hf", f"hf-{request_id}", hook)
                 assert got.shape == want.shape, hook
