@@ -102,13 +102,19 @@ _LAYER_MODULES = {
 
 @dataclass(frozen=True, slots=True)
 class _Layout:
-    """How one model type's vLLM layers compute: the module of each per-layer hook; whether the
-    model scales ``embed_tokens``' output before layer 0 (so ``embed`` is layer 0's input);
-    whether a layer returns ``(hidden_states, residual)`` for the next layer's fused add
-    (Llama) or the sum itself (Granite); and the config attribute, if any, by which the layer
-    multiplies each block's output before adding it (Granite's ``residual_multiplier``); the
-    embedding module's name; and where ``hidden_states`` is among a layer's positional arguments
-    (gpt-oss: ``(hidden_states, positions, residual)``)."""
+    """How one model type's vLLM layers compute:
+
+    * ``modules``: the module of each per-layer hook;
+    * ``embed_scaled_after``: the model scales the embedding's output before layer 0, so
+      ``embed`` is layer 0's input (Gemma, Granite);
+    * ``residual_in_norms``: a layer returns ``(hidden_states, residual)`` for the next layer's
+      fused add + norm (Llama), not the sum itself (Granite);
+    * ``block_scale``: the config attribute by which a layer multiplies each block's output
+      before adding it (Granite's ``residual_multiplier``);
+    * ``embedding``: the embedding module's name on the decoder stack;
+    * ``hidden_index``: where ``hidden_states`` is among a layer's positional arguments (Llama:
+      ``(positions, hidden_states, residual)``; gpt-oss: ``(hidden_states, positions, residual)``).
+    """
 
     modules: Mapping[str, str]
     embed_scaled_after: bool = False
@@ -128,9 +134,8 @@ _GPT_OSS = _Layout({**{h: p.replace("self_attn", "attn") for h, p in _LAYER_MODU
 
 _LAYOUTS = {
     "gemma": _GEMMA, "gemma2": _GEMMA2, "gemma3_text": _GEMMA2, "gpt_oss": _GPT_OSS, "granite": _GRANITE,
-    "llama": _LLAMA,
-    "mistral": _LLAMA, "mixtral": _LLAMA, "olmoe": _LLAMA, "phi3": _LLAMA, "qwen2": _LLAMA, "qwen2_moe": _LLAMA,
-    "qwen3": _LLAMA, "qwen3_moe": _LLAMA,
+    "llama": _LLAMA, "mistral": _LLAMA, "mixtral": _LLAMA, "olmoe": _LLAMA, "phi3": _LLAMA, "qwen2": _LLAMA,
+    "qwen2_moe": _LLAMA, "qwen3": _LLAMA, "qwen3_moe": _LLAMA,
 }
 
 VLLM_MODEL_TYPES = tuple(_LAYOUTS)
@@ -189,7 +194,8 @@ def _router_topk(k: int):
 
 
 def _moe_block(layer: nn.Module) -> str | None:
-    """Where a decoder layer keeps its mixture of experts (Mixtral: ``block_sparse_moe``)."""
+    """Where a decoder layer keeps its mixture of experts, the block with ``experts`` (Mixtral:
+    ``block_sparse_moe``; its router is ``gate``, gpt-oss's ``router``)."""
     for name in ("block_sparse_moe", "mlp"):
         block = getattr(layer, name, None)
         if isinstance(getattr(block, "experts", None), nn.Module):
