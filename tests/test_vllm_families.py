@@ -1,4 +1,5 @@
-"""Gemma, Gemma 2, Gemma 3 (text), Phi-3 and Granite under vLLM: captured, then audited against transformers.
+"""Gemma, Gemma 2, Gemma 3 (text), Phi-3, Granite and gpt-oss under vLLM: captured, then audited against
+transformers.
 
 Marked ``vllm`` (see tests/test_vllm.py). One tiny model per type (``tests/_vllm.py``'s
 ``tiny_family_dir``: the tiny Llama's shapes, seed 0) is captured in one fresh process with

@@ -26,8 +26,8 @@ from tests._vllm import capture_in_a_fresh_process, hf_model, tiny_family_dir, t
 ATOL = 2e-4  # vLLM's CPU kernels against transformers' (tests/test_vllm.py); TP adds an all-reduce's order
 SHARDED = ("attn_q", "attn_k", "attn_v", "attn_z", "mlp_post")
 REPLICATED = ("attn_out", "mlp_out", "resid_pre", "resid_post")
-HOOKS = {"llama": SHARDED + REPLICATED, "gemma2": SHARDED + REPLICATED, "granite": SHARDED + REPLICATED,
-         "gpt_oss": tuple(h for h in SHARDED if h != "mlp_post") + REPLICATED + ("router_logits", "router_topk")}
+HOOKS = dict.fromkeys(("llama", "gemma2", "granite"), SHARDED + REPLICATED) | {
+    "gpt_oss": tuple(h for h in SHARDED if h != "mlp_post") + REPLICATED + ("router_logits", "router_topk")}
 """Per type, what two ranks capture: gpt-oss's fused experts have no ``mlp_post``; its router
 is replicated, so every rank holds the whole ``router_logits`` and ``router_topk``."""
 TWO_RANKS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank
