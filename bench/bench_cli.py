@@ -7,8 +7,8 @@ second command); prints the best and the median wall time, and the conditions (C
 count, load average before and after, Python and platform). The store commands run against
 a temporary home holding one small capture (the built-in ``tiny-llama``, one prompt), so
 they open the embedded catalog and answer a real query; ``dmi show`` also reads the
-request's token records (tensors, so it loads torch). ``import torch`` alone, in a process of
-its own, is the floor of any command that reads tensors.
+request's token records from its packs (as checked bytes, without torch). ``import torch``
+alone, in a process of its own, is the floor of any command that reads tensors.
 
     python bench/bench_cli.py              # 7 runs each
     python bench/bench_cli.py --runs 3

@@ -10,10 +10,8 @@ new storage path and no record field:
 * ``prompt_text``: one record per request, beside the ``token_ids`` record of its prefill
   (or scoring forward): ``tokenizer.decode(prompt ids, skip_special_tokens=True)``.
 
-Payload (``uint8``, one dimension): ``k`` as int32, then ``k`` int32 byte lengths
-(``-1``: an id the tokenizer has no string for, read back as ``None``), then the strings'
-UTF-8 bytes back to back; all little-endian. :func:`encode_strings` writes it,
-:func:`decode_strings` reads it.
+Payload: :mod:`dmi.storage._strings` (its format, :func:`encode_strings` and
+:func:`decode_strings`, without torch, so ``dmi show`` reads them back without loading it).
 
 The work happens on the drain thread, never on the model's: ``attach`` turns the whole
 vocabulary into one UTF-8 table with a single batched ``convert_ids_to_tokens`` (so a
@@ -25,14 +23,15 @@ tokenizer (``decode``, once per request).
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from dmi.storage.errors import InvalidArgumentError, PackCorruptError
+from dmi.storage import _strings
+from dmi.storage._strings import MISSING, decode_strings
+from dmi.storage.errors import InvalidArgumentError
 from dmi.storage.records import PROMPT_TEXT, TEXT_HOOKS, TOKEN_TEXT
 
 from ._hooks import HOOKS
@@ -41,8 +40,6 @@ from ._selection import Selection
 __all__ = ["TOKEN_TEXT", "PROMPT_TEXT", "TEXT_HOOKS", "TokenStrings", "encode_strings", "decode_strings",
            "with_token_ids"]
 
-_MISSING = -1
-_INT32 = struct.Struct("<i")
 
 
 class TokenStrings:
@@ -68,7 +65,7 @@ class TokenStrings:
             raise InvalidArgumentError(f"tokenizer= gave a token that is not a string: {bad!r}")
         self.tokenizer = tokenizer
         encoded = [b"" if s is None else s.encode("utf-8") for s in strings]
-        self._lengths = np.array([_MISSING if s is None else len(b) for s, b in zip(strings, encoded)], dtype=np.int64)
+        self._lengths = np.array([MISSING if s is None else len(b) for s, b in zip(strings, encoded)], dtype=np.int64)
         sizes = np.maximum(self._lengths, 0)
         self._starts = np.cumsum(sizes) - sizes
         self._blob = np.frombuffer(b"".join(encoded), dtype=np.uint8)
@@ -82,12 +79,12 @@ class TokenStrings:
         ids = ids.reshape(-1).numpy().astype(np.int64, copy=False)
         inside = (ids >= 0) & (ids < len(self))
         safe = np.where(inside, ids, 0)
-        lengths = np.where(inside, self._lengths[safe], _MISSING)
+        lengths = np.where(inside, self._lengths[safe], MISSING)
         sizes = np.maximum(lengths, 0)
         ends = np.cumsum(sizes)
         # byte j of token i sits at starts[id] + j: repeat each token's (start - its output offset)
         shift = np.repeat(self._starts[safe] - (ends - sizes), sizes)
-        return _pack(lengths, self._blob[shift + np.arange(len(shift))].tobytes())
+        return torch.from_numpy(_strings.pack_strings(lengths, self._blob[shift + np.arange(len(shift))].tobytes()))
 
     def prompt_record(self, ids: torch.Tensor) -> torch.Tensor:
         """The ``prompt_text`` payload: the prompt's ids decoded, special tokens skipped."""
@@ -108,42 +105,7 @@ def _id_count(tokenizer: Any) -> int:
 
 def encode_strings(strings: Sequence[str | None]) -> torch.Tensor:
     """``strings`` as one ``uint8`` payload (the format in the module docstring)."""
-    encoded = [b"" if s is None else s.encode("utf-8") for s in strings]
-    return _pack(np.array([_MISSING if s is None else len(b) for s, b in zip(strings, encoded)], dtype=np.int64),
-                 b"".join(encoded))
-
-
-def _pack(lengths: np.ndarray, text: bytes) -> torch.Tensor:
-    """Header (count, lengths: little-endian int32) then the text bytes, as one ``uint8`` tensor."""
-    header = np.concatenate([[len(lengths)], lengths]).astype("<i4").tobytes()
-    return torch.frombuffer(bytearray(header + text), dtype=torch.uint8)  # never empty: the count is there
-
-
-def decode_strings(payload: torch.Tensor, where: str) -> tuple[str | None, ...]:
-    """The strings of one payload. ``where`` names the record in the error: a payload that
-    does not parse (it passed its checksum, so it was written wrong) is a
-    ``PackCorruptError``."""
-    data = bytes(payload.reshape(-1).to(torch.uint8).numpy())
-    try:
-        (count,) = _INT32.unpack_from(data, 0)
-        if count < 0:
-            raise ValueError(f"a negative string count {count}")
-        lengths = struct.unpack_from(f"<{count}i", data, _INT32.size)
-        offset = _INT32.size * (count + 1)
-        strings: list[str | None] = []
-        for length in lengths:
-            if length == _MISSING:
-                strings.append(None)
-                continue
-            if length < 0 or offset + length > len(data):
-                raise ValueError(f"a string of {length} bytes at byte {offset} of {len(data)}")
-            strings.append(data[offset : offset + length].decode("utf-8"))
-            offset += length
-        if offset != len(data):
-            raise ValueError(f"{len(data) - offset} bytes after the last string")
-    except (struct.error, ValueError) as exc:  # UnicodeDecodeError is a ValueError
-        raise PackCorruptError(f"{where}: the token text payload does not parse: {exc}") from exc
-    return tuple(strings)
+    return torch.from_numpy(_strings.encode_strings(strings))
 
 
 def with_token_ids(selection: Selection) -> Selection:

@@ -53,8 +53,9 @@ from dmi.storage.errors import (
 )
 from dmi.storage.records import GLOBAL_LAYER, HOOK_ORDER, TEXT_HOOKS, RecordEntry
 
-if TYPE_CHECKING:  # torch and the reader (which imports torch) load on the first tensor read:
-    import pyarrow as pa  # listing commands (`dmi models`) never pay for them
+if TYPE_CHECKING:  # torch and the reader's tensor half load on the first tensor read:
+    import numpy as np  # listing commands (`dmi models`) never pay for them, nor `dmi show`
+    import pyarrow as pa
     import torch
 
     from dmi._lazy import LazyInternal
@@ -485,7 +486,13 @@ class Store:
         run = self._resolve_run(model_id, request_id, run_id)
         entries = self.catalog.find_records(model_id, request_id=request_id, hook=("token_ids", *TEXT_HOOKS),
                                             run_id=run)
-        return read_tokens(entries, self._read, model_id=model_id, run_id=run, request_id=request_id)
+        return read_tokens(entries, self._read_raw, model_id=model_id, run_id=run, request_id=request_id)
+
+    def _read_raw(self, entries: list[RecordEntry]) -> list[np.ndarray]:
+        """The records' decoded bytes (``uint8``), checksums verified, without torch."""
+        from dmi.reader._raw import read_raw_records
+
+        return read_raw_records(self.packs, entries, cache=self._footers)
 
     def _read(self, entries: list[RecordEntry]) -> list[torch.Tensor]:
         """The records' tensors, checksums verified (the store's footer cache)."""

@@ -1,9 +1,27 @@
-"""``dmi.reader``: fetch records from packs and reassemble them into torch tensors."""
+"""``dmi.reader``: fetch records from packs and reassemble them into torch tensors.
 
-from dmi.reader._assemble import assemble
-from dmi.reader._footer_cache import CacheStats, FooterCache
-from dmi.reader._ranges import DEFAULT_MAX_GAP, PlannedRead, plan_reads
-from dmi.reader._read import PackFooter, check_records, find_record, load_footer, read_by_key, read_record, read_records
+Every name is imported on first use (module ``__getattr__``), so the torch-free parts —
+:mod:`dmi.reader._raw` (records as checked NumPy bytes), the footer cache, the range
+planner — load without torch: ``dmi show`` reads a request's token strings that way.
+"""
+
+import importlib as _importlib
+
+_LAZY = {
+    "read_record": "dmi.reader._read",
+    "read_records": "dmi.reader._read",
+    "read_by_key": "dmi.reader._read",
+    "check_records": "dmi.reader._read",
+    "find_record": "dmi.reader._raw",
+    "load_footer": "dmi.reader._raw",
+    "PackFooter": "dmi.reader._raw",
+    "plan_reads": "dmi.reader._ranges",
+    "PlannedRead": "dmi.reader._ranges",
+    "DEFAULT_MAX_GAP": "dmi.reader._ranges",
+    "FooterCache": "dmi.reader._footer_cache",
+    "CacheStats": "dmi.reader._footer_cache",
+    "assemble": "dmi.reader._assemble",
+}
 
 __all__ = [
     "read_record",
@@ -20,3 +38,15 @@ __all__ = [
     "CacheStats",
     "assemble",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

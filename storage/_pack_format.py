@@ -11,11 +11,16 @@ The full specification is ``docs/pack-format.md``; this module is its executable
 from __future__ import annotations
 
 import base64
+import functools
 import json
+from typing import TYPE_CHECKING
 
+import numpy as np
 import pyarrow as pa
-import torch
 import zstandard
+
+if TYPE_CHECKING:
+    import torch
 
 from dmi.storage._pack_names import PACK_SUFFIX, is_pack_id  # re-exported: the names pack files carry
 from dmi.storage._pack_v1 import V1_PACK_ROW_SCHEMA, decode_v1_columns
@@ -39,6 +44,7 @@ __all__ = [
     "PACK_ROW_SCHEMA",
     "dtype_name",
     "torch_dtype",
+    "dtype_itemsize",
     "is_pack_id",
     "schema_with_metadata",
     "check_schema",
@@ -75,7 +81,12 @@ _SCHEMAS = {1: V1_PACK_ROW_SCHEMA, **{v: _row_schema(v) for v in READABLE_VERSIO
 """Row schema of every format version this code reads."""
 
 
-def _build_dtype_table() -> dict[str, torch.dtype]:
+@functools.cache
+def _dtype_table() -> dict[str, torch.dtype]:
+    """Every torch dtype by its canonical name; torch is imported here, on first use, so reading
+    a pack's index or a record's bytes (``dmi show``'s token strings) loads none."""
+    import torch
+
     table = {}
     for name in dir(torch):
         value = getattr(torch, name, None)
@@ -84,13 +95,15 @@ def _build_dtype_table() -> dict[str, torch.dtype]:
     return table
 
 
-_DTYPES = _build_dtype_table()
+_NUMPY_SHARED = frozenset({"bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+                           "float16", "float32", "float64", "complex64", "complex128"})
+"""Canonical dtype names NumPy gives the same element under the same name."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` → ``"bfloat16"``: the canonical name stored in packs and the catalog."""
     name = str(dtype).removeprefix("torch.")
-    if _DTYPES.get(name) is not dtype:
+    if _dtype_table().get(name) is not dtype:
         raise UnsupportedDtypeError(f"dtype {dtype} has no canonical name")
     return name
 
@@ -98,11 +111,21 @@ def dtype_name(dtype: torch.dtype) -> str:
 def torch_dtype(name: str) -> torch.dtype:
     """Inverse of :func:`dtype_name`; unknown names raise :class:`UnsupportedDtypeError`."""
     try:
-        return _DTYPES[name]
+        return _dtype_table()[name]
     except KeyError:
+        import torch
+
         raise UnsupportedDtypeError(
             f"dtype {name!r} is not a torch dtype this build knows (torch {torch.__version__})"
         ) from None
+
+
+def dtype_itemsize(name: str) -> int:
+    """Bytes per element of the canonical dtype ``name``: without torch for the dtypes NumPy
+    shares (token ids, strings, floats), through :func:`torch_dtype` for the others."""
+    if name in _NUMPY_SHARED:
+        return np.dtype(name).itemsize
+    return torch_dtype(name).itemsize
 
 
 def schema_with_metadata(pack_id: str, writer_id: str) -> pa.Schema:

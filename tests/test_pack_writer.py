@@ -26,7 +26,7 @@ from dmi.storage import (
     verify_pack,
 )
 from dmi.storage import _writer
-from dmi.storage._pack_format import _DTYPES, FORMAT_VERSION
+from dmi.storage._pack_format import FORMAT_VERSION, _dtype_table
 from dmi.reader import read_record, read_records
 
 
@@ -47,6 +47,7 @@ def random_tensor(dtype: torch.dtype, shape, seed=0) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
 
 
+_DTYPES = _dtype_table()
 STORABLE = sorted(n for n, d in _DTYPES.items() if not n.startswith(("qint", "quint")))
 
 

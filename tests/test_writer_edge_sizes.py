@@ -14,9 +14,10 @@ import torch
 from dmi.reader import read_record, read_records
 from dmi.storage import CODECS, LocalPackStore, PackError, PackSealError, PackWriter, RecordKey, verify_pack
 from dmi.storage import _direct_write
-from dmi.storage._pack_format import _DTYPES
+from dmi.storage._pack_format import _dtype_table
 from tests.test_pack_writer import random_tensor, same_bits
 
+_DTYPES = _dtype_table()
 STORABLE = sorted(n for n in _DTYPES if not n.startswith(("qint", "quint")))
 
 
