@@ -46,7 +46,13 @@ themselves and return the sum, with no residual handed to the next norm: ``resid
 input, and ``attn_out``/``mlp_out`` the blocks' outputs times that multiplier (the one product
 taken on the model's thread, the op the layer itself runs). Its ``logits_scaling`` is inside
 ``logits_processor``. gpt-oss is the Llama layout under other names (``attn``, ``embedding``,
-``hidden_states`` first among a layer's arguments) with its router at ``mlp.router``.
+``hidden_states`` first among a layer's arguments) with its router at ``mlp.router``. GPT-2's
+blocks (``transformer.h``) add their own residuals and return the sum, as Granite's do, unscaled:
+``resid_pre``/``resid_post`` are a block's input and output, ``resid_mid`` ``ln_2``'s input,
+``attn_q/k/v`` the thirds of ``attn.c_attn``'s output, ``attn_z`` and ``mlp_post`` the inputs of
+``attn.c_proj`` and ``mlp.c_proj``, ``attn_out`` and ``mlp_out`` the blocks' outputs (biases
+included), ``embed`` the token embeddings ``wte`` returns (before the position embeddings are
+added, as on the Hugging Face path) and ``final_norm`` ``ln_f``'s output.
 
 A per-layer hook is offered only where every decoder layer has its module (as on the Hugging
 Face path): a model mixing dense and sparse layers offers neither ``mlp_post`` nor the router hooks.
@@ -113,7 +119,11 @@ class _Layout:
       before adding it (Granite's ``residual_multiplier``);
     * ``embedding``: the embedding module's name on the decoder stack;
     * ``hidden_index``: where ``hidden_states`` is among a layer's positional arguments (Llama:
-      ``(positions, hidden_states, residual)``; gpt-oss: ``(hidden_states, positions, residual)``).
+      ``(positions, hidden_states, residual)``; gpt-oss: ``(hidden_states, positions, residual)``);
+    * ``stack``, ``layer_list``, ``final_norm``: the names of the decoder stack on the model, of
+      the layer list on the stack and of the final norm on it (Llama: ``model``, ``layers``,
+      ``norm``; GPT-2: ``transformer``, ``h``, ``ln_f``);
+    * ``norms``: a layer's two norms, before attention and before the MLP.
     """
 
     modules: Mapping[str, str]
@@ -122,6 +132,10 @@ class _Layout:
     block_scale: str | None = None
     embedding: str = "embed_tokens"
     hidden_index: int = 1
+    stack: str = "model"
+    layer_list: str = "layers"
+    final_norm: str = "norm"
+    norms: tuple[str, str] = ("input_layernorm", "post_attention_layernorm")
 
 
 _LLAMA = _Layout(_LAYER_MODULES)
@@ -132,8 +146,16 @@ _GRANITE = replace(_GEMMA, residual_in_norms=False, block_scale="residual_multip
 _GPT_OSS = _Layout({**{h: p.replace("self_attn", "attn") for h, p in _LAYER_MODULES.items() if h != "mlp_post"},
                     "router_logits": "mlp.router", "router_topk": "mlp.router"}, embedding="embedding", hidden_index=0)
 
+_GPT2 = _Layout(
+    {"attn_q": "attn.c_attn", "attn_k": "attn.c_attn", "attn_v": "attn.c_attn", "attn_z": "attn.c_proj",
+     "attn_out": "attn", "resid_mid": "ln_2", "mlp_post": "mlp.c_proj", "mlp_out": "mlp", "resid_pre": "ln_1",
+     "resid_post": "ln_1"},
+    residual_in_norms=False, embedding="wte", hidden_index=0, stack="transformer", layer_list="h",
+    final_norm="ln_f", norms=("ln_1", "ln_2"))
+
 _LAYOUTS = {
-    "gemma": _GEMMA, "gemma2": _GEMMA2, "gemma3_text": _GEMMA2, "gpt_oss": _GPT_OSS, "granite": _GRANITE,
+    "gemma": _GEMMA, "gemma2": _GEMMA2, "gemma3_text": _GEMMA2, "gpt2": _GPT2, "gpt_oss": _GPT_OSS,
+    "granite": _GRANITE,
     "llama": _LLAMA, "mistral": _LLAMA, "mixtral": _LLAMA, "olmoe": _LLAMA, "phi3": _LLAMA, "qwen2": _LLAMA,
     "qwen2_moe": _LLAMA, "qwen3": _LLAMA, "qwen3_moe": _LLAMA,
 }
@@ -166,8 +188,11 @@ def _arg0(args, kwargs, output):
     return args[0] if args else next(iter(kwargs.values()))
 
 
-def _qkv_part(attn, part: int):
-    q, kv = attn.q_size, attn.kv_size
+def _qkv_part(attn, qkv, part: int):
+    """The q, k or v columns of the fused projection's output: by the attention's own sizes, or
+    (GPT-2's attention keeps none) by the projection's heads on this rank."""
+    q = getattr(attn, "q_size", None) or qkv.num_heads * qkv.head_size
+    kv = getattr(attn, "kv_size", None) or qkv.num_kv_heads * qkv.head_size
     lo, hi = ((0, q), (q, q + kv), (q + kv, q + 2 * kv))[part]
 
     def extract(args, kwargs, output):
@@ -261,7 +286,7 @@ class VLLMArchitecture:
         if hook in STEP_HOOKS:
             return hook != "logits" or isinstance(getattr(self.model, "logits_processor", None), nn.Module)
         if hook in ("embed", "final_norm"):
-            return _get(self.base, self.layout.embedding if hook == "embed" else "norm") is not None
+            return _get(self.base, self.layout.embedding if hook == "embed" else self.layout.final_norm) is not None
         return all(_layer_has(layer, hook, self.layout) for layer in self.layers)
 
     def taps(self, selected: dict[str, tuple[int, ...]]) -> list[Tap]:
@@ -283,7 +308,7 @@ class VLLMArchitecture:
             elif hook == "embed":
                 add(_get(self.base, self.layout.embedding), "post", hook, GLOBAL_LAYER, _first_out)
             elif hook == "final_norm":
-                add(_get(self.base, "norm"), "post", hook, GLOBAL_LAYER, _first_out)
+                add(_get(self.base, self.layout.final_norm), "post", hook, GLOBAL_LAYER, _first_out)
             elif hook in self.layout.modules:
                 for layer in layers:
                     self._add_layer_hook(add, hook, layer, n)
@@ -304,11 +329,12 @@ class VLLMArchitecture:
         elif hook == "resid_pre":
             add(_get(block, "input_layernorm"), "post", hook, layer, _residual_out)
         elif hook == "resid_post":
-            module = _get(self.base, "norm") if layer == n - 1 else _get(self.layers[layer + 1], "input_layernorm")
+            module = (_get(self.base, self.layout.final_norm) if layer == n - 1
+                      else _get(self.layers[layer + 1], self.layout.norms[0]))
             add(module, "post", hook, layer, _residual_out)
         elif hook in ("attn_q", "attn_k", "attn_v"):
-            attn = _get(block, path.rsplit(".", 1)[0])
-            add(_get(block, path), "post", hook, layer, _qkv_part(attn, "qkv".index(hook[-1])))
+            qkv = _get(block, path)
+            add(qkv, "post", hook, layer, _qkv_part(_get(block, path.rsplit(".", 1)[0]), qkv, "qkv".index(hook[-1])))
         elif hook in ("attn_z", "mlp_post"):
             add(_get(block, path), "pre", hook, layer, _arg0)
         elif hook == "resid_mid":
@@ -322,18 +348,20 @@ class VLLMArchitecture:
 def resolve_vllm_architecture(model: nn.Module) -> VLLMArchitecture:
     """The layout of a vLLM ``*ForCausalLM`` of a type in :data:`VLLM_MODEL_TYPES`;
     :class:`AttachError` where its modules are not where that type's layout has them."""
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
     config = getattr(model, "config", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0 or config is None:
+    layout = _LAYOUTS.get(str(getattr(config, "model_type", "")))  # check_engine_config refused the others
+    base = getattr(model, layout.stack if layout else "model", None)
+    layers = getattr(base, layout.layer_list if layout else "layers", None)
+    if layout is None or not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        where = f".{layout.stack}.{layout.layer_list}" if layout else ".model.layers"
         raise AttachError(
-            f"vLLM model {type(model).__name__} has no decoder layer list at .model.layers; DMI's vLLM "
-            "capture supports the Llama family's layout (Llama, Mistral, Qwen2, Qwen3 and the like)"
+            f"vLLM model {type(model).__name__} has no decoder layer list at {where}; DMI's vLLM "
+            "capture supports the Llama family's layout (Llama, Mistral, Qwen2, Qwen3 and the like) and "
+            f"those of {', '.join(t for t in VLLM_MODEL_TYPES if _LAYOUTS[t] is not _LLAMA)}"
         )
-    model_type = str(config.model_type)  # one of VLLM_MODEL_TYPES: check_engine_config refused the others
-    layout, first = _LAYOUTS[model_type], layers[0]
-    missing = [p for p in ("input_layernorm", "post_attention_layernorm", layout.modules["attn_q"],
-                           layout.modules["attn_z"]) if _get(first, p) is None]
+    model_type, first = str(config.model_type), layers[0]
+    missing = [p for p in (*layout.norms, layout.modules["attn_q"], layout.modules["attn_z"])
+               if _get(first, p) is None]
     if missing:
         raise AttachError(
             f"vLLM model {type(model).__name__}: decoder layer {type(first).__name__} lacks {', '.join(missing)}; "

@@ -77,6 +77,7 @@ FAMILY_CONFIGS = {
     "granite": ("GraniteConfig", "GraniteForCausalLM",
                 dict(tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
                      logits_scaling=8.0, attention_multiplier=0.0078125)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(tie_word_embeddings=True)),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
                 dict(head_dim=64, tie_word_embeddings=False, sliding_window=32, num_local_experts=4,
                      num_experts_per_tok=2,
@@ -88,7 +89,8 @@ FAMILY_CONFIGS = {
 Gemma 2/3's window of 32 is shorter than :data:`PROMPTS`' long prompt, so it is used;
 Granite's multipliers are Granite 3's magnitudes, so each changes every value it touches;
 gpt-oss keeps its default layer types, sliding and full in turn, which is the order vLLM's
-class assumes, and YaRN over the 512 positions)."""
+class assumes, and YaRN over the 512 positions; GPT-2 has no grouped KV heads and its MLP's width is
+``n_inner``, so its config is given its own names for those)."""
 
 
 def tiny_family_dir(root, model_type: str, *, hidden: int = 128, heads: int = 2, kv_heads: int = 1,
@@ -101,10 +103,12 @@ def tiny_family_dir(root, model_type: str, *, hidden: int = 128, heads: int = 2,
 
     config_name, model_name, over = FAMILY_CONFIGS[model_type]
     tok = byte_tokenizer()
+    widths = (dict(n_inner=2 * hidden) if model_type == "gpt2"
+              else dict(intermediate_size=2 * hidden, num_key_value_heads=kv_heads))
     config = getattr(transformers, config_name)(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
-        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **over,
+        vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        max_position_embeddings=512, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, **widths, **over,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

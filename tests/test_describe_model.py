@@ -50,7 +50,7 @@ def test_it_says_which_model_types_vllm_capture_maps(tmp_path):
         if describe_model(str(tmp_path / kind)).as_dict()["vllm_capture"]:
             mapped.append(kind)
     assert mapped == ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma",
-                      "gemma2", "gemma3_text", "phi3", "gpt_oss", "granite"]
+                      "gemma2", "gemma3_text", "phi3", "gpt2", "gpt_oss", "granite"]
 
 
 # Hand-written configs in each family's own naming (values of the published models).

@@ -1,5 +1,5 @@
-"""Gemma, Gemma 2, Gemma 3 (text), Phi-3, Granite and gpt-oss under vLLM: captured, then audited against
-transformers.
+"""Gemma, Gemma 2, Gemma 3 (text), Phi-3, Granite, GPT-2 and gpt-oss under vLLM: captured, then audited
+against transformers.
 
 Marked ``vllm`` (see tests/test_vllm.py). One tiny model per type (``tests/_vllm.py``'s
 ``tiny_family_dir``: the tiny Llama's shapes, seed 0) is captured in one fresh process with
@@ -7,7 +7,8 @@ every hook vLLM offers; each capture is then audited in this process by ``store.
 re-running the requests through transformers on the same weights (eager attention: Gemma 2's
 soft-capped scores have no sdpa path there). The audit compares every hook, so a value taken
 from the wrong module fails it: Gemma 2's pre-norm block outputs, Gemma's unscaled
-embeddings, or Granite's block outputs before its ``residual_multiplier``.
+embeddings, Granite's block outputs before its ``residual_multiplier``, or GPT-2's embeddings
+with its position embeddings added.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dmi.capture import HOOKS  # noqa: E402
 from tests._vllm import (PROMPTS, capture_each_model, hf_model, run_child_in_a_fresh_process,  # noqa: E402
                          tiny_family_dir)
 
-TYPES = ("gpt_oss", "gemma", "gemma2", "gemma3_text", "phi3", "granite")  # the MoE first: vLLM makes its expert
+TYPES = ("gpt_oss", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "gpt2")  # the MoE first: vLLM makes its expert
 # parallel group once per process, with the first engine, and only for a mixture of experts
 ATOL = 2e-4  # as tests/test_vllm.py: above vLLM's CPU float32 noise, far below a missing term
 DENSE = ("token_ids", "embed", "resid_pre", "attn_q", "attn_k", "attn_v", "attn_z", "attn_out", "resid_mid",
@@ -69,11 +70,12 @@ def test_every_hook_vllm_offers_passes_the_audit(captured, model_type):
     assert {c.hook for c in report.checks} == set(OFFERED[model_type])
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "granite"])
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "granite", "gpt2"])
 def test_the_block_outputs_are_what_each_layer_adds(captured, model_type):
     """Gemma 2/3 norm each block's output before the residual add, and Granite multiplies it by
     ``residual_multiplier``: the stored ``attn_out`` and ``mlp_out`` are the normed (scaled)
-    outputs, so the residual stream sums them; the block's raw output would not."""
+    outputs, so the residual stream sums them; the block's raw output would not. GPT-2's blocks
+    add their outputs, biases included, themselves."""
     models, home, result = captured
     model_id = os.path.realpath(models[model_type])
     rids = result[model_type]["rids"]

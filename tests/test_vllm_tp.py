@@ -26,7 +26,7 @@ from tests._vllm import capture_in_a_fresh_process, hf_model, tiny_family_dir, t
 ATOL = 2e-4  # vLLM's CPU kernels against transformers' (tests/test_vllm.py); TP adds an all-reduce's order
 SHARDED = ("attn_q", "attn_k", "attn_v", "attn_z", "mlp_post")
 REPLICATED = ("attn_out", "mlp_out", "resid_pre", "resid_post")
-HOOKS = dict.fromkeys(("llama", "gemma2", "granite"), SHARDED + REPLICATED) | {
+HOOKS = dict.fromkeys(("llama", "gemma2", "granite", "gpt2"), SHARDED + REPLICATED) | {
     "gpt_oss": tuple(h for h in SHARDED if h != "mlp_post") + REPLICATED + ("router_logits", "router_topk")}
 """Per type, what two ranks capture: gpt-oss's fused experts have no ``mlp_post``; its router
 is replicated, so every rank holds the whole ``router_logits`` and ``router_topk``."""
@@ -36,8 +36,9 @@ TWO_RANKS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND":
 @pytest.mark.parametrize("model_type", list(HOOKS))
 def test_two_tensor_parallel_ranks_merge_into_the_unsharded_model(tmp_path, model_type):
     """Llama, Gemma 2 (its norms after each block, replicated on every rank; a window of 32),
-    Granite (its block outputs scaled after ``o_proj``'s all-reduce, on every rank) and gpt-oss
-    (its experts' intermediate split over the ranks, attention sinks per rank's heads)."""
+    Granite (its block outputs scaled after ``o_proj``'s all-reduce, on every rank), GPT-2 (its
+    fused ``c_attn`` split by heads, with its bias; no grouped KV heads) and gpt-oss (its
+    experts' intermediate split over the ranks, attention sinks per rank's heads)."""
     model_dir = tiny_family_dir(tmp_path, model_type, hidden=256, heads=4, kv_heads=2, layers=2)
     result = capture_in_a_fresh_process({
         "model": model_dir, "home": str(tmp_path / "home"), "hooks": ",".join(HOOKS[model_type]),
