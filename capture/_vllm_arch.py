@@ -1,4 +1,5 @@
-"""Where each hook lives in a model vLLM built (the Llama family's module layout, Gemma's, Granite's, gpt-oss').
+"""Where each hook lives in a model vLLM built: the Llama family's module layout, Gemma's,
+Granite's, gpt-oss', GPT-2's.
 
 vLLM runs its own model classes, not ``transformers``': tokens of every scheduled request are
 flattened into one ``[num_tokens, ...]`` axis, q/k/v come out of one fused projection, and a
