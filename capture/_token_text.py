@@ -10,8 +10,8 @@ new storage path and no record field:
 * ``prompt_text``: one record per request, beside the ``token_ids`` record of its prefill
   (or scoring forward): ``tokenizer.decode(prompt ids, skip_special_tokens=True)``.
 
-Payload: :mod:`dmi.storage._strings` (its format, :func:`encode_strings` and
-:func:`decode_strings`, without torch, so ``dmi show`` reads them back without loading it).
+Payload: ``storage/_strings.py`` (its format; ``dmi.storage.encode_strings`` and
+``decode_strings``, without torch, so ``dmi show`` reads them back without loading it).
 
 The work happens on the drain thread, never on the model's: ``attach`` turns the whole
 vocabulary into one UTF-8 table with a single batched ``convert_ids_to_tokens`` (so a
@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dmi.storage import _strings
-from dmi.storage._strings import MISSING, decode_strings
+from dmi import storage
+from dmi.storage import NO_STRING, decode_strings
 from dmi.storage.errors import InvalidArgumentError
 from dmi.storage.records import PROMPT_TEXT, TEXT_HOOKS, TOKEN_TEXT
 
@@ -65,7 +65,7 @@ class TokenStrings:
             raise InvalidArgumentError(f"tokenizer= gave a token that is not a string: {bad!r}")
         self.tokenizer = tokenizer
         encoded = [b"" if s is None else s.encode("utf-8") for s in strings]
-        self._lengths = np.array([MISSING if s is None else len(b) for s, b in zip(strings, encoded)], dtype=np.int64)
+        self._lengths = np.array([NO_STRING if s is None else len(b) for s, b in zip(strings, encoded)], dtype=np.int64)
         sizes = np.maximum(self._lengths, 0)
         self._starts = np.cumsum(sizes) - sizes
         self._blob = np.frombuffer(b"".join(encoded), dtype=np.uint8)
@@ -79,12 +79,12 @@ class TokenStrings:
         ids = ids.reshape(-1).numpy().astype(np.int64, copy=False)
         inside = (ids >= 0) & (ids < len(self))
         safe = np.where(inside, ids, 0)
-        lengths = np.where(inside, self._lengths[safe], MISSING)
+        lengths = np.where(inside, self._lengths[safe], NO_STRING)
         sizes = np.maximum(lengths, 0)
         ends = np.cumsum(sizes)
         # byte j of token i sits at starts[id] + j: repeat each token's (start - its output offset)
         shift = np.repeat(self._starts[safe] - (ends - sizes), sizes)
-        return torch.from_numpy(_strings.pack_strings(lengths, self._blob[shift + np.arange(len(shift))].tobytes()))
+        return torch.from_numpy(storage.pack_strings(lengths, self._blob[shift + np.arange(len(shift))].tobytes()))
 
     def prompt_record(self, ids: torch.Tensor) -> torch.Tensor:
         """The ``prompt_text`` payload: the prompt's ids decoded, special tokens skipped."""
@@ -105,7 +105,7 @@ def _id_count(tokenizer: Any) -> int:
 
 def encode_strings(strings: Sequence[str | None]) -> torch.Tensor:
     """``strings`` as one ``uint8`` payload (the format in the module docstring)."""
-    return torch.from_numpy(_strings.encode_strings(strings))
+    return torch.from_numpy(storage.encode_strings(strings))
 
 
 def with_token_ids(selection: Selection) -> Selection:

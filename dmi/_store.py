@@ -490,7 +490,7 @@ class Store:
 
     def _read_raw(self, entries: list[RecordEntry]) -> list[np.ndarray]:
         """The records' decoded bytes (``uint8``), checksums verified, without torch."""
-        from dmi.reader._raw import read_raw_records
+        from dmi.reader import read_raw_records
 
         return read_raw_records(self.packs, entries, cache=self._footers)
 

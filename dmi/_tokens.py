@@ -2,7 +2,7 @@
 
 Capture keeps them as records of their own when it knows the tokenizer (``token_text``
 beside each ``token_ids`` record, ``prompt_text`` once per request; the format is in
-``dmi.storage._strings``). Here they are read back, in token order, with the ids and the
+``storage/_strings.py``). Here they are read back, in token order, with the ids and the
 phase of every position, without torch: ``dmi show`` prints them in well under a second.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 
 from dmi._values import PhaseSpan, _AsDict, decode_start
 from dmi.storage.errors import PackCorruptError
-from dmi.storage._strings import decode_strings
+from dmi.storage import decode_strings
 from dmi.storage.records import PROMPT_TEXT, TOKEN_TEXT, RecordEntry
 
 __all__ = ["RequestTokens", "read_tokens", "display_token", "token_lines", "SHOWN_TOKENS", "SHOWN_PROMPT_CHARS"]
@@ -77,7 +77,7 @@ def read_tokens(entries: list[RecordEntry], read: Callable[[list[RecordEntry]], 
     """The tokens of one request from its ``token_ids``/``token_text``/``prompt_text``
     records (of one run); ``None`` when it holds no ``token_text`` (no tokenizer at capture).
     ``read`` gives the entries' payloads: tensors, or their decoded bytes (``uint8`` arrays,
-    :func:`dmi.reader._raw.read_raw_records`). Raises ``PackCorruptError`` when the strings do
+    :func:`dmi.reader.read_raw_records`). Raises ``PackCorruptError`` when the strings do
     not line up with the ids."""
     rank = min((e.meta.key.shard_rank for e in entries), default=0)  # tensor-parallel ranks hold copies
     by_hook: dict[str, list[RecordEntry]] = {}

@@ -1,31 +1,24 @@
 """``dmi.reader``: fetch records from packs and reassemble them into torch tensors.
 
-Every name is imported on first use (module ``__getattr__``), so the torch-free parts —
-:mod:`dmi.reader._raw` (records as checked NumPy bytes), the footer cache, the range
-planner — load without torch: ``dmi show`` reads a request's token strings that way.
+Its lower half imports no torch: :mod:`dmi.reader._raw` (records as checked NumPy bytes), the
+footer cache and the range planner, imported here. The tensor half (``_read``, ``_assemble``)
+loads torch, so its names are imported when first asked for (module ``__getattr__``):
+``dmi show`` reads a request's token strings without it.
 """
 
 import importlib as _importlib
 
-_LAZY = {
-    "read_record": "dmi.reader._read",
-    "read_records": "dmi.reader._read",
-    "read_by_key": "dmi.reader._read",
-    "check_records": "dmi.reader._read",
-    "find_record": "dmi.reader._raw",
-    "load_footer": "dmi.reader._raw",
-    "PackFooter": "dmi.reader._raw",
-    "plan_reads": "dmi.reader._ranges",
-    "PlannedRead": "dmi.reader._ranges",
-    "DEFAULT_MAX_GAP": "dmi.reader._ranges",
-    "FooterCache": "dmi.reader._footer_cache",
-    "CacheStats": "dmi.reader._footer_cache",
-    "assemble": "dmi.reader._assemble",
-}
+from dmi.reader._footer_cache import CacheStats, FooterCache
+from dmi.reader._ranges import DEFAULT_MAX_GAP, PlannedRead, plan_reads
+from dmi.reader._raw import PackFooter, find_record, load_footer, read_raw_records
+
+_TENSOR_HALF = {"read_record": "_read", "read_records": "_read", "read_by_key": "_read", "check_records": "_read",
+                "assemble": "_assemble"}
 
 __all__ = [
     "read_record",
     "read_records",
+    "read_raw_records",
     "read_by_key",
     "find_record",
     "load_footer",
@@ -41,12 +34,7 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name not in _LAZY:
+    module = _TENSOR_HALF.get(name)
+    if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return getattr(_importlib.import_module(f"{__name__}.{module}"), name)

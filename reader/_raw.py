@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dmi.storage import CodecError, PackInput, PackStore, checksum, decode, read_pack_index
-from dmi.storage._pack_format import dtype_itemsize
+from dmi.storage import CodecError, PackInput, PackStore, checksum, decode, dtype_itemsize, read_pack_index
 from dmi.storage.errors import DuplicateChunkError, PackCorruptError, PackTruncatedError, RecordNotFoundError
 from dmi.storage.records import PackDescriptor, RecordEntry, RecordKey
 from dmi.reader._footer_cache import FooterCache

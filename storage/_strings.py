@@ -16,9 +16,9 @@ import numpy as np
 
 from dmi.storage.errors import PackCorruptError
 
-__all__ = ["MISSING", "encode_strings", "pack_strings", "decode_strings"]
+__all__ = ["NO_STRING", "encode_strings", "pack_strings", "decode_strings"]
 
-MISSING = -1
+NO_STRING = -1
 """The byte length that stands for a string the tokenizer does not have (read back as ``None``)."""
 _INT32 = struct.Struct("<i")
 
@@ -26,7 +26,7 @@ _INT32 = struct.Struct("<i")
 def encode_strings(strings: Sequence[str | None]) -> np.ndarray:
     """``strings`` as one ``uint8`` payload (the format in the module docstring)."""
     encoded = [b"" if s is None else s.encode("utf-8") for s in strings]
-    lengths = np.array([MISSING if s is None else len(b) for s, b in zip(strings, encoded)], dtype=np.int64)
+    lengths = np.array([NO_STRING if s is None else len(b) for s, b in zip(strings, encoded)], dtype=np.int64)
     return pack_strings(lengths, b"".join(encoded))
 
 
@@ -49,7 +49,7 @@ def decode_strings(payload, where: str) -> tuple[str | None, ...]:
         offset = _INT32.size * (count + 1)
         strings: list[str | None] = []
         for length in lengths:
-            if length == MISSING:
+            if length == NO_STRING:
                 strings.append(None)
                 continue
             if length < 0 or offset + length > len(data):

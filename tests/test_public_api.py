@@ -47,7 +47,7 @@ CAPTURE_ALL = [
 STORAGE_ALL = [
     "PHASES", "GLOBAL_LAYER", "HOOK_ORDER", "TOKEN_TEXT", "PROMPT_TEXT", "TEXT_HOOKS", "RecordKey", "ShardGeometry", "RecordStats", "ByteRange", "RecordMeta", "RecordEntry",
     "PackDescriptor", "CODECS", "DEFAULT_CODEC", "LOSSY_CODECS", "CodecError", "checksum", "decode", "gather_rows", "FORMAT_NAME",
-    "FORMAT_VERSION", "dtype_name", "torch_dtype", "read_pack_descriptor", "read_pack_index", "verify_pack", "WholePack", "read_whole_pack", "check_whole_pack", "PackStore", "LocalPackStore", "FileSystemPackStore", "S3PackStore", "PackInput", "PackSink", "DIRECT_ALIGNMENT", "PackWriter",
+    "FORMAT_VERSION", "dtype_name", "torch_dtype", "dtype_itemsize", "encode_strings", "decode_strings", "pack_strings", "NO_STRING", "read_pack_descriptor", "read_pack_index", "verify_pack", "WholePack", "read_whole_pack", "check_whole_pack", "PackStore", "LocalPackStore", "FileSystemPackStore", "S3PackStore", "PackInput", "PackSink", "DIRECT_ALIGNMENT", "PackWriter",
     "DEFAULT_MAX_RECORDS", "DEFAULT_MAX_BYTES",
 ]
 
@@ -58,7 +58,8 @@ CATALOG_ALL = [
 ]
 
 READER_ALL = [
-    "read_record", "read_records", "read_by_key", "find_record", "load_footer", "check_records", "PackFooter", "plan_reads",
+    "read_record", "read_records", "read_raw_records", "read_by_key", "find_record", "load_footer", "check_records",
+    "PackFooter", "plan_reads",
     "PlannedRead", "DEFAULT_MAX_GAP", "FooterCache", "CacheStats", "assemble",
 ]
 
