@@ -41,7 +41,6 @@ __all__ = ["TOKEN_TEXT", "PROMPT_TEXT", "TEXT_HOOKS", "TokenStrings", "encode_st
            "with_token_ids"]
 
 
-
 class TokenStrings:
     """A tokenizer's string for each of its ids, as one UTF-8 table. An id past the
     tokenizer (a model vocabulary padded beyond it) has no string: ``None``, as

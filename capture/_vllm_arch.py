@@ -156,9 +156,8 @@ _GPT2 = _Layout(
 
 _LAYOUTS = {
     "gemma": _GEMMA, "gemma2": _GEMMA2, "gemma3_text": _GEMMA2, "gpt2": _GPT2, "gpt_oss": _GPT_OSS,
-    "granite": _GRANITE,
-    "llama": _LLAMA, "mistral": _LLAMA, "mixtral": _LLAMA, "olmoe": _LLAMA, "phi3": _LLAMA, "qwen2": _LLAMA,
-    "qwen2_moe": _LLAMA, "qwen3": _LLAMA, "qwen3_moe": _LLAMA,
+    "granite": _GRANITE, "llama": _LLAMA, "mistral": _LLAMA, "mixtral": _LLAMA, "olmoe": _LLAMA, "phi3": _LLAMA,
+    "qwen2": _LLAMA, "qwen2_moe": _LLAMA, "qwen3": _LLAMA, "qwen3_moe": _LLAMA,
 }
 
 VLLM_MODEL_TYPES = tuple(_LAYOUTS)
@@ -328,14 +327,14 @@ class VLLMArchitecture:
             factor = float(getattr(self.model.config, self.layout.block_scale))
             add(_get(block, path), "post", hook, layer, _scaled(_first_out, factor))
         elif hook == "resid_pre":
-            add(_get(block, "input_layernorm"), "post", hook, layer, _residual_out)
+            add(_get(block, self.layout.norms[0]), "post", hook, layer, _residual_out)
         elif hook == "resid_post":
             module = (_get(self.base, self.layout.final_norm) if layer == n - 1
                       else _get(self.layers[layer + 1], self.layout.norms[0]))
             add(module, "post", hook, layer, _residual_out)
         elif hook in ("attn_q", "attn_k", "attn_v"):
-            qkv = _get(block, path)
-            add(qkv, "post", hook, layer, _qkv_part(_get(block, path.rsplit(".", 1)[0]), qkv, "qkv".index(hook[-1])))
+            qkv, attn = _get(block, path), _get(block, path.rsplit(".", 1)[0])
+            add(qkv, "post", hook, layer, _qkv_part(attn, qkv, "qkv".index(hook[-1])))
         elif hook in ("attn_z", "mlp_post"):
             add(_get(block, path), "pre", hook, layer, _arg0)
         elif hook == "resid_mid":

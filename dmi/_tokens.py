@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from dmi._values import PhaseSpan, _AsDict, decode_start
-from dmi.storage.errors import PackCorruptError
 from dmi.storage import decode_strings
+from dmi.storage.errors import PackCorruptError
 from dmi.storage.records import PROMPT_TEXT, TOKEN_TEXT, RecordEntry
 
 __all__ = ["RequestTokens", "read_tokens", "display_token", "token_lines", "SHOWN_TOKENS", "SHOWN_PROMPT_CHARS"]

@@ -74,7 +74,7 @@ def test_listing_a_models_requests_imports_no_torch(captured_home):
 
 def test_showing_a_request_reads_its_tokens_without_torch(captured_home):
     """``dmi show`` prints the request's prompt and token strings, read from its packs as checked
-    bytes (``dmi.reader._raw``), and its hooks, with no torch loaded."""
+    bytes (``dmi.reader.read_raw_records``), and its hooks, with no torch loaded."""
     import dmi
 
     with dmi.open(home=captured_home) as store:
