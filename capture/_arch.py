@@ -53,12 +53,15 @@ Extractor = Callable[[tuple, dict, Any], torch.Tensor | None]
 
 @dataclass(slots=True)
 class Emission:
-    """One catalogue hook produced by a tap."""
+    """One catalogue hook produced by a tap. ``fresh``: its extractor returns a tensor it made
+    itself (a product taken on the model's thread), which the model neither holds nor writes
+    over later, so it needs no protective copy."""
 
     hook: str
     layer: int
     extract: Extractor
     layout: str = "bt"
+    fresh: bool = False
 
 
 @dataclass(slots=True)

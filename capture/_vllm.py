@@ -382,7 +382,7 @@ class VLLMCaptureSession(CaptureSession):
                 x = None
                 if self._failure is None:  # stopped: nothing read, nothing copied
                     x = em.extract(args, kwargs, output)
-                    if x is not None and x.device.type == "cuda" and em.hook in MUTATED_IN_PLACE:
+                    if x is not None and x.device.type == "cuda" and em.hook in MUTATED_IN_PLACE and not em.fresh:
                         x = x.clone()  # vLLM writes over this buffer in place before a side-stream copy could read it
                 for plan in step.token_plans:
                     emit(em.hook, em.layer, x, plan)

@@ -86,7 +86,8 @@ MUTATED_IN_PLACE = frozenset({"embed", "resid_pre", "resid_mid", "resid_post", "
                               "mlp_out"})
 """Hooks whose tensor vLLM overwrites in place later in the step: the residual and the blocks'
 outputs (the next fused add + RMSNorm; the embeddings are layer 0's residual), q and k (the
-rotary embedding's in-place kernel)."""
+rotary embedding's in-place kernel). An emission marked ``fresh`` is not copied whatever its
+hook: Granite's ``attn_out``/``mlp_out`` are products the tap computes itself."""
 
 STEP_HOOKS = frozenset({"token_ids", "logits"})
 """Hooks the session emits itself (from the step's ``input_ids`` and the logits processor)."""
@@ -293,11 +294,11 @@ class VLLMArchitecture:
         """One :class:`Tap` per (module, pre/post) that serves the selected hooks."""
         taps: dict[tuple[int, str], Tap] = {}
 
-        def add(module: nn.Module | None, kind: str, hook: str, layer: int, extract) -> None:
+        def add(module: nn.Module | None, kind: str, hook: str, layer: int, extract, fresh: bool = False) -> None:
             if module is None:
                 raise AttachError(f"vLLM model {type(self.model).__name__} has no module for {hook} (layer {layer})")
             tap = taps.setdefault((id(module), kind), Tap(module, kind))
-            tap.emissions.append(Emission(hook, layer, extract, "flat"))
+            tap.emissions.append(Emission(hook, layer, extract, "flat", fresh))
 
         n = self.n_layers
         for hook, layers in selected.items():
@@ -325,7 +326,7 @@ class VLLMArchitecture:
             add(_get(block, path), "pre", hook, layer, _arg0)
         elif hook in ("attn_out", "mlp_out") and self.layout.block_scale:
             factor = float(getattr(self.model.config, self.layout.block_scale))
-            add(_get(block, path), "post", hook, layer, _scaled(_first_out, factor))
+            add(_get(block, path), "post", hook, layer, _scaled(_first_out, factor), fresh=True)
         elif hook == "resid_pre":
             add(_get(block, self.layout.norms[0]), "post", hook, layer, _residual_out)
         elif hook == "resid_post":

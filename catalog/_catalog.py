@@ -900,7 +900,7 @@ class Catalog:
         if cached is not None and cached[0] == version:
             return cached[1], cached[2]
         ids = self._backend.query(_schema.PUBLISHED_PACK_IDS.format(**self._tables), {}).column("pack_id")
-        visible = pa.array(ids.to_pylist(), type=pa.string())
+        visible = _schema.string_array(ids)
         hidden = _deletion.hidden_record_keys(self)
         self._visible_packs = (version, visible, hidden)
         return visible, hidden

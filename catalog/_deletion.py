@@ -204,7 +204,7 @@ def purge(catalog, store) -> list[str]:
 def hidden_record_keys(catalog) -> pa.Array:
     """The :func:`record_keys` of every record a tombstone hides, for point-query filtering."""
     keys = sorted(_KEY_SEPARATOR.join(triple) for triple in _deleted_triples(catalog))
-    return pa.array(keys, type=pa.string())
+    return _schema.string_array(keys)
 
 
 def record_keys(table: pa.Table) -> pa.Array:

@@ -273,3 +273,14 @@ def entries_from_table(table: pa.Table) -> list[RecordEntry]:
     """Turn rows in RECORD_SCHEMA (any column order, extra columns ignored) into RecordEntry."""
     cols = {name: table.column(name).to_pylist() for name in RECORD_COLUMNS}
     return entries_from_columns(cols, cols["pack_id"])
+
+
+def string_array(values: pa.ChunkedArray | Sequence[str]) -> pa.Array:
+    """``values`` (a column of strings a query returned, or a list of ``str``) as one string
+    array. Built from the column's own chunks, or for an empty list as an empty array, never by
+    ``pa.array(list)``: that imports pandas where it is installed, which every process's first
+    read (``find_records``) would otherwise pay (``dmi show``'s 0.18 s, docs/cli.md)."""
+    if isinstance(values, pa.ChunkedArray):
+        column = pa.concat_arrays(values.chunks) if values.num_chunks else pa.nulls(0, values.type)
+        return column if column.type == pa.string() else column.cast(pa.string())
+    return pa.array(values, type=pa.string()) if values else pa.nulls(0, pa.string())

@@ -261,6 +261,6 @@ def test_a_model_type_whose_layers_compute_otherwise_is_refused(tmp_path):
         check_engine_config(_engine_config(tmp_path))
     assert str(info.value) == (
         "this vLLM engine runs a model of type 'gpt_neox'; DMI's vLLM capture maps the layers of gemma, gemma2, "
-        "gemma3_text, gpt_oss, granite, llama, mistral, mixtral, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe "
+        "gemma3_text, gpt2, gpt_oss, granite, llama, mistral, mixtral, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe "
         "only (another layout, such as GPT-NeoX's parallel residual, would be stored as the wrong values). Capture "
         "this model through transformers (dmi.capture, or dmi capture --model DIR)")
