@@ -1,7 +1,7 @@
 """Fetching records as torch tensors: :mod:`dmi.reader._raw`'s checked bytes, viewed.
 
 :func:`read_record` does one range read; :func:`read_records` executes :func:`plan_reads`
-(one read per planned range, straight into a torch-owned buffer) and decodes every member.
+(one read per planned range, straight into one buffer) and decodes every member.
 ``raw`` records come back as views of that buffer — no copy — so keeping one alive keeps
 its whole read range alive. With a :class:`FooterCache`, each entry is also checked against
 its pack's own index first (:mod:`dmi.reader._raw`).
@@ -18,17 +18,9 @@ from dmi.storage import PackStore, torch_dtype
 from dmi.storage.records import PackDescriptor, RecordEntry, RecordKey
 from dmi.reader._footer_cache import FooterCache
 from dmi.reader._ranges import DEFAULT_MAX_GAP
-from dmi.reader._raw import (
-    PackFooter,
-    check_raw_records,
-    find_in_footer,
-    find_record,
-    load_footer,
-    read_raw_record,
-    read_raw_records,
-)
+from dmi.reader._raw import check_raw_records, find_in_footer, load_footer, read_raw_record, read_raw_records
 
-__all__ = ["PackFooter", "read_record", "read_records", "load_footer", "find_record", "read_by_key", "check_records"]
+__all__ = ["read_record", "read_records", "read_by_key", "check_records"]
 
 
 def read_by_key(store: PackStore, pack_id: str, key: RecordKey, *, cache: FooterCache | None = None) -> torch.Tensor:
@@ -40,10 +32,7 @@ def read_by_key(store: PackStore, pack_id: str, key: RecordKey, *, cache: Footer
 
 def read_record(store: PackStore, entry: RecordEntry, *, cache: FooterCache | None = None) -> torch.Tensor:
     """One record with one range read; checksum verified before decoding."""
-    if cache is not None:
-        return read_records(store, [entry], cache=cache)[0]
-    with store.open_input(entry.pack_id) as source:
-        return as_tensor(entry, read_raw_record(source, entry))
+    return read_records(store, [entry], cache=cache)[0]
 
 
 def read_records(
@@ -57,11 +46,10 @@ def read_records(
 ) -> list[torch.Tensor]:
     """Tensors for ``entries`` (same order), reading exactly ``plan_reads(entries, max_gap=)``
     (:func:`dmi.reader._raw.read_raw_records`, whose arguments these are; ``memory(nbytes)``
-    gives ``uint8`` tensors here, default new ``torch.empty`` buffers)."""
-    memory = memory or _new_bytes
+    gives ``uint8`` tensors here, default new NumPy buffers the tensors then view)."""
     entries = list(entries)
-    raws = read_raw_records(store, entries, max_gap=max_gap, cache=cache, memory=lambda n: memory(n).numpy(),
-                            direct=direct)
+    lent = None if memory is None else (lambda nbytes: memory(nbytes).numpy())
+    raws = read_raw_records(store, entries, max_gap=max_gap, cache=cache, memory=lent, direct=direct)
     return [as_tensor(e, raw) for e, raw in zip(entries, raws)]
 
 
@@ -81,7 +69,3 @@ def as_tensor(entry: RecordEntry, raw: np.ndarray) -> torch.Tensor:
     if not raw.size:  # NumPy may give an empty array any stride; torch views only unit strides
         return torch.empty(entry.meta.shape, dtype=dtype)
     return torch.from_numpy(raw).view(dtype).reshape(entry.meta.shape)
-
-
-def _new_bytes(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8)
