@@ -208,9 +208,11 @@ def hidden_record_keys(catalog) -> pa.Array:
 
 
 def record_keys(table: pa.Table) -> pa.Array:
-    """One text key per row of a records table: its pack, model and run joined."""
+    """One text key per row of a records table: its pack, model and run joined. (The separator
+    goes in as an Arrow scalar: pyarrow makes a Python ``str`` one by importing pandas.)"""
+    separator = _schema.string_array([_KEY_SEPARATOR])[0]
     joined = pc.binary_join_element_wise(
-        table.column("pack_id"), table.column("model_id"), table.column("run_id"), _KEY_SEPARATOR
+        table.column("pack_id"), table.column("model_id"), table.column("run_id"), separator
     )
     return joined.combine_chunks() if isinstance(joined, pa.ChunkedArray) else joined
 

@@ -58,10 +58,14 @@ def test_listing_commands_import_no_torch(tmp_path, command):
 def captured_home(tmp_path_factory):
     """A home holding one request of ``tiny-llama`` captured by ``dmi capture`` (with its tokenizer)."""
     home = tmp_path_factory.mktemp("home")
+    capture_tiny_llama(home)
+    return home
+
+
+def capture_tiny_llama(home) -> None:
     subprocess.run([sys.executable, "-m", "dmi.cli", "capture", "--model", "tiny-llama", "--prompt", "a b",
                     "--max-new-tokens", "1", "--hooks", "resid_post,embed", "--home", str(home), "-q"],
                    check=True, capture_output=True, timeout=300)
-    return home
 
 
 def test_listing_a_models_requests_imports_no_torch(captured_home):
@@ -87,3 +91,21 @@ def test_showing_a_request_reads_its_tokens_without_torch(captured_home):
     assert "prompt text: 'a b'" in printed
     assert " ".join(f"'{t}'" for t in tokens.tokens[:2]) in printed
     assert "resid_post" in printed and "embed" in printed
+
+
+def test_showing_a_request_beside_a_deleted_run_loads_no_pandas(tmp_path):
+    """With a run deleted, the point query also filters out the keys of the records it hid
+    (``hidden_record_keys``): a list of strings, turned into an Arrow array without pandas
+    (``dmi.catalog._schema.string_array``), and the kept request still shows."""
+    import dmi
+
+    home = tmp_path / "home"
+    capture_tiny_llama(home)
+    capture_tiny_llama(home)
+    with dmi.open(home=home) as store:
+        kept, dropped = store.requests("tiny-llama")  # oldest run first
+        store.delete("tiny-llama", dropped.run_id)
+        assert [r.request_id for r in store.requests("tiny-llama")] == [kept.request_id]
+    loaded, printed = run_probe(["show", "tiny-llama", kept.request_id, "--home", str(home)])
+    assert not loaded & {*HEAVY, "pandas"}, loaded & {*HEAVY, "pandas"}
+    assert "prompt text: 'a b'" in printed
