@@ -76,6 +76,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import inspect
 import math
 import mmap
 import os
@@ -182,8 +183,13 @@ def write_safetensors(root: str, args, dtype: torch.dtype) -> None:
 def dmi_batches(store: dmi.Store, args, dtype: torch.dtype, shuffle: bool, workers: int = 0,
                 direct_io: bool | None = None, opener=None):
     """(loader, its iterator); ``direct_io``: ``None`` leaves the loader's default; ``opener``: a
-    revision's ``open_loader`` (``loader_at``) instead of today's."""
-    open_loader = store.loader if opener is None else functools.partial(opener, store.catalog, store.packs)
+    revision's ``open_loader`` (``loader_at``) instead of today's, given the store's model check
+    where that revision takes one (since ea21442)."""
+    if opener is None:
+        open_loader = store.loader
+    else:
+        checks = {"require_model": store._require_model} if "require_model" in inspect.signature(opener).parameters else {}
+        open_loader = functools.partial(opener, store.catalog, store.packs, **checks)
     chosen = {} if direct_io is None else {"direct_io": direct_io}
     loader = open_loader("bench", hooks="resid_post", layers=[0], batch_size=args.batch, dtype=dtype,
                           shuffle=shuffle, shuffle_buffer=args.shuffle_buffer,
