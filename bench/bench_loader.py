@@ -188,7 +188,8 @@ def dmi_batches(store: dmi.Store, args, dtype: torch.dtype, shuffle: bool, worke
     if opener is None:
         open_loader = store.loader
     else:
-        checks = {"require_model": store._require_model} if "require_model" in inspect.signature(opener).parameters else {}
+        takes_check = "require_model" in inspect.signature(opener).parameters
+        checks = {"require_model": store._require_model} if takes_check else {}
         open_loader = functools.partial(opener, store.catalog, store.packs, **checks)
     chosen = {} if direct_io is None else {"direct_io": direct_io}
     loader = open_loader("bench", hooks="resid_post", layers=[0], batch_size=args.batch, dtype=dtype,

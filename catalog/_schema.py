@@ -287,6 +287,6 @@ def string_array(values: pa.ChunkedArray | Sequence[str]) -> pa.Array:
         return column if column.type == pa.string() else column.cast(pa.string())
     encoded = [value.encode() for value in values]
     offsets = np.zeros(len(encoded) + 1, np.int64)
-    np.cumsum([len(b) for b in encoded], out=offsets[1:])
+    np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded)), out=offsets[1:])
     column = pa.LargeStringArray.from_buffers(len(encoded), pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded)))
     return column.cast(pa.string())
