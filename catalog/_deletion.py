@@ -52,6 +52,10 @@ __all__ = ["Deletion", "delete_runs", "deletions", "deleted_pack_ids", "purge", 
 _KEY_SEPARATOR = "\x1f"
 """Joins a record's pack, model and run into one key; ids never hold control characters."""
 
+_KEY_SEPARATOR_SCALAR = _schema.string_array([_KEY_SEPARATOR])[0]
+"""The separator as the Arrow scalar :func:`record_keys` joins with: pyarrow turns a Python
+``str`` into one by importing pandas."""
+
 
 @dataclass(frozen=True, slots=True)
 class Deletion:
@@ -208,11 +212,9 @@ def hidden_record_keys(catalog) -> pa.Array:
 
 
 def record_keys(table: pa.Table) -> pa.Array:
-    """One text key per row of a records table: its pack, model and run joined. (The separator
-    goes in as an Arrow scalar: pyarrow makes a Python ``str`` one by importing pandas.)"""
-    separator = _schema.string_array([_KEY_SEPARATOR])[0]
+    """One text key per row of a records table: its pack, model and run joined."""
     joined = pc.binary_join_element_wise(
-        table.column("pack_id"), table.column("model_id"), table.column("run_id"), separator
+        table.column("pack_id"), table.column("model_id"), table.column("run_id"), _KEY_SEPARATOR_SCALAR
     )
     return joined.combine_chunks() if isinstance(joined, pa.ChunkedArray) else joined
 
